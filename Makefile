@@ -1,0 +1,45 @@
+# Two commands for a fresh machine: `make demo` and `make test`. Both create .venv.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast lint typecheck install install-dev clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Re-install only when pyproject.toml changes; torch==2.13.0 resolves to the local CPU build.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(PIP) install -e .
+	@touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PIP) install -e '.[dev]'
+	@touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+demo: install
+	$(BIN)/srl demo
+
+# The whole suite (slow end-to-end tests included). `make test-fast` deselects the slow ones.
+test: install-dev
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/python -m pytest --slow $(PYTEST_ARGS)
+
+test-fast: install-dev
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: install-dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install-dev
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .srl

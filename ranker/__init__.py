@@ -1,0 +1,2 @@
+"""The output-length ranker: features, model, online training, evaluation, and the dispatch
+and ordering algorithms that use its predictions."""

@@ -1,0 +1,224 @@
+"""Typed records for the four message kinds, and the packing of token arrays.
+
+Each record is a frozen dataclass mirroring its ``.avsc`` file field for field; the field
+comments there say what each value and each null means. Conversion is explicit:
+``rec.to_dict()`` / ``Cls.from_dict(d)``, and ``encode(rec)`` / ``decode(data)`` go through
+the process-wide :class:`~schemas.codec.Codec` (or one you pass).
+
+Token ids travel as packed little-endian int32 and log-probs as little-endian float32
+(``pack_tokens`` / ``unpack_tokens`` / ``pack_logprobs`` / ``unpack_logprobs``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+
+from schemas.codec import Codec, SchemaError
+
+T = TypeVar("T", bound="Record")
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def pack_tokens(ids: Sequence[int] | np.ndarray) -> bytes:
+    return np.asarray(ids, dtype=_I32).tobytes()
+
+
+def unpack_tokens(data: bytes) -> np.ndarray:
+    if len(data) % 4:
+        raise SchemaError(f"packed int32 tokens: {len(data)} bytes is not a multiple of 4")
+    return np.frombuffer(data, dtype=_I32)
+
+
+def pack_logprobs(values: Sequence[float] | np.ndarray) -> bytes:
+    return np.asarray(values, dtype=_F32).tobytes()
+
+
+def unpack_logprobs(data: bytes) -> np.ndarray:
+    if len(data) % 4:
+        raise SchemaError(f"packed float32 logprobs: {len(data)} bytes is not a multiple of 4")
+    return np.frombuffer(data, dtype=_F32)
+
+
+class Record:
+    """Base of the typed records: dict conversion and the Avro name."""
+
+    avro_name: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    @classmethod
+    def from_dict(cls: type[T], d: dict[str, Any]) -> T:
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, Record):
+        return value.to_dict()
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePrefix(Record):
+    avro_name: ClassVar[str] = "srl.ResumePrefix"
+    trajectory_id: str
+    sample_index: int
+    next_seq: int
+    tokens: bytes
+    min_version: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTask(Record):
+    avro_name: ClassVar[str] = "srl.PromptTask"
+    task_id: str
+    prompt_id: str
+    prompt: str
+    group_size: int
+    max_new_tokens: int
+    bucket: str
+    created_ms: int = field(default_factory=now_ms)
+    prompt_tokens: bytes | None = None
+    sample_indices: tuple[int, ...] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    predicted_length: int | None = None
+    ranker_version: int | None = None
+    metadata: str | None = None
+    resume: ResumePrefix | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PromptTask:
+        d = dict(d)
+        if d.get("resume") is not None:
+            d["resume"] = ResumePrefix.from_dict(d["resume"])
+        if d.get("sample_indices") is not None:
+            d["sample_indices"] = tuple(d["sample_indices"])
+        return super(PromptTask, cls).from_dict(d)
+
+    def samples(self) -> tuple[int, ...]:
+        """Sample indices this task asks for."""
+        if self.resume is not None:
+            return (self.resume.sample_index,)
+        if self.sample_indices is not None:
+            return self.sample_indices
+        return tuple(range(self.group_size))
+
+
+@dataclass(frozen=True, slots=True)
+class TrajectoryChunk(Record):
+    avro_name: ClassVar[str] = "srl.TrajectoryChunk"
+    trajectory_id: str
+    prompt_id: str
+    task_id: str
+    sample_index: int
+    group_size: int
+    seq: int
+    token_offset: int
+    tokens: bytes
+    logprobs: bytes
+    policy_version: int
+    is_last: bool
+    worker_id: str
+    bucket: str
+    started_ms: int
+    created_ms: int = field(default_factory=now_ms)
+    finish_reason: str | None = None
+    predicted_length: int | None = None
+    prompt_tokens: bytes | None = None
+    metadata: str | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens) // 4
+
+    def token_ids(self) -> np.ndarray:
+        return unpack_tokens(self.tokens)
+
+    def logprob_values(self) -> np.ndarray:
+        return unpack_logprobs(self.logprobs)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsAnnouncement(Record):
+    avro_name: ClassVar[str] = "srl.WeightsAnnouncement"
+    run: str
+    version: int
+    manifest_uri: str
+    manifest_sha256: str
+    trainer_step: int
+    total_bytes: int
+    parent_version: int | None = None
+    created_ms: int = field(default_factory=now_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricEvent(Record):
+    avro_name: ClassVar[str] = "srl.MetricEvent"
+    kind: str
+    source: str
+    run: str
+    values: dict[str, float] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    step: int | None = None
+    ts_ms: int = field(default_factory=now_ms)
+
+
+RECORD_TYPES: dict[str, type[Record]] = {
+    cls.avro_name: cls for cls in (PromptTask, TrajectoryChunk, WeightsAnnouncement, MetricEvent)
+}
+
+_default_codec: Codec | None = None
+
+
+def default_codec() -> Codec:
+    """The process-wide codec over the project's schema files (built on first use)."""
+    global _default_codec
+    if _default_codec is None:
+        _default_codec = Codec()
+    return _default_codec
+
+
+def set_default_codec(codec: Codec) -> None:
+    """Install a codec (e.g. one with a schema registry) for ``encode``/``decode``."""
+    global _default_codec
+    _default_codec = codec
+
+
+def encode(record: Record, codec: Codec | None = None) -> bytes:
+    return (codec or default_codec()).encode(record.avro_name, record.to_dict())
+
+
+def decode(data: bytes, expect: type[T] | None = None, codec: Codec | None = None) -> Record:
+    """The typed record in ``data``; SchemaError for anything malformed or unexpected."""
+    name, d = (codec or default_codec()).decode(data, expect.avro_name if expect else None)
+    cls = RECORD_TYPES.get(name)
+    if cls is None:
+        raise SchemaError(f"no record type for {name}")
+    try:
+        return cls.from_dict(d)
+    except TypeError as e:
+        raise SchemaError(f"{name}: {e}") from None
+
+
+def decode_as(data: bytes, cls: type[T], codec: Codec | None = None) -> T:
+    """Like ``decode`` but requires, and is typed as, record class ``cls``."""
+    record = decode(data, cls, codec)
+    assert isinstance(record, cls)
+    return record

@@ -1,0 +1,173 @@
+"""``srl``: the umbrella CLI (broker, topics, demo …).
+
+Each command turns its options into a config and calls one function; heavy modules are
+imported inside the command so that ``srl --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from srl.cli_common import common_options, config_from, echo_json, run_main, setup_logging
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+@click.version_option(package_name="srl")
+def cli(verbose: int) -> None:
+    """srl: streaming RL post-training for LLMs.
+
+    Generator workers and trainers are separate processes joined only by Kafka and an object
+    store. Start here: `srl broker start`, then `srl demo`; see README.md.
+    """
+    setup_logging(verbose)
+
+
+# -- broker -------------------------------------------------------------------------------
+@cli.group()
+def broker() -> None:
+    """Run the embedded Kafka-protocol broker on 127.0.0.1 (no Docker needed)."""
+
+
+def _data_dir_option(f: Any) -> Any:
+    return click.option(
+        "--data-dir", type=click.Path(file_okay=False, path_type=Path), default=Path(".srl/broker"),
+        show_default=True, help="Where the broker keeps its data, log and pid file.",
+    )(f)  # fmt: skip
+
+
+@broker.command("start")
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=9092,
+    show_default=True,
+    help="Port on 127.0.0.1.",
+)
+@_data_dir_option
+def broker_start(port: int, data_dir: Path) -> None:
+    """Start the broker in the background and wait until it answers."""
+    from srl import broker as b
+
+    info = b.start(port, data_dir)
+    click.echo(f"broker running: pid {info.pid}, bootstrap {info.bootstrap}, data {info.data_dir}")
+
+
+@broker.command("stop")
+@_data_dir_option
+def broker_stop(data_dir: Path) -> None:
+    """Stop the broker started from DATA_DIR (its data stays)."""
+    from srl import broker as b
+
+    click.echo("broker stopped" if b.stop(data_dir) else "no broker was running")
+
+
+@broker.command("status")
+@_data_dir_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def broker_status(data_dir: Path, as_json: bool) -> None:
+    """Say whether the broker runs, where, and whether it answers. Exit 1 if it does not run."""
+    from srl import broker as b
+
+    st = b.status(data_dir)
+    if as_json:
+        echo_json(st)
+    elif st["running"]:
+        click.echo(
+            f"running: pid {st['pid']}, bootstrap {st['bootstrap']}, answering {st['answering']}"
+        )
+    else:
+        click.echo(f"not running (data dir {st['data_dir']})")
+    if not st["running"]:
+        raise click.exceptions.Exit(1)
+
+
+# -- topics -------------------------------------------------------------------------------
+@cli.group()
+def topics() -> None:
+    """Create and inspect the srl topics ({prefix}.prompts.{bucket}, .trajectories, …)."""
+
+
+@topics.command("create")
+@common_options
+def topics_create(**kw: Any) -> None:
+    """Create every missing srl topic for the configured prefix and buckets."""
+    from srl.config import CommonConfig
+    from srl.kafka import create_topics
+    from srl.topics import Layout
+
+    cfg = config_from(CommonConfig, kw)
+    created = set(create_topics(cfg))
+    for spec in Layout.from_config(cfg).specs():
+        state = "created" if spec.name in created else "exists"
+        click.echo(f"{spec.name:40s} {spec.partitions:3d} partitions  {state}")
+
+
+@topics.command("describe")
+@common_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def topics_describe(as_json: bool, **kw: Any) -> None:
+    """Partitions with their low and high watermarks (and bucket, for trajectories)."""
+    from srl.config import CommonConfig
+    from srl.kafka import wait_for_broker, watermarks
+    from srl.topics import Layout
+
+    cfg = config_from(CommonConfig, kw)
+    layout = Layout.from_config(cfg)
+    md = wait_for_broker(cfg)
+    names = sorted(t for t in md.topics if t.startswith(f"{layout.prefix}."))
+    rows: list[dict[str, Any]] = []
+    for (topic, part), (low, high) in sorted(watermarks(cfg, names).items()):
+        bucket = layout.bucket_of_partition(part) if topic == layout.trajectories else None
+        rows.append({"topic": topic, "partition": part, "bucket": bucket, "low": low, "high": high,
+                     "messages": high - low})  # fmt: skip
+    if as_json:
+        echo_json({"bootstrap": cfg.bootstrap_servers, "partitions": rows})
+        return
+    if not rows:
+        click.echo(
+            f"no topics with prefix {layout.prefix!r} at {cfg.bootstrap_servers}; run `srl topics create`"
+        )
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("TOPIC", "PARTITION", "BUCKET", "LOW", "HIGH", "MESSAGES", box=None)
+    for r in rows:
+        table.add_row(
+            r["topic"],
+            str(r["partition"]),
+            r["bucket"] or "-",
+            str(r["low"]),
+            str(r["high"]),
+            str(r["messages"]),
+        )
+    Console().print(table)
+
+
+# -- demo ---------------------------------------------------------------------------------
+@cli.command()
+@common_options
+@click.option("--trajectories", type=click.IntRange(1, 100_000), default=200, show_default=True,
+              help="Synthetic trajectories to stream through the broker.")  # fmt: skip
+def demo(trajectories: int, **kw: Any) -> None:
+    """End-to-end smoke on the embedded broker (the full RL demo replaces it).
+
+    Starts a broker on a free port unless --bootstrap is given, streams synthetic trajectories
+    chunk by chunk through the real codec and topics, consumes them in a group, reassembles
+    them, and checks that none is lost or duplicated.
+    """
+    from srl.config import CommonConfig
+    from srl.smoke import run_smoke
+
+    cfg = config_from(CommonConfig, kw)
+    external = (
+        kw.get("bootstrap") is not None or "SRL_BOOTSTRAP_SERVERS" in __import__("os").environ
+    )
+    run_smoke(cfg, trajectories, external=external)
+
+
+main = run_main(cli, "srl")

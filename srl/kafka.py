@@ -1,0 +1,323 @@
+"""Kafka client factory, a disciplined producer wrapper, and topic administration.
+
+Owns every librdkafka setting srl uses, in one place:
+
+* producers are idempotent with ``acks=all``, lz4 by default (zstd for long links), a
+  configurable linger, and bounded delivery timeouts so a dead broker is an error, not a hang;
+* consumers store offsets manually (``enable.auto.offset.store=false``), never auto-commit,
+  and use the cooperative-sticky assignor so pools can grow and shrink without stop-the-world;
+* ``cfg.kafka`` (``-X key=value``) is applied last and can override anything.
+
+``Producer`` follows the producer discipline: ``poll(0)`` after each produce, poll-and-retry
+on ``BufferError``, delivery failures counted and surfaced, flush on exit of a ``with`` block.
+Called by every role; confluent_kafka is imported here and nowhere above it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import confluent_kafka
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from srl.config import CommonConfig
+from srl.errors import BrokerUnavailable, SrlError
+from srl.topics import Layout, TopicSpec
+
+log = logging.getLogger("srl.kafka")
+# librdkafka's own log lines (connection refused, retries) go here, not to stderr.
+_rdkafka_log = logging.getLogger("srl.librdkafka")
+_rdkafka_log.setLevel(logging.DEBUG if os.environ.get("SRL_KAFKA_DEBUG") else logging.CRITICAL)
+
+DeliveryCallback = Callable[[KafkaError | None, Any], None]
+
+
+def client_id(role: str) -> str:
+    return f"srl-{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def base_settings(cfg: CommonConfig, role: str = "client") -> dict[str, Any]:
+    return {
+        "bootstrap.servers": cfg.bootstrap_servers,
+        "client.id": client_id(role),
+        "logger": _rdkafka_log,
+        "socket.connection.setup.timeout.ms": int(cfg.connect_timeout_s * 1000),
+    }
+
+
+def producer_settings(
+    cfg: CommonConfig, role: str = "producer", **overrides: Any
+) -> dict[str, Any]:
+    settings = base_settings(cfg, role)
+    settings.update(
+        {
+            "enable.idempotence": True,
+            "acks": "all",
+            "compression.type": cfg.compression,
+            "linger.ms": cfg.linger_ms,
+            # Bounded: a message that cannot be delivered fails instead of waiting forever.
+            "message.timeout.ms": max(1_000, int(cfg.connect_timeout_s * 3000)),
+            "queue.buffering.max.kbytes": 262_144,
+        }
+    )
+    settings.update(overrides)
+    settings.update(cfg.kafka)
+    return settings
+
+
+def consumer_settings(
+    cfg: CommonConfig, group_id: str, role: str = "consumer", **overrides: Any
+) -> dict[str, Any]:
+    settings = base_settings(cfg, role)
+    settings.update(
+        {
+            "group.id": group_id,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "partition.assignment.strategy": "cooperative-sticky",
+            "session.timeout.ms": 10_000,
+            "heartbeat.interval.ms": 1_000,
+            "max.poll.interval.ms": 300_000,
+        }
+    )
+    settings.update(overrides)
+    settings.update(cfg.kafka)
+    return settings
+
+
+def wait_for_broker(cfg: CommonConfig, timeout_s: float | None = None) -> Any:
+    """Cluster metadata once a broker answers; BrokerUnavailable after ``timeout_s``."""
+    timeout_s = cfg.connect_timeout_s if timeout_s is None else timeout_s
+    admin = AdminClient({k: v for k, v in base_settings(cfg, "admin").items()} | cfg.kafka)
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            md = admin.list_topics(timeout=min(remaining, 2.0))
+            if md.brokers:
+                return md
+        except KafkaException as e:
+            last = e
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+    why = f" ({_short(last)})" if last else ""
+    raise BrokerUnavailable(
+        f"no Kafka broker answered at {cfg.bootstrap_servers} within {timeout_s:g}s{why}; "
+        "start one with `srl broker start` or point --bootstrap at a running broker"
+    )
+
+
+def _short(e: BaseException | None) -> str:
+    if isinstance(e, KafkaException) and e.args and isinstance(e.args[0], KafkaError):
+        return e.args[0].str()
+    return " ".join(str(e).split())[:200]
+
+
+class Producer:
+    """An idempotent producer with counted deliveries; use it in a ``with`` block.
+
+    ``produce`` never drops a record on a full local queue (it polls and retries), and each
+    delivery outcome is counted; ``flush`` raises if records are still undelivered after its
+    timeout, so a dead broker surfaces as an error within a bounded time.
+    """
+
+    def __init__(
+        self, cfg: CommonConfig, role: str = "producer", check: bool = True, **overrides: Any
+    ) -> None:
+        if check:
+            wait_for_broker(cfg)
+        self.cfg = cfg
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        self.delivered = 0
+        self.failed = 0
+        self._failed_reported = 0
+        settings = producer_settings(cfg, role, **overrides)
+        settings["error_cb"] = self._on_error
+        self._p = confluent_kafka.Producer(settings)
+
+    def _on_error(self, err: KafkaError) -> None:
+        if err.fatal():
+            self.errors.append(err.str())
+        log.debug("producer error: %s", err.str())
+
+    def _on_delivery(self, err: KafkaError | None, msg: Any, user: DeliveryCallback | None) -> None:
+        with self._lock:
+            if err is None:
+                self.delivered += 1
+            else:
+                self.failed += 1
+                if len(self.errors) < 100:
+                    self.errors.append(err.str())
+        if user is not None:
+            user(err, msg)
+
+    def produce(
+        self,
+        topic: str,
+        value: bytes,
+        key: str | bytes | None = None,
+        partition: int | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
+        on_delivery: DeliveryCallback | None = None,
+    ) -> None:
+        kwargs: dict[str, Any] = {"key": key, "value": value, "headers": headers}
+        if partition is not None:
+            kwargs["partition"] = partition
+
+        def cb(err: KafkaError | None, msg: Any) -> None:
+            self._on_delivery(err, msg, on_delivery)
+
+        kwargs["on_delivery"] = cb
+        while True:
+            try:
+                self._p.produce(topic, **kwargs)
+                break
+            except BufferError:
+                self._p.poll(0.05)  # local queue full: serve callbacks, then retry
+        self._p.poll(0)
+
+    def poll(self, timeout: float = 0) -> int:
+        return int(self._p.poll(timeout))
+
+    def pending(self) -> int:
+        return len(self._p)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait for every outstanding delivery.
+
+        SrlError if records are still pending after ``timeout_s`` or if any delivery failed
+        since the last flush (callers that handle failures per record catch it).
+        """
+        timeout_s = max(10.0, self.cfg.connect_timeout_s * 4) if timeout_s is None else timeout_s
+        left = self._p.flush(timeout_s)
+        last = f": {self.errors[-1]}" if self.errors else ""
+        if left:
+            raise SrlError(
+                f"{left} record(s) not delivered within {timeout_s:g}s to {self.cfg.bootstrap_servers}{last}"
+            )
+        with self._lock:
+            new_failures, self._failed_reported = self.failed - self._failed_reported, self.failed
+        if new_failures:
+            raise SrlError(
+                f"{new_failures} record(s) failed delivery to {self.cfg.bootstrap_servers}{last}"
+            )
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.flush()
+        else:  # already failing: deliver what we can, do not mask the original error
+            self._p.flush(5)
+
+
+def make_consumer(
+    cfg: CommonConfig, group_id: str, role: str = "consumer", **overrides: Any
+) -> Consumer:
+    """A group consumer with manual offset storage (see module docstring)."""
+    settings = consumer_settings(cfg, group_id, role, **overrides)
+    return Consumer(settings)
+
+
+def admin(cfg: CommonConfig) -> AdminClient:
+    return AdminClient(base_settings(cfg, "admin") | cfg.kafka)
+
+
+def create_topics(cfg: CommonConfig, specs: Iterable[TopicSpec] | None = None) -> list[str]:
+    """Create missing topics (all of the layout's by default); returns the names created."""
+    wait_for_broker(cfg)
+    specs = list(specs) if specs is not None else Layout.from_config(cfg).specs()
+    client = admin(cfg)
+    existing = client.list_topics(timeout=cfg.connect_timeout_s).topics
+    todo = [s for s in specs if s.name not in existing]
+    created: list[str] = []
+    if todo:
+        futures = client.create_topics(
+            [
+                NewTopic(s.name, num_partitions=s.partitions, replication_factor=1, config=s.config)
+                for s in todo
+            ],
+            operation_timeout=cfg.connect_timeout_s,
+            request_timeout=cfg.connect_timeout_s,
+        )
+        for name, fut in futures.items():
+            try:
+                fut.result()
+                created.append(name)
+            except KafkaException as e:
+                if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise SrlError(f"cannot create topic {name}: {_short(e)}") from None
+    for s in specs:
+        if s.name in existing and len(existing[s.name].partitions) < s.partitions:
+            log.warning(
+                "topic %s has %d partitions, layout wants %d",
+                s.name,
+                len(existing[s.name].partitions),
+                s.partitions,
+            )
+    if created:
+        _wait_for_leaders(client, created, cfg.connect_timeout_s)
+    return created
+
+
+def _wait_for_leaders(client: AdminClient, names: list[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        md = client.list_topics(timeout=timeout_s)
+        if all(
+            n in md.topics and md.topics[n].partitions and md.topics[n].error is None for n in names
+        ):
+            return
+        time.sleep(0.05)
+
+
+def watermarks(
+    cfg: CommonConfig, topics: Iterable[str], timeout_s: float = 10.0
+) -> dict[tuple[str, int], tuple[int, int]]:
+    """``{(topic, partition): (low, high)}`` for every partition of ``topics``."""
+    c = Consumer(
+        base_settings(cfg, "watermarks")
+        | {"group.id": "srl-watermarks", "enable.auto.commit": False}
+        | cfg.kafka
+    )
+    try:
+        md = c.list_topics(timeout=timeout_s)
+        out = {}
+        for t in topics:
+            if t not in md.topics:
+                continue
+            for p in sorted(md.topics[t].partitions):
+                out[(t, p)] = c.get_watermark_offsets(
+                    TopicPartition(t, p), timeout=timeout_s, cached=False
+                )
+        return out
+    finally:
+        c.close()
+
+
+def committed_offsets(
+    cfg: CommonConfig, group_id: str, partitions: Iterable[tuple[str, int]], timeout_s: float = 10.0
+) -> dict[tuple[str, int], int | None]:
+    """Committed offset of ``group_id`` per partition; None where nothing is committed."""
+    c = Consumer(
+        base_settings(cfg, "offsets")
+        | {"group.id": group_id, "enable.auto.commit": False}
+        | cfg.kafka
+    )
+    try:
+        tps = c.committed([TopicPartition(t, p) for t, p in partitions], timeout=timeout_s)
+        return {(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None) for tp in tps}
+    finally:
+        c.close()

@@ -1,0 +1,59 @@
+"""Metrics and events on ``{prefix}.metrics``, plus the dead-letter path.
+
+Owns how any role reports what it did: ``Metrics.emit`` sends one ``MetricEvent`` (kind,
+values, labels, step) and ``Metrics.incr`` keeps counters that ``flush_counters`` sends as a
+``counter`` event. ``dead_letter`` puts an unusable record on ``{prefix}.dlq`` with the
+reason and its origin in headers, and counts it. Nothing here blocks: records go through the
+role's producer and are delivered with its next poll/flush.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from schemas.records import MetricEvent, encode
+from srl.kafka import Producer
+from srl.topics import Layout
+
+log = logging.getLogger("srl.metrics")
+
+
+class Metrics:
+    def __init__(self, producer: Producer | None, layout: Layout, run: str, source: str) -> None:
+        self.producer = producer
+        self.layout = layout
+        self.run = run
+        self.source = source
+        self.counters: Counter[str] = Counter()
+
+    def emit(
+        self, kind: str, values: dict[str, float] | None = None, labels: dict[str, str] | None = None,
+        step: int | None = None,
+    ) -> MetricEvent:  # fmt: skip
+        event = MetricEvent(
+            kind=kind, source=self.source, run=self.run, step=step,
+            values={k: float(v) for k, v in (values or {}).items()}, labels=dict(labels or {}),
+        )  # fmt: skip
+        if self.producer is not None:
+            self.producer.produce(self.layout.metrics, encode(event), key=self.source)
+        return event
+
+    def incr(self, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+
+    def flush_counters(self, step: int | None = None) -> None:
+        if self.counters:
+            self.emit("counter", {k: float(v) for k, v in self.counters.items()}, step=step)
+
+
+def dead_letter(
+    producer: Producer, layout: Layout, value: bytes | None, key: bytes | str | None, reason: str,
+    origin: str, metrics: Metrics | None = None,
+) -> None:  # fmt: skip
+    """Send an unusable record to the DLQ with ``reason`` and ``origin`` (topic/partition@offset)."""
+    headers = [("srl.reason", reason.encode()[:1000]), ("srl.origin", origin.encode())]
+    producer.produce(layout.dlq, value or b"", key=key, headers=headers)
+    if metrics is not None:
+        metrics.incr("dead_letters")
+    log.warning("dead letter from %s: %s", origin, reason)

@@ -1,0 +1,185 @@
+"""Object store for weights, checkpoints and ranker versions.
+
+Owns the one rule the weights protocol stands on: **writes are create-only** (a key, once
+written, is never overwritten) and **atomic** (a reader sees all of an object or none).
+Keys are ``/``-separated relative paths such as ``weights/run/v00000001/model.safetensors``.
+
+* ``file://DIR``: :class:`LocalStore`, a directory tree; an object is written to a temporary
+  file, fsynced, then hard-linked into place (``link`` fails if the key exists).
+* ``s3://bucket/prefix``: see ``srl.s3store`` (registered by ``open_store``).
+
+Called by ``srl.weights``, the trainer's checkpointing and the ranker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from pathlib import Path
+
+from srl.errors import ConfigError, StoreError
+
+
+class ObjectExists(StoreError):
+    """A create-only write found the key already there."""
+
+
+class ObjectMissing(StoreError):
+    """A read found no object at the key."""
+
+
+def check_key(key: str) -> str:
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise StoreError(f"bad object key {key!r}")
+    return key
+
+
+class ObjectStore(ABC):
+    """Create-only object storage addressed by key; ``uri(key)`` names an object anywhere."""
+
+    url: str
+
+    @abstractmethod
+    def put(self, key: str, data: bytes | memoryview) -> str:
+        """Write ``data`` at ``key`` (create-only, atomic); returns the object's URI."""
+
+    def put_chunks(self, key: str, chunks: Iterable[bytes | memoryview]) -> tuple[str, str, int]:
+        """Write concatenated ``chunks`` create-only; returns (uri, sha256 hex, size)."""
+        h = hashlib.sha256()
+        parts = []
+        for c in chunks:
+            h.update(c)
+            parts.append(bytes(c))
+        data = b"".join(parts)
+        return self.put(key, data), h.hexdigest(), len(data)
+
+    @abstractmethod
+    def get(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Keys under ``prefix``, sorted."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    @abstractmethod
+    def uri(self, key: str) -> str: ...
+
+    def key_of(self, uri: str) -> str:
+        """The key of a URI this store produced; StoreError for another store's URI."""
+        base = self.uri("")
+        if not uri.startswith(base):
+            raise StoreError(f"{uri} is not in store {self.url}")
+        return check_key(uri[len(base) :])
+
+    def local_path(self, key: str) -> Path | None:
+        """A filesystem path for the object when the store is local (zero-copy reads)."""
+        return None
+
+
+class LocalStore(ObjectStore):
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).resolve()
+        self.url = f"file://{self.root}"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def put(self, key: str, data: bytes | memoryview) -> str:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            raise ObjectExists(f"object {key} already exists in {self.url} (create-only store)")
+        tmp = path.parent / f".tmp-{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise ObjectExists(
+                    f"object {key} already exists in {self.url} (create-only store)"
+                ) from None
+            _fsync_dir(path.parent)
+        except OSError as e:
+            raise StoreError(f"cannot write {key} to {self.url}: {e.strerror or e}") from None
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        return self.uri(key)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectMissing(f"object {key} not found in {self.url}") from None
+        except OSError as e:
+            raise StoreError(f"cannot read {key} from {self.url}: {e.strerror or e}") from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = self.root / prefix if prefix else self.root
+        if not base.exists():
+            return []
+        out = []
+        for p in base.rglob("*"):
+            if p.is_file() and not p.name.startswith(".tmp-"):
+                out.append(p.relative_to(self.root).as_posix())
+        return sorted(out)
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._path(key).unlink()
+
+    def uri(self, key: str) -> str:
+        return f"{self.url}/{key}"
+
+    def local_path(self, key: str) -> Path | None:
+        return self._path(key)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_store(url: str) -> ObjectStore:
+    """The store for ``url``: ``file://DIR`` (relative to the working directory) or ``s3://…``."""
+    if url.startswith("file://"):
+        return LocalStore(url[len("file://") :] or ".")
+    if url.startswith("s3://"):
+        try:
+            from srl.s3store import S3Store
+        except ImportError:
+            raise ConfigError("store: s3:// stores are not available in this build") from None
+        return S3Store.from_url(url)
+    if "://" not in url:
+        return LocalStore(url)
+    raise ConfigError(f"store: unsupported URL {url!r}; use file://DIR or s3://bucket/prefix")
+
+
+def store_for_uri(uri: str, default: ObjectStore | None = None) -> tuple[ObjectStore, str]:
+    """(store, key) for an object URI, reusing ``default`` when the URI lies in it."""
+    if default is not None and uri.startswith(default.uri("")):
+        return default, default.key_of(uri)
+    if uri.startswith("file://"):
+        path = Path(uri[len("file://") :])
+        return LocalStore(path.parent), path.name
+    raise StoreError(f"cannot open object {uri}: not in the configured store")

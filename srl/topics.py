@@ -1,0 +1,116 @@
+"""Topic names, length buckets and the partition layout of the trajectories topic.
+
+Owns the naming every role and every monitoring tool relies on:
+
+* ``{prefix}.prompts.{bucket}``: prompt tasks of one length bucket (one consumer group per pool)
+* ``{prefix}.trajectories``: token chunks; partitions are grouped by length bucket
+* ``{prefix}.weights``: weights announcements, compacted, key = run
+* ``{prefix}.metrics``: metric events from every role
+* ``{prefix}.dlq``: records that could not be decoded or used, with the reason in headers
+
+Buckets are named by their upper bound in tokens (``le256``, ``le1024``, ``le4096``) and one
+open bucket for the rest (``gt4096``). Bucket ``i`` owns trajectories partitions
+``[i*P, (i+1)*P)`` with ``P = partitions_per_bucket``; inside its range a trajectory's
+partition is ``crc32(trajectory_id) mod P``, so all its chunks stay in order on one partition.
+Pure functions only; admin calls live in ``srl.kafka``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int
+    config: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Layout:
+    prefix: str = "srl"
+    bucket_bounds: tuple[int, ...] = (256, 1024, 4096)
+    partitions_per_bucket: int = 2
+    prompt_partitions: int = 2
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Layout:
+        return cls(
+            cfg.topic_prefix,
+            tuple(cfg.bucket_bounds),
+            cfg.partitions_per_bucket,
+            cfg.prompt_partitions,
+        )
+
+    # -- buckets -----------------------------------------------------------------------
+    @property
+    def buckets(self) -> list[str]:
+        return [f"le{b}" for b in self.bucket_bounds] + [f"gt{self.bucket_bounds[-1]}"]
+
+    def bucket_for(self, length: int) -> str:
+        """Bucket of a (predicted) output length in tokens."""
+        return self.buckets[bisect.bisect_left(self.bucket_bounds, length)]
+
+    def bucket_index(self, bucket: str) -> int:
+        try:
+            return self.buckets.index(bucket)
+        except ValueError:
+            raise ValueError(
+                f"unknown bucket {bucket!r}; buckets are {', '.join(self.buckets)}"
+            ) from None
+
+    # -- topic names -------------------------------------------------------------------
+    def prompts(self, bucket: str) -> str:
+        self.bucket_index(bucket)
+        return f"{self.prefix}.prompts.{bucket}"
+
+    @property
+    def trajectories(self) -> str:
+        return f"{self.prefix}.trajectories"
+
+    @property
+    def weights(self) -> str:
+        return f"{self.prefix}.weights"
+
+    @property
+    def metrics(self) -> str:
+        return f"{self.prefix}.metrics"
+
+    @property
+    def dlq(self) -> str:
+        return f"{self.prefix}.dlq"
+
+    # -- trajectories partitions -------------------------------------------------------
+    @property
+    def trajectory_partition_count(self) -> int:
+        return len(self.buckets) * self.partitions_per_bucket
+
+    def trajectory_partitions(self, bucket: str) -> range:
+        base = self.bucket_index(bucket) * self.partitions_per_bucket
+        return range(base, base + self.partitions_per_bucket)
+
+    def partition_for(self, bucket: str, trajectory_id: str) -> int:
+        """The partition of a trajectory's chunks: stable, inside its bucket's range."""
+        base = self.bucket_index(bucket) * self.partitions_per_bucket
+        return base + zlib.crc32(trajectory_id.encode()) % self.partitions_per_bucket
+
+    def bucket_of_partition(self, partition: int) -> str:
+        return self.buckets[partition // self.partitions_per_bucket]
+
+    # -- all topics --------------------------------------------------------------------
+    def specs(self) -> list[TopicSpec]:
+        """Every topic of a deployment with its partition count and topic config."""
+        specs = [TopicSpec(self.prompts(b), self.prompt_partitions, {}) for b in self.buckets]
+        specs += [
+            TopicSpec(
+                self.trajectories, self.trajectory_partition_count, {"max.message.bytes": "1048576"}
+            ),
+            TopicSpec(self.weights, 1, {"cleanup.policy": "compact"}),
+            TopicSpec(self.metrics, 1, {}),
+            TopicSpec(self.dlq, 1, {}),
+        ]
+        return specs

@@ -1,0 +1,301 @@
+"""The weights protocol: publish a policy version to the store, announce it, fetch and verify it.
+
+Steps, in this order (DESIGN.md, "Weights protocol"):
+
+1. ``publish`` writes ``weights/{run}/v{version:08d}/`` with create-only puts: safetensors
+   shards (HF layout: ``model.safetensors`` or ``model-0000i-of-0000N.safetensors`` plus
+   ``model.safetensors.index.json``) and any extra files (``config.json``, tokenizer files),
+   computing each file's sha256 from the bytes it writes.
+2. It writes ``manifest.json`` **last**: run, version, trainer step, parent version, files with
+   size and sha256, dtype, created time.
+3. ``announce`` publishes a ``WeightsAnnouncement`` (key = run) on the compacted weights topic.
+
+A crash between 1 and 3 leaves files without a manifest or a manifest without an
+announcement: no pointer to missing files. Followers call ``load_manifest`` (checks the
+manifest's sha256) and ``fetch_tensors`` (checks every file's sha256) and never unpickle
+anything: safetensors and JSON only. Versions only move forward (``VersionTracker``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from schemas.records import WeightsAnnouncement, decode_as, encode, now_ms
+from srl.errors import StoreError, WeightsError
+from srl.store import ObjectStore
+
+if TYPE_CHECKING:
+    import torch
+
+    from srl.kafka import Producer
+    from srl.topics import Layout
+
+MANIFEST = "manifest.json"
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+
+
+def version_prefix(run: str, version: int) -> str:
+    return f"weights/{run}/v{version:08d}"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    name: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    run: str
+    version: int
+    trainer_step: int
+    parent_version: int | None
+    files: tuple[FileEntry, ...]
+    dtype: str
+    created_ms: int = field(default_factory=now_ms)
+    format: str = "safetensors"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> bytes:
+        d = {
+            "run": self.run, "version": self.version, "trainer_step": self.trainer_step,
+            "parent_version": self.parent_version, "dtype": self.dtype, "format": self.format,
+            "created_ms": self.created_ms,
+            "files": [{"name": f.name, "size": f.size, "sha256": f.sha256} for f in self.files],
+        }  # fmt: skip
+        return orjson.dumps(d, option=orjson.OPT_INDENT_2)
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str = "manifest") -> Manifest:
+        try:
+            d = orjson.loads(data)
+            files = tuple(
+                FileEntry(str(f["name"]), int(f["size"]), str(f["sha256"])) for f in d["files"]
+            )
+            parent = d.get("parent_version")
+            return cls(
+                run=str(d["run"]), version=int(d["version"]), trainer_step=int(d["trainer_step"]),
+                parent_version=None if parent is None else int(parent), files=files, dtype=str(d["dtype"]),
+                created_ms=int(d["created_ms"]), format=str(d.get("format", "safetensors")),
+            )  # fmt: skip
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise WeightsError(f"{where}: not a valid manifest ({e})") from None
+
+
+@dataclass(frozen=True)
+class Published:
+    manifest: Manifest
+    manifest_uri: str
+    manifest_sha256: str
+
+    def announcement(self) -> WeightsAnnouncement:
+        m = self.manifest
+        return WeightsAnnouncement(
+            run=m.run, version=m.version, manifest_uri=self.manifest_uri, manifest_sha256=self.manifest_sha256,
+            trainer_step=m.trainer_step, total_bytes=m.total_bytes, parent_version=m.parent_version,
+        )  # fmt: skip
+
+
+def _shards(
+    tensors: dict[str, torch.Tensor], max_shard_bytes: int
+) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards
+
+
+def publish(
+    store: ObjectStore,
+    run: str,
+    version: int,
+    tensors: dict[str, torch.Tensor],
+    *,
+    trainer_step: int,
+    parent_version: int | None,
+    extra_files: dict[str, bytes] | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Published:
+    """Steps 1 and 2 of the protocol; returns what step 3 announces."""
+    from safetensors.torch import save
+
+    prefix = version_prefix(run, version)
+    if store.exists(f"{prefix}/{MANIFEST}"):
+        raise WeightsError(f"weights {run} v{version} already published")
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
+    shards = _shards(tensors, max_shard_bytes)
+    entries: list[FileEntry] = []
+
+    def put(name: str, data: bytes) -> None:
+        digest = hashlib.sha256(data).hexdigest()
+        store.put(f"{prefix}/{name}", data)
+        entries.append(FileEntry(name, len(data), digest))
+
+    if len(shards) == 1:
+        put("model.safetensors", save(shards[0], metadata={"format": "pt"}))
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            put(name, save(shard, metadata={"format": "pt"}))
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        put("model.safetensors.index.json", orjson.dumps(index, option=orjson.OPT_INDENT_2))
+    for name, data in (extra_files or {}).items():
+        put(name, data)
+    manifest = Manifest(
+        run, version, trainer_step, parent_version, tuple(entries), ",".join(dtypes)
+    )
+    body = manifest.to_json()
+    uri = store.put(f"{prefix}/{MANIFEST}", body)  # written last: the version now exists
+    return Published(manifest, uri, hashlib.sha256(body).hexdigest())
+
+
+def announce(producer: Producer, layout: Layout, published: Published) -> None:
+    """Step 3: the pointer on the compacted weights topic (key = run). Flushes."""
+    ann = published.announcement()
+    producer.produce(layout.weights, encode(ann), key=ann.run)
+    producer.flush()
+
+
+def load_manifest(store: ObjectStore, ann: WeightsAnnouncement) -> Manifest:
+    """The announced manifest, after checking its sha256 and that it names the announced version."""
+    key = store.key_of(ann.manifest_uri)
+    data = store.get(key)
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != ann.manifest_sha256:
+        raise WeightsError(
+            f"manifest of {ann.run} v{ann.version}: sha256 {digest[:12]}… != announced {ann.manifest_sha256[:12]}…"
+        )
+    manifest = Manifest.from_json(data, ann.manifest_uri)
+    if manifest.run != ann.run or manifest.version != ann.version:
+        raise WeightsError(
+            f"manifest at {ann.manifest_uri} is {manifest.run} v{manifest.version}, announced v{ann.version}"
+        )
+    return manifest
+
+
+def fetch_file(store: ObjectStore, manifest: Manifest, entry: FileEntry) -> bytes:
+    key = f"{version_prefix(manifest.run, manifest.version)}/{entry.name}"
+    try:
+        data = store.get(key)
+    except StoreError as e:
+        raise WeightsError(f"{manifest.run} v{manifest.version}: {e}") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if len(data) != entry.size or digest != entry.sha256:
+        raise WeightsError(
+            f"{manifest.run} v{manifest.version}: {entry.name} fails verification "
+            f"(sha256 {digest[:12]}…, size {len(data)}; manifest says {entry.sha256[:12]}…, {entry.size})"
+        )
+    return data
+
+
+def fetch_tensors(
+    store: ObjectStore, manifest: Manifest, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Every tensor of a version, each file verified before it is parsed (safetensors only)."""
+    from safetensors.torch import load
+
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in manifest.files:
+        if entry.name.endswith(".safetensors"):
+            for k, v in load(fetch_file(store, manifest, entry)).items():
+                tensors[k] = v.to(device) if device != "cpu" else v
+    if not tensors:
+        raise WeightsError(
+            f"{manifest.run} v{manifest.version}: manifest lists no safetensors file"
+        )
+    return tensors
+
+
+def materialize(store: ObjectStore, manifest: Manifest, out_dir: Path) -> Path:
+    """Write a verified version as a Hugging Face model directory (for from_pretrained / vLLM)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for entry in manifest.files:
+        (out_dir / entry.name).write_bytes(fetch_file(store, manifest, entry))
+    return out_dir
+
+
+class VersionTracker:
+    """Accepts announcements whose version moves forward; counts and ignores the rest."""
+
+    def __init__(self, run: str, current: int = -1) -> None:
+        self.run = run
+        self.current = current
+        self.ignored = 0
+
+    def accept(self, ann: WeightsAnnouncement) -> bool:
+        if ann.run != self.run or ann.version <= self.current:
+            self.ignored += 1
+            return False
+        return True
+
+    def advance(self, version: int) -> None:
+        self.current = max(self.current, version)
+
+
+def read_announcements(
+    cfg: Any, layout: Layout, timeout_s: float = 10.0
+) -> list[WeightsAnnouncement]:
+    """Every readable announcement on the weights topic, oldest first (for tools and tests)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from schemas.codec import SchemaError
+    from srl.kafka import base_settings
+
+    c = Consumer(
+        base_settings(cfg, "weights-reader")
+        | {"group.id": "srl-weights-reader", "enable.auto.commit": False}
+        | cfg.kafka
+    )
+    out: list[WeightsAnnouncement] = []
+    try:
+        lo, hi = c.get_watermark_offsets(
+            TopicPartition(layout.weights, 0), timeout=timeout_s, cached=False
+        )
+        if hi <= lo:
+            return out
+        c.assign([TopicPartition(layout.weights, 0, lo)])
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            msg = c.poll(0.2)
+            if msg is None or msg.error():
+                continue
+            with contextlib.suppress(SchemaError):
+                out.append(decode_as(msg.value() or b"", WeightsAnnouncement))
+            if (msg.offset() or 0) >= hi - 1:
+                break
+    finally:
+        c.close()
+    return out
+
+
+def latest_announcement(
+    cfg: Any, layout: Layout, run: str, timeout_s: float = 10.0
+) -> WeightsAnnouncement | None:
+    anns = [a for a in read_announcements(cfg, layout, timeout_s) if a.run == run]
+    return max(anns, key=lambda a: a.version) if anns else None
+
+
+def state_dict_bytes(tensors: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -1,0 +1,178 @@
+"""Kafka clients against a real broker: partitions, groups, commits, restarts, failures."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from schemas.records import TrajectoryChunk, decode_as, encode
+from srl.broker import free_port
+from srl.config import CommonConfig, load_config
+from srl.errors import BrokerUnavailable, SrlError
+from srl.kafka import Producer, committed_offsets, create_topics, make_consumer, watermarks
+from srl.metrics import Metrics, dead_letter
+from srl.smoke import synthetic_chunks
+from srl.topics import Layout
+
+
+def produce_chunks(cfg: CommonConfig, chunks: list[TrajectoryChunk]) -> None:
+    layout = Layout.from_config(cfg)
+    with Producer(cfg, "test") as p:
+        for c in chunks:
+            p.produce(
+                layout.trajectories,
+                encode(c),
+                key=c.trajectory_id,
+                partition=layout.partition_for(c.bucket, c.trajectory_id),
+            )
+    assert p.delivered == len(chunks) and p.failed == 0
+
+
+def consume(cfg: CommonConfig, group: str, limit: int, timeout_s: float = 30.0) -> list:
+    """Consume up to ``limit`` records in ``group``, store their offsets, commit, close."""
+    layout = Layout.from_config(cfg)
+    consumer = make_consumer(cfg, group)
+    got = []
+    try:
+        consumer.subscribe([layout.trajectories])
+        deadline = time.monotonic() + timeout_s
+        while len(got) < limit and time.monotonic() < deadline:
+            msg = consumer.poll(0.2)
+            if msg is None or msg.error():
+                continue
+            got.append((msg.partition(), msg.offset(), decode_as(msg.value(), TrajectoryChunk)))
+            consumer.store_offsets(msg)
+        if got:
+            consumer.commit(asynchronous=False)
+    finally:
+        consumer.close()
+    return got
+
+
+def test_consumer_resumes_exactly_after_committed_offsets(cfg: CommonConfig) -> None:
+    layout = Layout.from_config(cfg)
+    create_topics(cfg)
+    chunks = synthetic_chunks(40, layout, chunk_tokens=64, seed=1)
+    produce_chunks(cfg, chunks)
+    parts = {layout.partition_for(c.bucket, c.trajectory_id) for c in chunks}
+    assert len(parts) >= 3, "records span several partitions"
+
+    first = consume(cfg, "g1", limit=len(chunks) // 2)
+    committed = committed_offsets(
+        cfg, "g1", [(layout.trajectories, p) for p in range(layout.trajectory_partition_count)]
+    )
+    for p in range(layout.trajectory_partition_count):
+        mine = [o for (pp, o, _) in first if pp == p]
+        assert committed[(layout.trajectories, p)] == (max(mine) + 1 if mine else None)
+
+    second = consume(cfg, "g1", limit=len(chunks) - len(first))
+    seen = [(p, o) for p, o, _ in first + second]
+    assert len(seen) == len(set(seen)) == len(chunks), "nothing twice, nothing lost"
+    for p in parts:
+        resumed = [o for (pp, o, _) in second if pp == p]
+        if resumed:
+            assert min(resumed) == (committed[(layout.trajectories, p)] or 0)
+    # a trajectory's chunks arrive in seq order on one partition
+    by_traj: dict[str, list[tuple[int, int]]] = {}
+    for p, _o, c in sorted(first + second, key=lambda x: (x[0], x[1])):
+        by_traj.setdefault(c.trajectory_id, []).append((p, c.seq))
+    for traj in by_traj.values():
+        assert len({p for p, _ in traj}) == 1
+        assert [s for _, s in traj] == list(range(len(traj)))
+
+
+def test_watermarks_match_what_was_produced(cfg: CommonConfig) -> None:
+    layout = Layout.from_config(cfg)
+    create_topics(cfg)
+    chunks = synthetic_chunks(25, layout, seed=2)
+    produce_chunks(cfg, chunks)
+    marks = watermarks(cfg, [layout.trajectories])
+    assert len(marks) == layout.trajectory_partition_count
+    for p in range(layout.trajectory_partition_count):
+        n = sum(1 for c in chunks if layout.partition_for(c.bucket, c.trajectory_id) == p)
+        assert marks[(layout.trajectories, p)] == (0, n)
+
+
+def test_producer_with_no_broker_fails_fast_with_a_clear_error() -> None:
+    dead = load_config(
+        CommonConfig,
+        cli={"bootstrap_servers": f"127.0.0.1:{free_port()}", "connect_timeout_s": 2},
+        env={},
+    )
+    t0 = time.monotonic()
+    with pytest.raises(BrokerUnavailable, match="no Kafka broker answered at 127.0.0.1"):
+        Producer(dead)
+    assert time.monotonic() - t0 < 10
+    # without the up-front check, delivery fails within the bounded message timeout
+    t0 = time.monotonic()
+    p = Producer(dead, check=False)
+    p.produce("x.trajectories", b"v")
+    with pytest.raises(SrlError, match="failed delivery|not delivered"):
+        p.flush(timeout_s=20)
+    assert time.monotonic() - t0 < 20
+
+
+def test_dead_letters_carry_reason_and_origin(cfg: CommonConfig) -> None:
+    layout = Layout.from_config(cfg)
+    create_topics(cfg)
+    with Producer(cfg, "test") as p:
+        metrics = Metrics(p, layout, cfg.run, "test")
+        dead_letter(
+            p, layout, b"\x01garbage", b"k", "not an srl record", "x.trajectories/3@17", metrics
+        )
+    assert metrics.counters["dead_letters"] == 1
+    c = make_consumer(cfg, "dlq-reader")
+    try:
+        c.subscribe([layout.dlq])
+        deadline = time.monotonic() + 20
+        msg = None
+        while time.monotonic() < deadline:
+            msg = c.poll(0.2)
+            if msg is not None and not msg.error():
+                break
+        assert msg is not None and msg.value() == b"\x01garbage"
+        headers = dict(msg.headers())
+        assert (
+            headers["srl.reason"] == b"not an srl record"
+            and headers["srl.origin"] == b"x.trajectories/3@17"
+        )
+    finally:
+        c.close()
+
+
+def test_weights_topic_is_compacted_and_latest_announcement_wins(
+    cfg: CommonConfig, tmp_path
+) -> None:
+    import torch
+
+    from srl.store import open_store
+    from srl.weights import announce, latest_announcement, publish
+
+    layout = Layout.from_config(cfg)
+    create_topics(cfg)
+    store = open_store(cfg.store)
+    with Producer(cfg, "test") as p:
+        for v in (1, 2):
+            announce(
+                p,
+                layout,
+                publish(
+                    store,
+                    cfg.run,
+                    v,
+                    {"w": torch.ones(2) * v},
+                    trainer_step=v,
+                    parent_version=v - 1,
+                ),
+            )
+    latest = latest_announcement(cfg, layout, cfg.run)
+    assert latest is not None and latest.version == 2
+    from confluent_kafka.admin import ConfigResource
+
+    from srl.kafka import admin
+
+    client = admin(cfg)
+    res = client.describe_configs([ConfigResource("topic", layout.weights)])
+    conf = next(iter(res.values())).result()
+    assert conf["cleanup.policy"].value == "compact"

@@ -1,0 +1,235 @@
+"""Codec: exact bytes, round trips, schema evolution both ways, and malformed input."""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from schemas.codec import SCHEMA_DIR, Codec, SchemaError, SchemaVersion, crc64_avro
+from schemas.records import (
+    MetricEvent,
+    PromptTask,
+    ResumePrefix,
+    TrajectoryChunk,
+    WeightsAnnouncement,
+    decode,
+    decode_as,
+    encode,
+    pack_logprobs,
+    pack_tokens,
+    unpack_logprobs,
+    unpack_tokens,
+)
+
+DATA = Path(__file__).parent / "data"
+
+
+# -- a tiny independent Avro encoder for the expected bytes -------------------------------
+def zz(n: int) -> bytes:
+    """Avro long: zigzag, then base-128 varint."""
+    n = (n << 1) ^ (n >> 63)
+    out = bytearray()
+    while n & ~0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def avro_bytes(b: bytes) -> bytes:
+    return zz(len(b)) + b
+
+
+def avro_str(s: str) -> bytes:
+    return avro_bytes(s.encode())
+
+
+def chunk() -> TrajectoryChunk:
+    return TrajectoryChunk(
+        trajectory_id="t1", prompt_id="p1", task_id="k1", sample_index=2, group_size=4, seq=0, token_offset=0,
+        tokens=pack_tokens([1, 2, 300]), logprobs=pack_logprobs([-0.5, -1.0, -0.25]), policy_version=3,
+        is_last=False, worker_id="w", bucket="le256", started_ms=1_700_000_000_000, created_ms=1_700_000_000_123,
+    )  # fmt: skip
+
+
+def test_crc64_avro_matches_the_spec_vector() -> None:
+    # Avro specification: the fingerprint of the schema "int" is 0x7275d51a3f395c8f.
+    assert crc64_avro(b'"int"') == 0x7275D51A3F395C8F
+
+
+def test_exact_bytes_for_a_fixed_chunk() -> None:
+    version = Codec().current["srl.TrajectoryChunk"]
+    tokens = struct.pack("<3i", 1, 2, 300)
+    logprobs = struct.pack("<3f", -0.5, -1.0, -0.25)
+    expected = (
+        b"\xc3\x01" + crc64_avro(version.canonical.encode()).to_bytes(8, "little")
+        + avro_str("t1") + avro_str("p1") + avro_str("k1") + zz(2) + zz(4) + zz(0) + zz(0)
+        + avro_bytes(tokens) + avro_bytes(logprobs) + zz(3) + b"\x00" + b"\x00"  # is_last false, finish_reason null
+        + avro_str("w") + avro_str("le256") + b"\x00" + b"\x00" + b"\x00"  # predicted_length, prompt_tokens, metadata null
+        + zz(1_700_000_000_000) + zz(1_700_000_000_123)
+    )  # fmt: skip
+    assert encode(chunk()) == expected
+    assert tokens == bytes.fromhex("01000000020000002c010000")
+
+
+def test_round_trip_every_record_type() -> None:
+    records = [
+        chunk(),
+        TrajectoryChunk(
+            **{
+                **chunk().to_dict(),
+                "is_last": True,
+                "finish_reason": "stop",
+                "prompt_tokens": pack_tokens([5, 6]),
+                "metadata": '{"answer": "42"}',
+                "predicted_length": 17,
+            }
+        ),  # fmt: skip
+        PromptTask(
+            task_id="k",
+            prompt_id="p",
+            prompt="2+2=",
+            group_size=4,
+            max_new_tokens=64,
+            bucket="le256",
+            sample_indices=(0, 3),
+            metadata='{"a": 1}',
+            predicted_length=12,
+            ranker_version=2,
+        ),  # fmt: skip
+        PromptTask(
+            task_id="k",
+            prompt_id="p",
+            prompt="",
+            group_size=4,
+            max_new_tokens=64,
+            bucket="gt4096",
+            prompt_tokens=pack_tokens([1]),
+            resume=ResumePrefix("t1", 1, 5, pack_tokens([7, 8]), 2, "migrate"),
+        ),  # fmt: skip
+        WeightsAnnouncement(
+            run="r",
+            version=7,
+            manifest_uri="file:///x/manifest.json",
+            manifest_sha256="ab" * 32,
+            trainer_step=70,
+            total_bytes=123,
+            parent_version=6,
+        ),  # fmt: skip
+        MetricEvent(
+            kind="train_step",
+            source="trainer-0",
+            run="r",
+            step=3,
+            values={"loss": 0.5},
+            labels={"a": "b"},
+        ),
+    ]
+    for rec in records:
+        assert decode(encode(rec)) == rec
+        assert decode_as(encode(rec), type(rec)) == rec
+
+
+def test_token_packing() -> None:
+    assert list(unpack_tokens(pack_tokens([0, -1, 2**31 - 1]))) == [0, -1, 2**31 - 1]
+    assert unpack_logprobs(pack_logprobs([-0.5])).tolist() == [-0.5]
+    with pytest.raises(SchemaError):
+        unpack_tokens(b"\x00\x01\x02")
+
+
+def evo_codec(current: str, *history: str) -> Codec:
+    return Codec(current=[DATA / current], history=[DATA / h for h in history])
+
+
+def test_old_bytes_read_with_the_evolved_schema() -> None:
+    old = evo_codec("evo_v1.avsc").encode("srl.test.Evo", {"id": "a", "n": 5})
+    name, rec = evo_codec("evo_v2.avsc", "evo_v1.avsc").decode(old)
+    assert (name, rec) == ("srl.test.Evo", {"id": "a", "n": 5, "note": None})
+
+
+def test_new_bytes_read_with_the_old_schema() -> None:
+    new = evo_codec("evo_v2.avsc").encode("srl.test.Evo", {"id": "a", "n": 5, "note": "hi"})
+    name, rec = evo_codec("evo_v1.avsc", "evo_v2.avsc").decode(new)
+    assert (name, rec) == ("srl.test.Evo", {"id": "a", "n": 5})
+
+
+def test_unknown_fingerprint_is_a_schema_error() -> None:
+    new = evo_codec("evo_v2.avsc").encode("srl.test.Evo", {"id": "a", "n": 5, "note": None})
+    with pytest.raises(SchemaError, match="unknown schema fingerprint"):
+        evo_codec("evo_v1.avsc").decode(new)
+
+
+GOOD = encode(chunk())
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (b"", "empty"),
+        (b"\xc3", "header"),
+        (b"\xc3\x02" + GOOD[2:], "header"),
+        (GOOD[:9], "header"),
+        (GOOD[:10], "malformed"),
+        (GOOD[:-3], "malformed"),
+        (GOOD[:12], "malformed"),
+        (GOOD + b"\x00", "trailing"),
+        (b"\x7b\x22json\x22: 1}", "first byte"),
+        (b"\x00\x00\x00\x00\x07" + GOOD[10:], "no schema registry"),
+        (b"\x00\x01", "truncated Confluent"),
+        (GOOD[:2] + b"\xff" * 8 + GOOD[10:], "unknown schema fingerprint"),
+        # a string length that runs past the end, and invalid UTF-8 in a string
+        (GOOD[:10] + zz(1000) + b"t1", "malformed"),
+        (GOOD[:10] + avro_bytes(b"\xff\xfe") + GOOD[13:], "malformed"),
+    ],
+)
+def test_malformed_input_raises_schema_error(data: bytes, reason: str) -> None:
+    with pytest.raises(SchemaError, match=reason) as info:
+        decode(data)
+    assert "\n" not in str(info.value)
+
+
+def test_expecting_another_record_type_is_a_schema_error() -> None:
+    with pytest.raises(SchemaError, match="expected srl.PromptTask"):
+        decode_as(GOOD, PromptTask)
+
+
+def test_encoding_a_bad_record_is_a_schema_error() -> None:
+    bad = TrajectoryChunk(**{**chunk().to_dict(), "seq": "zero"})
+    with pytest.raises(SchemaError, match="cannot encode"):
+        encode(bad)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_only_ever_raise_schema_error(data: bytes) -> None:
+    with contextlib.suppress(SchemaError):
+        decode(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(min_value=10, max_value=len(GOOD) - 1), st.integers(0, 255))
+def test_flipped_body_bytes_only_ever_raise_schema_error(pos: int, value: int) -> None:
+    data = bytearray(GOOD)
+    data[pos] = value
+    with contextlib.suppress(SchemaError):
+        decode(bytes(data))
+
+
+def test_every_schema_file_is_documented() -> None:
+    import json
+
+    for path in SCHEMA_DIR.glob("*.avsc"):
+        schema = json.loads(path.read_text())
+        assert schema.get("doc"), path
+        for f in schema["fields"]:
+            assert f.get("doc"), f"{path.name}: field {f['name']} has no doc"
+            if isinstance(f["type"], list) and "null" in f["type"]:
+                assert "null" in f["doc"].lower(), (
+                    f"{path.name}: {f['name']} must say what null means"
+                )
+        SchemaVersion.from_file(path)

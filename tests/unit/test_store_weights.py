@@ -1,0 +1,139 @@
+"""Local object store (create-only, atomic) and the weights protocol on real safetensors files."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from srl.errors import ConfigError, StoreError, WeightsError
+from srl.store import LocalStore, ObjectExists, ObjectMissing, open_store
+from srl.weights import (
+    Manifest,
+    VersionTracker,
+    fetch_tensors,
+    load_manifest,
+    materialize,
+    publish,
+    version_prefix,
+)
+
+
+def test_local_store_is_create_only(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    uri = store.put("a/b.bin", b"one")
+    assert uri == f"file://{tmp_path.resolve()}/a/b.bin"
+    assert store.get("a/b.bin") == b"one" and store.exists("a/b.bin")
+    with pytest.raises(ObjectExists):
+        store.put("a/b.bin", b"two")
+    assert store.get("a/b.bin") == b"one"
+    assert store.list("a") == ["a/b.bin"]
+    assert store.key_of(uri) == "a/b.bin"
+    with pytest.raises(ObjectMissing):
+        store.get("a/c.bin")
+    for bad in ("", "/abs", "a/../b", "a//b"):
+        with pytest.raises(StoreError):
+            store.put(bad, b"x")
+    assert not [p for p in tmp_path.rglob(".tmp-*")]
+
+
+def test_open_store_urls(tmp_path: Path) -> None:
+    assert isinstance(open_store(f"file://{tmp_path}"), LocalStore)
+    with pytest.raises(ConfigError, match="unsupported URL"):
+        open_store("ftp://x")
+
+
+def tiny_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {
+        "embed.weight": torch.randn(16, 8),
+        "lm_head.weight": torch.randn(16, 8, dtype=torch.bfloat16),
+    }
+
+
+def test_publish_then_fetch_round_trips_and_writes_manifest_last(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    state = tiny_state()
+    pub = publish(
+        store,
+        "run1",
+        1,
+        state,
+        trainer_step=5,
+        parent_version=0,
+        extra_files={"config.json": b"{}"},
+    )
+    prefix = version_prefix("run1", 1)
+    assert prefix == "weights/run1/v00000001"
+    names = [f.name for f in pub.manifest.files]
+    assert names == ["model.safetensors", "config.json"]
+    # manifest.json is the newest file in the version directory (written last)
+    files = sorted((tmp_path / prefix).iterdir(), key=lambda p: p.stat().st_mtime_ns)
+    assert files[-1].name == "manifest.json"
+    ann = pub.announcement()
+    assert (
+        ann.manifest_sha256
+        == hashlib.sha256((tmp_path / prefix / "manifest.json").read_bytes()).hexdigest()
+    )
+    manifest = load_manifest(store, ann)
+    assert manifest == pub.manifest and manifest.total_bytes == ann.total_bytes
+    got = fetch_tensors(store, manifest)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    out = materialize(store, manifest, tmp_path / "hf")
+    assert (out / "model.safetensors").is_file() and (out / "config.json").read_bytes() == b"{}"
+    with pytest.raises(WeightsError, match="already published"):
+        publish(store, "run1", 1, state, trainer_step=5, parent_version=0)
+
+
+def test_sharded_publish_uses_the_hf_index(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    pub = publish(
+        store, "r", 2, tiny_state(), trainer_step=1, parent_version=1, max_shard_bytes=600
+    )
+    names = [f.name for f in pub.manifest.files]
+    assert names == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    assert set(fetch_tensors(store, load_manifest(store, pub.announcement()))) == set(tiny_state())
+
+
+def test_corrupted_file_or_manifest_is_refused(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    pub = publish(store, "r", 1, tiny_state(), trainer_step=1, parent_version=0)
+    weights = tmp_path / version_prefix("r", 1) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.chmod(0o644)
+    weights.write_bytes(bytes(data))
+    manifest = load_manifest(store, pub.announcement())
+    with pytest.raises(WeightsError, match="fails verification"):
+        fetch_tensors(store, manifest)
+    weights.unlink()
+    with pytest.raises(WeightsError, match="not found"):
+        fetch_tensors(store, manifest)
+    bad_ann = pub.announcement().__class__(
+        **{**pub.announcement().to_dict(), "manifest_sha256": "0" * 64}
+    )
+    with pytest.raises(WeightsError, match="sha256"):
+        load_manifest(store, bad_ann)
+    with pytest.raises(WeightsError, match="not a valid manifest"):
+        Manifest.from_json(b"{}")
+
+
+def test_version_tracker_only_moves_forward() -> None:
+    from schemas.records import WeightsAnnouncement
+
+    def ann(v: int, run: str = "r") -> WeightsAnnouncement:
+        return WeightsAnnouncement(
+            run=run, version=v, manifest_uri="u", manifest_sha256="s", trainer_step=v, total_bytes=1
+        )
+
+    t = VersionTracker("r")
+    assert t.accept(ann(1))
+    t.advance(1)
+    assert not t.accept(ann(1)) and not t.accept(ann(0)) and not t.accept(ann(5, "other"))
+    assert t.accept(ann(3)) and t.ignored == 3

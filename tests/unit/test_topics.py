@@ -1,0 +1,47 @@
+"""Topic naming and the bucket → partition layout."""
+
+from __future__ import annotations
+
+import pytest
+
+from srl.topics import Layout
+
+
+def test_names_and_buckets() -> None:
+    layout = Layout("srl", (256, 1024), partitions_per_bucket=3)
+    assert layout.buckets == ["le256", "le1024", "gt1024"]
+    assert [layout.bucket_for(n) for n in (1, 256, 257, 1024, 5000)] == [
+        "le256",
+        "le256",
+        "le1024",
+        "le1024",
+        "gt1024",
+    ]
+    assert layout.prompts("le1024") == "srl.prompts.le1024"
+    assert (layout.trajectories, layout.weights, layout.metrics, layout.dlq) == (
+        "srl.trajectories", "srl.weights", "srl.metrics", "srl.dlq")  # fmt: skip
+    with pytest.raises(ValueError, match="unknown bucket"):
+        layout.prompts("huge")
+
+
+def test_trajectory_partitions_are_grouped_by_bucket_and_stable() -> None:
+    layout = Layout("x", (256, 1024), partitions_per_bucket=3)
+    assert layout.trajectory_partition_count == 9
+    assert list(layout.trajectory_partitions("le1024")) == [3, 4, 5]
+    for i in range(200):
+        tid = f"traj-{i}"
+        for bucket in layout.buckets:
+            p = layout.partition_for(bucket, tid)
+            assert p in layout.trajectory_partitions(bucket)
+            assert p == layout.partition_for(bucket, tid)
+            assert layout.bucket_of_partition(p) == bucket
+    used = {layout.partition_for("le256", f"t{i}") for i in range(100)}
+    assert used == {0, 1, 2}
+
+
+def test_specs_cover_every_topic_and_compact_weights() -> None:
+    specs = {s.name: s for s in Layout("p").specs()}
+    assert set(specs) == {"p.prompts.le256", "p.prompts.le1024", "p.prompts.le4096", "p.prompts.gt4096",
+                          "p.trajectories", "p.weights", "p.metrics", "p.dlq"}  # fmt: skip
+    assert specs["p.weights"].config["cleanup.policy"] == "compact"
+    assert specs["p.trajectories"].partitions == 8
