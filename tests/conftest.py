@@ -12,6 +12,7 @@ records. ``--slow`` runs the tests marked ``slow`` (``make test`` passes it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -49,6 +50,38 @@ def docker_available() -> bool:
         return False
 
 
+KAFKA_IMAGE = "apache/kafka:3.9.1"  # the same image docker-compose.yml pins
+
+
+@contextlib.contextmanager
+def apache_kafka_container() -> Iterator[str]:
+    """Apache Kafka (KRaft, single node) in a container on a free 127.0.0.1 port."""
+    from testcontainers.core.container import DockerContainer
+    from testcontainers.core.wait_strategies import LogMessageWaitStrategy
+
+    from srl.broker import free_port
+
+    port = free_port()
+    container = (
+        DockerContainer(KAFKA_IMAGE)
+        .with_bind_ports(9092, ("127.0.0.1", port))
+        .with_env("KAFKA_NODE_ID", "1")
+        .with_env("KAFKA_PROCESS_ROLES", "broker,controller")
+        .with_env("KAFKA_LISTENERS", "PLAINTEXT://:9092,CONTROLLER://:9093")
+        .with_env("KAFKA_ADVERTISED_LISTENERS", f"PLAINTEXT://127.0.0.1:{port}")
+        .with_env("KAFKA_CONTROLLER_LISTENER_NAMES", "CONTROLLER")
+        .with_env("KAFKA_LISTENER_SECURITY_PROTOCOL_MAP", "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT")
+        .with_env("KAFKA_CONTROLLER_QUORUM_VOTERS", "1@localhost:9093")
+        .with_env("KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR", "1")
+        .with_env("KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR", "1")
+        .with_env("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR", "1")
+        .with_env("KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS", "0")
+        .waiting_for(LogMessageWaitStrategy("Kafka Server started").with_startup_timeout(120))
+    )
+    with container:
+        yield f"127.0.0.1:{port}"
+
+
 @pytest.fixture(scope="session")
 def bootstrap() -> Iterator[str]:
     """host:port of a real broker for the whole session."""
@@ -57,10 +90,8 @@ def bootstrap() -> Iterator[str]:
         yield external
         return
     if os.environ.get("SRL_TEST_CONTAINER") == "1" and docker_available():
-        from testcontainers.kafka import KafkaContainer
-
-        with KafkaContainer("apache/kafka:3.9.1").with_kraft() as kafka:
-            yield kafka.get_bootstrap_server()
+        with apache_kafka_container() as bootstrap:
+            yield bootstrap
         return
     from srl.broker import EmbeddedBroker
 
