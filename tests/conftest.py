@@ -136,3 +136,13 @@ def cli_env(bootstrap: str, prefix: str, tmp_path: Path) -> dict[str, str]:
 def bin_path(name: str) -> str:
     """A console script installed beside the running interpreter."""
     return str(Path(sys.executable).parent / name)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init tiny Qwen2 model + byte-level tokenizer in HF format (built once per session)."""
+    from srl.tinymodel import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2)  # fmt: skip
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), spec, seed=0)
