@@ -1,0 +1,127 @@
+"""The trainer's typed configuration (``[train]`` table, ``SRL_*`` variables, CLI options).
+
+Owns every knob of ``srl-consumer train`` and the cross-field rules between them, checked once
+at load (``TrainConfig`` is a :class:`~srl.config.CommonConfig`, so precedence and error
+messages are the shared ones). Called by ``consumers.cli`` and by tests that build a trainer
+in-process.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from srl.config import CommonConfig
+
+
+class TrainConfig(CommonConfig):
+    """Settings of ``srl-consumer train``."""
+
+    section = "train"
+
+    model: str = Field(
+        "", description="Hugging Face model directory the run starts from (policy version 0)."
+    )
+    reward: str = Field(
+        "consumers.rewards:exact_match",
+        description="Reward function as module:function, called as fn(prompt, completion, metadata) -> float.",
+    )
+    group_id: str | None = Field(
+        None,
+        description="Consumer group on the trajectories topic; null: srl-trainer-{run}.",
+    )
+    # -- algorithm --------------------------------------------------------------------
+    advantage: Literal["grpo", "rloo"] = Field(
+        "grpo",
+        description="Advantage estimator: grpo (group mean/std) or rloo (leave-one-out mean).",
+    )
+    loss: Literal["tis", "ppo", "decoupled"] = Field(
+        "tis",
+        description="Objective: tis (truncated importance-weighted policy gradient), ppo (clip against behaviour), decoupled (decoupled PPO).",
+    )
+    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip: ratio floor is 1 - clip_low.")
+    clip_high: float = Field(0.2, ge=0, description="PPO clip: ratio ceiling is 1 + clip_high.")
+    tis_cap: float = Field(
+        2.0, gt=0, description="Truncation C of the importance weight min(pi/mu, C)."
+    )
+    kl_coef: float = Field(
+        0.0, ge=0, description="Weight of the k3 KL to a frozen copy of --model; 0: no reference."
+    )
+    loss_agg: Literal["token_mean", "seq_mean"] = Field(
+        "token_mean",
+        description="Loss normalisation over a step: per token, or per sequence then per sample.",
+    )
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        description="Sampling temperature of the generators; log-probs are of softmax(logits / T).",
+    )
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm; 0: none.")
+    updates_per_step: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Optimizer updates per batch: 1 streams; more re-run the stored micro-batches (PPO epochs).",
+    )
+    seed: int = Field(0, description="Seed of torch's generators.")
+    # -- staleness and batching ---------------------------------------------------------
+    max_staleness: int = Field(
+        1, ge=0, description="k: the update v -> v+1 may use a trajectory only if v - b <= k."
+    )
+    sync_barrier: bool = Field(
+        False,
+        description="Synchronous baseline: k = 0, wait for the whole batch before any forward pass, publish every step.",
+    )
+    stale_policy: Literal["drop", "correct"] = Field(
+        "drop",
+        description="drop: a group with a stale sample is dropped whole; correct: only stale samples are dropped, the rest train with importance correction.",
+    )
+    groups_per_step: int = Field(
+        4, ge=1, description="Groups per optimizer step (fixed, whatever the timing)."
+    )
+    micro_batch_tokens: int = Field(
+        4096,
+        ge=16,
+        description="Token budget of a micro-batch (padded rows x longest row).",
+    )
+    expire_s: float = Field(
+        300.0,
+        gt=0,
+        description="An incomplete trajectory or group with no new data for this long is expired.",
+    )
+    # -- weights, checkpoints, lifetime -------------------------------------------------
+    publish_every: int = Field(1, ge=1, description="Publish a new policy version every N steps.")
+    checkpoint_every: int = Field(
+        1,
+        ge=1,
+        description="Checkpoint (and commit offsets) every N steps.",
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints kept in the store.")
+    max_steps: int = Field(0, ge=0, description="Stop after this many optimizer steps; 0: never.")
+    idle_exit_s: float = Field(
+        0.0, ge=0, description="Exit after this long with no new record; 0: never."
+    )
+    # -- backend --------------------------------------------------------------------------
+    device: str = Field("auto", description="torch device: auto, cpu, cuda, cuda:N.")
+    backend: Literal["torch", "deepspeed"] = Field(
+        "torch", description="torch: plain torch (any number of ranks); deepspeed: ZeRO."
+    )
+    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage (backend=deepspeed).")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> TrainConfig:
+        if self.sync_barrier and self.max_staleness != 0:
+            raise ValueError("--sync-barrier is the k = 0 baseline; set --max-staleness 0")
+        if self.sync_barrier and self.publish_every != 1:
+            raise ValueError("--sync-barrier publishes every step; set --publish-every 1")
+        if ":" not in self.reward:
+            raise ValueError(f"reward must be module:function, got {self.reward!r}")
+        return self
+
+    @property
+    def consumer_group(self) -> str:
+        return self.group_id or f"srl-trainer-{self.run}"

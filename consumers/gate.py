@@ -1,0 +1,82 @@
+"""The staleness gate, exactly as DESIGN.md defines it, and the group's advantages.
+
+Owns which samples of a complete group may train the update ``v → v+1``:
+
+* ``v`` is the trainer's current policy version (versions it has published), ``b`` a
+  trajectory's behaviour version (the oldest version that produced any of its tokens);
+* a sample may train only if ``v − b ≤ k`` (``max_staleness``); under ``--sync-barrier`` k = 0;
+* ``stale_policy = "drop"``: a group with any stale sample is dropped whole, so every trained
+  group is complete and its advantages come from one policy's samples;
+  ``"correct"``: only the stale samples are dropped; the others train, their advantages
+  computed against the rewards of every scored sample of the group (a reward is a function
+  of the text, so older samples still estimate the baseline), with the loss's importance
+  correction;
+* samples whose reward failed never train and never enter the baseline.
+
+A trajectory from another run's policy lineage (a second trainer reading the lead's stream)
+may have ``b > v``; its staleness is negative and it passes. Pure; called by the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from consumers.groups import Group, Sample
+
+
+def staleness(v: int, b: int) -> int:
+    return v - b
+
+
+def admissible(v: int, b: int, k: int) -> bool:
+    return staleness(v, b) <= k
+
+
+@dataclass
+class Admitted:
+    """The outcome of gating one group at policy version ``v``."""
+
+    group: Group
+    version: int
+    train: list[Sample] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)  # aligned with ``train``
+    stale: list[Sample] = field(default_factory=list)
+
+    @property
+    def trains(self) -> bool:
+        return bool(self.train)
+
+
+def group_advantages(kind: Literal["grpo", "rloo"], rewards: list[float]) -> list[float]:
+    import torch
+
+    from consumers.losses import advantages
+
+    return advantages(kind, torch.tensor(rewards, dtype=torch.float64)).tolist()
+
+
+def gate_group(
+    group: Group,
+    v: int,
+    k: int,
+    policy: Literal["drop", "correct"] = "drop",
+    advantage: Literal["grpo", "rloo"] = "grpo",
+) -> Admitted:
+    """Split a complete group's scored samples into trained (with advantages) and stale."""
+    scored = group.scored()
+    out = Admitted(group, v)
+    fresh = [admissible(v, s.traj.behaviour_version, k) for s in scored]
+    if policy == "drop" and not all(fresh):
+        out.stale = scored
+        return out
+    if not scored:
+        return out
+    adv = group_advantages(advantage, [s.reward for s in scored])  # type: ignore[misc]
+    for s, a, ok in zip(scored, adv, fresh, strict=True):
+        if ok:
+            out.train.append(s)
+            out.advantages.append(a)
+        else:
+            out.stale.append(s)
+    return out

@@ -1,0 +1,84 @@
+"""Chunk factories for trainer tests: trajectories cut into ``TrajectoryChunk`` records.
+
+``traj_chunks`` cuts one completion into chunks the way a generator worker does (seq from 0,
+token offsets, prompt tokens and metadata on seq 0, ``is_last`` on the final chunk), with a
+policy version per chunk; ``group_chunks`` makes the ``n`` samples of one prompt, and
+``produce`` writes records to the trajectories topic partition of their bucket.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+
+from schemas.records import TrajectoryChunk, encode, pack_logprobs, pack_tokens
+
+
+def traj_chunks(
+    prompt_id: str,
+    sample_index: int,
+    group_size: int,
+    prompt: Sequence[int],
+    completion: Sequence[int],
+    *,
+    chunk_tokens: int = 4,
+    versions: Sequence[int] | int = 0,
+    logprobs: Sequence[float] | None = None,
+    metadata: dict[str, Any] | None = None,
+    trajectory_id: str | None = None,
+    bucket: str = "le256",
+    worker_id: str = "w0",
+) -> list[TrajectoryChunk]:
+    tid = trajectory_id or uuid.uuid4().hex
+    lp = np.full(len(completion), -1.0, np.float32) if logprobs is None else np.asarray(logprobs)
+    spans = [
+        (o, min(o + chunk_tokens, len(completion))) for o in range(0, len(completion), chunk_tokens)
+    ]
+    spans = spans or [(0, 0)]
+    vers = [versions] * len(spans) if isinstance(versions, int) else list(versions)
+    assert len(vers) == len(spans), f"{len(spans)} chunks need {len(spans)} versions"
+    out = []
+    for seq, ((a, b), v) in enumerate(zip(spans, vers, strict=True)):
+        last = seq == len(spans) - 1
+        out.append(TrajectoryChunk(
+            trajectory_id=tid, prompt_id=prompt_id, task_id=f"task-{prompt_id}", sample_index=sample_index,
+            group_size=group_size, seq=seq, token_offset=a, tokens=pack_tokens(completion[a:b]),
+            logprobs=pack_logprobs(lp[a:b]), policy_version=v, is_last=last, worker_id=worker_id,
+            bucket=bucket, started_ms=1, finish_reason="stop" if last else None,
+            prompt_tokens=pack_tokens(prompt) if seq == 0 else None,
+            metadata=orjson.dumps(metadata).decode() if seq == 0 and metadata is not None else None,
+        ))  # fmt: skip
+    return out
+
+
+def text_ids(text: str) -> list[int]:
+    """Token ids of the tiny model's byte-level tokenizer (byte b -> id b + 4, after 4 specials)."""
+    return [b + 4 for b in text.encode()]
+
+
+def group_chunks(
+    prompt_id: str,
+    completions: Sequence[Sequence[int]],
+    prompt: Sequence[int] = (5, 6, 7),
+    **kw: Any,
+) -> list[list[TrajectoryChunk]]:
+    n = len(completions)
+    return [traj_chunks(prompt_id, i, n, prompt, c, **kw) for i, c in enumerate(completions)]
+
+
+def produce(cfg: Any, chunks: Sequence[TrajectoryChunk], extra: Sequence[bytes] = ()) -> None:
+    """Write chunks (and raw ``extra`` values) to the trajectories topic, in order."""
+    from srl.kafka import Producer
+    from srl.topics import Layout
+
+    layout = Layout.from_config(cfg)
+    with Producer(cfg, "test") as p:
+        for c in chunks:
+            p.produce(layout.trajectories, encode(c), key=c.trajectory_id,
+                      partition=layout.partition_for(c.bucket, c.trajectory_id))  # fmt: skip
+        for raw in extra:
+            p.produce(layout.trajectories, raw, key=b"bad", partition=0)
