@@ -69,6 +69,10 @@ def config_from(cls: type[C], kwargs: dict[str, Any], **extra: Any) -> C:
         cli[key] = parse_kv(list(kwargs[opt])) if key == "kafka" else kwargs[opt]
     cli.update({k: v for k, v in extra.items() if v is not None})
     cfg = load_config(cls, file=kwargs.get("config"), cli=cli)
+    if cfg.store.startswith("s3://"):  # open_store("s3://…") uses these from here on
+        from srl.s3store import S3Settings, configure
+
+        configure(S3Settings.from_config(cfg))
     if cfg.schema_registry_url:  # records use Confluent framing from here on
         from schemas.codec import Codec
         from schemas.records import set_default_codec

@@ -53,6 +53,24 @@ class CommonConfig(BaseModel):
         "file://runs/store",
         description="Object store URL: file://DIR (relative paths from the working directory) or s3://bucket/prefix.",
     )
+    s3_endpoint_url: str | None = Field(
+        None,
+        description="S3 endpoint for s3:// stores (MinIO, Ceph …); null: AWS_ENDPOINT_URL or AWS itself.",
+    )
+    s3_region: str | None = Field(
+        None, description="S3 region; null: AWS_REGION or boto3's default."
+    )
+    s3_profile: str | None = Field(
+        None,
+        description="AWS profile with the S3 credentials; null: AWS_PROFILE / the AWS variables.",
+    )
+    s3_addressing_style: Literal["auto", "path", "virtual"] = Field(
+        "auto", description="S3 bucket addressing; auto: path style when s3_endpoint_url is set."
+    )
+    s3_create_only: Literal["auto", "conditional", "check-then-put"] = Field(
+        "auto",
+        description="How S3 puts stay create-only: If-None-Match (conditional), HEAD then PUT, or auto (probe).",
+    )
     schema_registry_url: str | None = Field(
         None, description="Confluent Schema Registry URL; null: Avro single-object encoding."
     )

@@ -165,10 +165,8 @@ def open_store(url: str) -> ObjectStore:
     if url.startswith("file://"):
         return LocalStore(url[len("file://") :] or ".")
     if url.startswith("s3://"):
-        try:
-            from srl.s3store import S3Store
-        except ImportError:
-            raise ConfigError("store: s3:// stores are not available in this build") from None
+        from srl.s3store import S3Store
+
         return S3Store.from_url(url)
     if "://" not in url:
         return LocalStore(url)
@@ -182,4 +180,9 @@ def store_for_uri(uri: str, default: ObjectStore | None = None) -> tuple[ObjectS
     if uri.startswith("file://"):
         path = Path(uri[len("file://") :])
         return LocalStore(path.parent), path.name
+    if uri.startswith("s3://"):
+        from srl.s3store import S3Store, parse_url
+
+        bucket, key = parse_url(uri)
+        return S3Store(bucket), key
     raise StoreError(f"cannot open object {uri}: not in the configured store")

@@ -146,3 +146,26 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2)  # fmt: skip
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), spec, seed=0)
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[object]:
+    """A local S3-compatible server (moto, server mode) on a free 127.0.0.1 port."""
+    from tests.s3server import MotoServer
+
+    with MotoServer() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_url(s3_server, monkeypatch: pytest.MonkeyPatch) -> str:  # type: ignore[no-untyped-def]
+    """``s3://BUCKET/store`` on a fresh bucket; the AWS variables and the endpoint are set."""
+    from srl import s3store
+    from tests.s3server import TEST_CREDENTIALS
+
+    for k, v in TEST_CREDENTIALS.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(s3store, "_defaults", s3store.S3Settings(endpoint_url=s3_server.endpoint))
+    bucket = f"srl-{uuid.uuid4().hex[:12]}"
+    s3_server.make_bucket(bucket)
+    return f"s3://{bucket}/store"

@@ -1,0 +1,272 @@
+"""The S3 store against a local S3-compatible server (moto, server mode), and the weights
+protocol through it with a real broker, crashes included."""
+
+from __future__ import annotations
+
+import http.client
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from srl.errors import ConfigError, StoreError
+from srl.s3store import S3Settings, S3Store, parse_url
+from srl.store import (
+    LocalStore,
+    ObjectExists,
+    ObjectMissing,
+    ObjectStore,
+    open_store,
+    store_for_uri,
+)
+from srl.weights import fetch_tensors, load_manifest, read_announcements, version_prefix
+from tests.s3server import TEST_CREDENTIALS
+
+
+@pytest.fixture(params=["local", "s3"])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    if request.param == "local":
+        return LocalStore(tmp_path / "store")
+    return open_store(request.getfixturevalue("s3_url"))
+
+
+def test_store_contract(any_store: ObjectStore) -> None:
+    store = any_store
+    uri = store.put("a/b.bin", b"one")
+    assert uri == store.uri("a/b.bin") and store.key_of(uri) == "a/b.bin"
+    assert store.get("a/b.bin") == b"one" and store.exists("a/b.bin")
+    with pytest.raises(ObjectExists):
+        store.put("a/b.bin", b"two")
+    with pytest.raises(ObjectExists):  # identical bytes from a second put are refused too
+        store.put("a/b.bin", b"one")
+    assert store.get("a/b.bin") == b"one"
+    store.put("a/c/d.bin", b"")
+    store.put("ab.bin", b"x")
+    assert store.list("a") == ["a/b.bin", "a/c/d.bin"]
+    assert store.list() == ["a/b.bin", "a/c/d.bin", "ab.bin"]
+    assert store.list("nothing") == []
+    with pytest.raises(ObjectMissing):
+        store.get("a/missing.bin")
+    assert not store.exists("a/missing.bin")
+    for bad in ("", "/abs", "a/../b", "a//b"):
+        with pytest.raises(StoreError):
+            store.put(bad, b"x")
+    store.delete("ab.bin")
+    store.delete("ab.bin")  # deleting what is not there is not an error
+    assert not store.exists("ab.bin")
+    other, key = store_for_uri(uri)
+    assert key.endswith("b.bin") and other.get(key) == b"one"
+
+
+def test_s3_url_parsing_and_uris(s3_url: str) -> None:
+    assert parse_url("s3://bkt/a/b/") == ("bkt", "a/b")
+    assert parse_url("s3://bkt") == ("bkt", "")
+    for bad in ("s3://", "s3:///x", "s3://b@d/x", "s3://bkt/a/../b"):
+        with pytest.raises(ConfigError):
+            parse_url(bad)
+    store = S3Store.from_url(s3_url)
+    assert store.uri("k") == f"{s3_url}/k"
+    with pytest.raises(StoreError, match="is not in store"):
+        store.key_of("s3://elsewhere/k")
+
+
+def test_list_pages_through_many_keys(s3_url: str) -> None:
+    store = S3Store.from_url(s3_url)
+    store.list_page_size = 2
+    keys = [f"p/{i:02d}" for i in range(7)]
+    for k in keys:
+        store.put(k, b"x")
+    assert store.list("p") == keys
+
+
+def test_conditional_put_is_detected_and_a_retried_put_of_ours_counts_as_done(
+    s3_url: str,
+) -> None:
+    store = S3Store.from_url(s3_url)
+    assert store.create_only_mode() == "conditional"
+    assert store.list() == []  # the probe object is gone
+    # boto3 retries a put whose answer was lost; the retry carries the same put id and gets
+    # 412 from its own first attempt. Two puts with one id stand for that.
+    store._new_put_id = lambda: "retried"  # type: ignore[method-assign]
+    store.put("k", b"first")
+    store.put("k", b"first")  # 412, but the object there is ours: done
+    assert store._put_id("k") == "retried"
+    store._new_put_id = lambda: "someone-else"  # type: ignore[method-assign]
+    with pytest.raises(ObjectExists):
+        store.put("k", b"first")
+
+
+class _StripIfNoneMatch(BaseHTTPRequestHandler):
+    """A proxy in front of the S3 server that drops If-None-Match: a server that ignores it."""
+
+    upstream: tuple[str, int] = ("127.0.0.1", 0)
+    protocol_version = "HTTP/1.1"  # answers boto3's "Expect: 100-continue" at once
+
+    def _forward(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        headers = {k: v for k, v in self.headers.items() if k.lower() != "if-none-match"}
+        conn = http.client.HTTPConnection(*self.upstream, timeout=30)
+        conn.request(self.command, self.path, body=body, headers=headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        self.send_response(resp.status)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+        conn.close()
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def ignoring_endpoint(s3_server) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    handler = type("H", (_StripIfNoneMatch,), {"upstream": ("127.0.0.1", s3_server.port)})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_server_that_ignores_if_none_match_falls_back_to_check_then_put(
+    s3_url: str, ignoring_endpoint: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    bucket, prefix = parse_url(s3_url)
+    store = S3Store(bucket, prefix, S3Settings(endpoint_url=ignoring_endpoint))
+    assert store.create_only_mode() == "check-then-put"
+    assert "ignores If-None-Match" in caplog.text
+    store.put("k", b"one")
+    with pytest.raises(ObjectExists):
+        store.put("k", b"two")
+    assert store.get("k") == b"one" and store.list() == ["k"]
+    # Pinning the mode skips the probe; "conditional" on such a server would overwrite, which
+    # is why auto probes first.
+    pinned = S3Store(bucket, prefix, S3Settings(endpoint_url=ignoring_endpoint,
+                                                create_only="check-then-put"))  # fmt: skip
+    with pytest.raises(ObjectExists):
+        pinned.put("k", b"three")
+
+
+def test_errors_are_one_line(s3_server, s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    missing = S3Store("no-such-bucket-here", "x", S3Settings(endpoint_url=s3_server.endpoint,
+                                                             create_only="conditional"))  # fmt: skip
+    with pytest.raises(StoreError, match="bucket no-such-bucket-here does not exist"):
+        missing.put("k", b"x")
+    from srl.broker import free_port
+
+    dead = S3Store("bkt", "", S3Settings(endpoint_url=f"http://127.0.0.1:{free_port()}",
+                                         connect_timeout_s=0.5, create_only="conditional"))  # fmt: skip
+    with pytest.raises(StoreError, match="cannot get k in s3://bkt") as e:
+        dead.get("k")
+    assert "\n" not in str(e.value)
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    nocreds = S3Store.from_url(s3_url)
+    with pytest.raises(StoreError, match="no S3 credentials"):
+        nocreds.get("k")
+
+
+def test_config_from_installs_the_s3_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from srl import s3store
+    from srl.cli_common import config_from
+    from srl.config import CommonConfig
+
+    monkeypatch.setattr(s3store, "_defaults", S3Settings())
+    monkeypatch.setenv("SRL_S3_ENDPOINT_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("SRL_S3_CREATE_ONLY", "check-then-put")
+    cfg = config_from(CommonConfig, {"store": "s3://bkt/p"})
+    assert cfg.s3_endpoint_url == "http://127.0.0.1:1"
+    assert s3store._defaults.endpoint_url == "http://127.0.0.1:1"
+    assert s3store._defaults.create_only == "check-then-put"
+    with pytest.raises(ConfigError, match="s3_create_only"):
+        config_from(CommonConfig, {"store": "s3://bkt/p"}, s3_create_only="sometimes")
+
+
+# -- the weights protocol through S3, with crashes ---------------------------------------------
+
+PUBLISHER = r"""
+import os, signal, sys
+import torch
+from srl.config import CommonConfig, load_config
+from srl.kafka import Producer
+from srl.s3store import S3Settings, S3Store
+from srl.topics import Layout
+from srl.weights import announce, publish
+
+crash_at, version = sys.argv[1], int(sys.argv[2])
+cfg = load_config(CommonConfig)
+
+class CrashingStore(S3Store):
+    def put(self, key, data):
+        if crash_at == "before-manifest" and key.endswith("manifest.json"):
+            os.kill(os.getpid(), signal.SIGKILL)  # the shards are up, the manifest is not
+        return super().put(key, data)
+
+store = CrashingStore.from_url(cfg.store, S3Settings.from_config(cfg))
+torch.manual_seed(version)
+tensors = {"w": torch.randn(64, 32), "b": torch.randn(32)}
+pub = publish(store, cfg.run, version, tensors, trainer_step=version, parent_version=version - 1,
+              extra_files={"config.json": b"{}"}, max_shard_bytes=4096)
+if crash_at == "before-announce":
+    os.kill(os.getpid(), signal.SIGKILL)  # the manifest is up, the announcement is not
+with Producer(cfg) as producer:
+    announce(producer, Layout.from_config(cfg), pub)
+"""
+
+
+@pytest.mark.slow
+def test_weights_protocol_through_s3_survives_crashes(  # type: ignore[no-untyped-def]
+    s3_server, s3_url: str, make_cfg, cli_env: dict[str, str]
+) -> None:
+    from srl.kafka import create_topics
+    from srl.topics import Layout
+
+    cfg = make_cfg(store=s3_url, s3_endpoint_url=s3_server.endpoint, run="r1")
+    create_topics(cfg)
+    env = {**cli_env, **TEST_CREDENTIALS, "SRL_STORE": s3_url, "SRL_RUN": "r1",
+           "SRL_S3_ENDPOINT_URL": s3_server.endpoint}  # fmt: skip
+
+    def publisher(crash_at: str, version: int) -> int:
+        p = subprocess.run([sys.executable, "-c", PUBLISHER, crash_at, str(version)], env=env,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert p.returncode in (0, -9), p.stderr
+        return p.returncode
+
+    assert publisher("none", 1) == 0
+    assert publisher("before-manifest", 2) == -9
+    assert publisher("before-announce", 3) == -9
+    assert publisher("none", 4) == 0
+
+    store = S3Store.from_url(s3_url, S3Settings(endpoint_url=s3_server.endpoint))
+    v2, v3 = store.list(version_prefix("r1", 2)), store.list(version_prefix("r1", 3))
+    assert v2 and not any(k.endswith("manifest.json") for k in v2)  # crashed mid-upload
+    assert any(k.endswith("manifest.json") for k in v3)  # crashed before announcing
+    anns = read_announcements(cfg, Layout.from_config(cfg))
+    assert sorted(a.version for a in anns) == [1, 4]
+    for ann in anns:  # every announced version is complete and verifies
+        manifest = load_manifest(store, ann)
+        assert len(manifest.files) > 2  # sharded: several objects per version
+        torch.manual_seed(ann.version)
+        expected = {"w": torch.randn(64, 32), "b": torch.randn(32)}
+        got = fetch_tensors(store, manifest)
+        assert all(torch.equal(got[k], v) for k, v in expected.items())
+    assert all(a.manifest_uri.startswith(s3_url) for a in anns)
