@@ -1,0 +1,187 @@
+"""Simulated generation makespan: random dispatch + FIFO vs ranker dispatch + LPT vs oracle.
+
+SIMULATED: time comes from the per-token-latency model ``PTL(BS)`` (``ranker.schedule``,
+the same model the ``sim`` engine paces itself with), not from running a model. Prefill and
+network time are not modelled. Everything here is labelled simulated where it is reported.
+
+Model of one generator instance (continuous batching): it holds a queue of samples and runs
+up to ``cap`` of them at once; each decode step advances every running sample by one token
+and takes ``PTL(running)`` ms; a finished sample's slot is refilled from the head of the
+queue at once. An iteration's makespan is the time its slowest instance finishes.
+Skewness matters only in the multi-round regime (an instance holds more than ``cap``).
+
+Policies, for one batch of samples with true lengths ``L`` and predictions ``P``:
+
+* ``random_fifo``: shuffle, deal out evenly over all ``N`` instances (cap ``B_max``), FIFO.
+* ``skew_aware``: Algorithm 2 (``plan_pools``) on ``P`` with ``L_regular``/``L_longtail`` from
+  the previous iteration's actual lengths; each pool's prompts balanced over its instances by
+  predicted tokens; longest-predicted-first inside each instance; each pool runs at its
+  planned batch cap.
+* oracle: ``skew_aware`` with ``P = L``.
+
+Called by ``srl ranker simulate`` and the tests.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from ranker.schedule import PoolPlan, PtlModel, balance, history_lengths, plan_pools, split_longtail
+
+
+def instance_makespan(lengths: np.ndarray, cap: int, ptl: PtlModel) -> float:
+    """Seconds for one instance to finish ``lengths`` admitted in the given order."""
+    if cap < 1:
+        raise ValueError("batch cap must be >= 1")
+    queue = [int(x) for x in lengths]
+    running: list[int] = []  # heap of the decode step at which each running sample finishes
+    step, t_ms, nxt = 0, 0.0, 0
+    while nxt < len(queue) or running:
+        while nxt < len(queue) and len(running) < cap:
+            heapq.heappush(running, step + max(1, queue[nxt]))
+            nxt += 1
+        finish = running[0]
+        t_ms += (finish - step) * ptl(len(running))
+        step = finish
+        while running and running[0] == step:
+            heapq.heappop(running)
+    return t_ms / 1000.0
+
+
+@dataclass(frozen=True)
+class SimResult:
+    makespan_s: float
+    plan: PoolPlan | None = None
+
+
+def random_fifo(
+    true: np.ndarray, instances: int, b_max: int, ptl: PtlModel, rng: np.random.Generator
+) -> SimResult:
+    order = rng.permutation(len(true))
+    spans = [instance_makespan(true[order[i::instances]], b_max, ptl) for i in range(instances)]
+    return SimResult(max(spans))
+
+
+def skew_aware(
+    true: np.ndarray,
+    pred: np.ndarray,
+    history: np.ndarray,
+    instances: int,
+    b_max: int,
+    ptl: PtlModel,
+    alpha: float = 0.2,
+    q_typical: float = 0.5,
+    q_tail: float = 0.9,
+    allow_shared: bool = True,
+    plan: PoolPlan | None = None,
+) -> SimResult:
+    """Ranker dispatch + LPT; ``plan`` overrides Algorithm 2's split (for split sweeps)."""
+    lt = split_longtail(pred, alpha)
+    if plan is None:
+        lengths = history_lengths(history, alpha, q_typical, q_tail)
+        n_lt = int(lt.sum())
+        plan = plan_pools(n_lt, len(lt) - n_lt, instances, lengths, ptl, b_max, allow_shared)
+    pools = [(np.flatnonzero(lt), plan.longtail_instances, plan.longtail_batch),
+             (np.flatnonzero(~lt), plan.regular_instances, plan.regular_batch)]  # fmt: skip
+    if plan.longtail_instances == 0:  # no split: everything is regular
+        pools = [(np.arange(len(true)), plan.regular_instances, plan.regular_batch)]
+    spans = [0.0]
+    for idx, n_inst, cap in pools:
+        if len(idx) == 0:
+            continue
+        for members in balance(pred[idx], n_inst):
+            sel = idx[members]  # balance() returns each instance's list longest-predicted-first
+            spans.append(instance_makespan(true[sel], max(1, cap), ptl))
+    return SimResult(max(spans), plan)
+
+
+def lower_bound(true: np.ndarray, instances: int, b_max: int, ptl: PtlModel) -> float:
+    """WORKLOAD.md's generation bound: max(longest·PTL(1), tokens·PTL(B_max)/(N·B_max))."""
+    longest = float(np.max(true)) * ptl(1)
+    throughput = float(np.sum(true)) * ptl(b_max) / (instances * b_max)
+    return max(longest, throughput) / 1000.0
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """One simulated regime (all times SIMULATED from ``ptl``)."""
+
+    instances: int = 16
+    b_max: int = 32
+    batch: int = 2048
+    alpha: float = 0.2
+    iterations: int = 20
+    seed: int = 0
+    ptl: PtlModel = PtlModel()
+
+    def rounds(self) -> float:
+        """Samples per instance over the batch cap: above 1 is the multi-round regime."""
+        return self.batch / (self.instances * self.b_max)
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    a = np.asarray(values)
+    return {"mean": float(a.mean()), "std": float(a.std())}
+
+
+def compare(true_pool: np.ndarray, pred_pool: np.ndarray, s: SimSettings) -> dict[str, object]:
+    """Makespans of random + FIFO, ranker dispatch + LPT and oracle dispatch + LPT.
+
+    ``true_pool``/``pred_pool`` are paired true lengths (already on the workload's scale) and
+    ranker predictions; each iteration draws ``batch`` pairs with replacement, and the true
+    lengths of a separate draw stand in for the previous iteration's history. Ratios are per
+    iteration against random + FIFO on the same batch, then averaged.
+    """
+    rng = np.random.default_rng(s.seed)
+    n = len(true_pool)
+    base: list[float] = []
+    rank: list[float] = []
+    orac: list[float] = []
+    bound: list[float] = []
+    r_ratio: list[float] = []
+    o_ratio: list[float] = []
+    b_ratio: list[float] = []
+    plans: dict[str, int] = {}
+    for _ in range(s.iterations):
+        idx = rng.integers(0, n, s.batch)
+        history = true_pool[rng.integers(0, n, s.batch)]
+        true, pred = true_pool[idx], pred_pool[idx].astype(np.float64)
+        b = random_fifo(true, s.instances, s.b_max, s.ptl, rng).makespan_s
+        r = skew_aware(true, pred, history, s.instances, s.b_max, s.ptl, s.alpha)
+        o = skew_aware(true, true.astype(np.float64), history, s.instances, s.b_max, s.ptl, s.alpha)
+        lb = lower_bound(true, s.instances, s.b_max, s.ptl)
+        for acc, v in ((base, b), (rank, r.makespan_s), (orac, o.makespan_s), (bound, lb)):
+            acc.append(v)
+        for acc, v in ((r_ratio, r.makespan_s), (o_ratio, o.makespan_s), (b_ratio, lb)):
+            acc.append(v / b)
+        assert r.plan is not None
+        key = f"{r.plan.longtail_instances}x{r.plan.longtail_batch}+{r.plan.regular_instances}x{r.plan.regular_batch}"
+        plans[key] = plans.get(key, 0) + 1
+    return {
+        "simulated": True,
+        "settings": {
+            "instances": s.instances,
+            "b_max": s.b_max,
+            "batch": s.batch,
+            "alpha": s.alpha,
+            "iterations": s.iterations,
+            "seed": s.seed,
+            "rounds": s.rounds(),
+            "ptl_ms": f"{s.ptl.a_ms} + {s.ptl.b_ms}*BS",
+        },  # fmt: skip
+        "makespan_s": {
+            "random_fifo": _stats(base),
+            "ranker_lpt": _stats(rank),
+            "oracle_lpt": _stats(orac),
+            "lower_bound": _stats(bound),
+        },  # fmt: skip
+        "ratio_vs_random_fifo": {
+            "ranker_lpt": _stats(r_ratio),
+            "oracle_lpt": _stats(o_ratio),
+            "lower_bound": _stats(b_ratio),
+        },  # fmt: skip
+        "ranker_plans": plans,  # "{longtail instances}x{batch}+{regular instances}x{batch}": count
+    }
