@@ -127,13 +127,16 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"mean": float(a.mean()), "std": float(a.std())}
 
 
-def compare(true_pool: np.ndarray, pred_pool: np.ndarray, s: SimSettings) -> dict[str, object]:
+def compare(
+    true_pool: np.ndarray, pred_pool: np.ndarray | None, s: SimSettings
+) -> dict[str, object]:
     """Makespans of random + FIFO, ranker dispatch + LPT and oracle dispatch + LPT.
 
     ``true_pool``/``pred_pool`` are paired true lengths (already on the workload's scale) and
     ranker predictions; each iteration draws ``batch`` pairs with replacement, and the true
     lengths of a separate draw stand in for the previous iteration's history. Ratios are per
-    iteration against random + FIFO on the same batch, then averaged.
+    iteration against random + FIFO on the same batch, then averaged. Without ``pred_pool``
+    only the oracle and the bound are reported.
     """
     rng = np.random.default_rng(s.seed)
     n = len(true_pool)
@@ -148,10 +151,13 @@ def compare(true_pool: np.ndarray, pred_pool: np.ndarray, s: SimSettings) -> dic
     for _ in range(s.iterations):
         idx = rng.integers(0, n, s.batch)
         history = true_pool[rng.integers(0, n, s.batch)]
-        true, pred = true_pool[idx], pred_pool[idx].astype(np.float64)
+        true = true_pool[idx]
         b = random_fifo(true, s.instances, s.b_max, s.ptl, rng).makespan_s
-        r = skew_aware(true, pred, history, s.instances, s.b_max, s.ptl, s.alpha)
         o = skew_aware(true, true.astype(np.float64), history, s.instances, s.b_max, s.ptl, s.alpha)
+        r = o
+        if pred_pool is not None:
+            pred = pred_pool[idx].astype(np.float64)
+            r = skew_aware(true, pred, history, s.instances, s.b_max, s.ptl, s.alpha)
         lb = lower_bound(true, s.instances, s.b_max, s.ptl)
         for acc, v in ((base, b), (rank, r.makespan_s), (orac, o.makespan_s), (bound, lb)):
             acc.append(v)
@@ -160,7 +166,7 @@ def compare(true_pool: np.ndarray, pred_pool: np.ndarray, s: SimSettings) -> dic
         assert r.plan is not None
         key = f"{r.plan.longtail_instances}x{r.plan.longtail_batch}+{r.plan.regular_instances}x{r.plan.regular_batch}"
         plans[key] = plans.get(key, 0) + 1
-    return {
+    report: dict[str, object] = {
         "simulated": True,
         "settings": {
             "instances": s.instances,
@@ -185,3 +191,8 @@ def compare(true_pool: np.ndarray, pred_pool: np.ndarray, s: SimSettings) -> dic
         },  # fmt: skip
         "ranker_plans": plans,  # "{longtail instances}x{batch}+{regular instances}x{batch}": count
     }
+    if pred_pool is None:  # no ranker: the "ranker" runs above were the oracle's
+        for key in ("makespan_s", "ratio_vs_random_fifo"):
+            del report[key]["ranker_lpt"]  # type: ignore[attr-defined]
+        report["oracle_plans"] = report.pop("ranker_plans")
+    return report

@@ -170,4 +170,13 @@ def demo(trajectories: int, **kw: Any) -> None:
     run_smoke(cfg, trajectories, external=external)
 
 
+# -- ranker (ranker/cli.py) ----------------------------------------------------------------
+def _add_ranker() -> None:
+    from ranker.cli import ranker
+
+    cli.add_command(ranker)
+
+
+_add_ranker()
+
 main = run_main(cli, "srl")

@@ -1,0 +1,239 @@
+"""Online ranker training from the trajectories topic: (prompt, actual length) pairs → versions.
+
+Owns ``srl ranker train --online``. The trajectories topic already carries what the ranker
+needs: a trajectory's seq-0 chunk has ``prompt_tokens`` (and the ``predicted_length`` it was
+dispatched with), and its final chunk gives the length (``token_offset + tokens``). The
+ranker reads it in its own consumer group, so it never slows the generators or the trainer.
+
+Loop, in this order:
+
+1. poll chunks; ``PairCollector.add`` returns a pair once both ends of a trajectory are seen
+   (either order: a migrated trajectory's tail lands on another bucket's partitions);
+2. after every ``retrain_every`` new pairs (and at least ``min_pairs`` in the window), fit on
+   the sliding window of the most recent ``window`` pairs, warm-started from the latest
+   published version, so the ranker follows the policy's drift;
+3. publish the version (``ranker.publish``: files, manifest last);
+4. only then commit the consumer offsets of the chunks that went into it.
+
+A record that does not decode goes to the DLQ and is counted. Prompt tokens are turned back
+into text with the policy's tokenizer (``--model DIR``), because the dispatcher predicts from
+the rendered prompt text.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from schemas.records import TrajectoryChunk
+
+if TYPE_CHECKING:
+    from ranker.config import RankerConfig
+    from ranker.model import LengthRanker
+
+log = logging.getLogger("srl.ranker")
+
+
+@dataclass(frozen=True)
+class Pair:
+    trajectory_id: str
+    prompt_tokens: bytes
+    length: int
+    predicted_length: int | None
+
+
+@dataclass
+class _Half:
+    prompt_tokens: bytes | None = None
+    predicted: int | None = None
+    length: int | None = None
+
+
+@dataclass
+class PairCollector:
+    """Joins a trajectory's seq-0 chunk and its final chunk into one ``Pair``, exactly once.
+
+    Bounded: at most ``max_open`` half-seen trajectories are kept (the oldest is forgotten and
+    counted in ``evicted``), and the last ``max_done`` finished ids are remembered so that a
+    redelivered chunk does not make a second pair. Aborted trajectories make no pair.
+    """
+
+    max_open: int = 100_000
+    max_done: int = 200_000
+    evicted: int = 0
+    duplicates: int = 0
+    _open: OrderedDict[str, _Half] = field(default_factory=OrderedDict)
+    _done: OrderedDict[str, None] = field(default_factory=OrderedDict)
+
+    def add(self, c: TrajectoryChunk) -> Pair | None:
+        tid = c.trajectory_id
+        if tid in self._done:
+            self.duplicates += 1
+            return None
+        half = self._open.get(tid)
+        if half is None:
+            half = self._open[tid] = _Half()
+            if len(self._open) > self.max_open:
+                self._open.popitem(last=False)
+                self.evicted += 1
+        if c.seq == 0 and c.prompt_tokens is not None:
+            half.prompt_tokens, half.predicted = c.prompt_tokens, c.predicted_length
+        if c.is_last:
+            if c.finish_reason == "abort":
+                self._open.pop(tid, None)
+                return None
+            half.length = c.token_offset + c.n_tokens
+        if half.prompt_tokens is None or half.length is None:
+            return None
+        del self._open[tid]
+        self._done[tid] = None
+        if len(self._done) > self.max_done:
+            self._done.popitem(last=False)
+        return Pair(tid, half.prompt_tokens, half.length, half.predicted)
+
+
+@dataclass
+class TrainWindow:
+    """The most recent ``window`` (text, length) pairs and when to retrain."""
+
+    window: int = 4000
+    retrain_every: int = 500
+    min_pairs: int = 200
+    since_fit: int = 0
+    # (prompt text, actual length, dispatch-time prediction or nan), oldest first
+    pairs: deque[tuple[str, int, float]] = field(default_factory=deque)
+
+    def add(self, text: str, length: int, predicted: int | None) -> None:
+        self.pairs.append((text, length, float("nan") if predicted is None else float(predicted)))
+        if len(self.pairs) > self.window:
+            self.pairs.popleft()
+        self.since_fit += 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.array([p[1] for p in self.pairs], dtype=np.float64)
+
+    @property
+    def predicted(self) -> np.ndarray:
+        return np.array([p[2] for p in self.pairs], dtype=np.float64)
+
+    def due(self) -> bool:
+        return self.since_fit >= self.retrain_every and len(self.pairs) >= self.min_pairs
+
+    def arrays(self) -> tuple[list[str], np.ndarray]:
+        return [p[0] for p in self.pairs], self.lengths
+
+
+def live_report(window: TrainWindow) -> dict[str, float | int] | None:
+    """Ranking quality of the predictions the dispatcher actually made, on the window."""
+    from ranker.metrics import ranking_report
+
+    pred = window.predicted
+    ok = ~np.isnan(pred)
+    if ok.sum() < 20:
+        return None
+    return ranking_report(window.lengths[ok], pred[ok])
+
+
+def decoder_for(model_dir: str | None) -> Callable[[bytes], str]:
+    """Token bytes → prompt text, with the policy's tokenizer (the tiny byte-level one if None)."""
+    from schemas.records import unpack_tokens
+    from srl.tinymodel import build_tokenizer, load_tokenizer
+
+    tok = load_tokenizer(model_dir) if model_dir else build_tokenizer()
+
+    def decode(data: bytes) -> str:
+        return str(tok.decode(unpack_tokens(data).tolist(), skip_special_tokens=True))
+
+    return decode
+
+
+def idle(last_progress: float, idle_timeout_s: float | None) -> bool:
+    return idle_timeout_s is not None and time.monotonic() - last_progress > idle_timeout_s
+
+
+def run_online(
+    cfg: RankerConfig,
+    max_versions: int | None = None,
+    idle_timeout_s: float | None = None,
+    on_version: Callable[[LengthRanker, dict[str, float]], None] | None = None,
+) -> int:
+    """Consume trajectories and publish versions until ``max_versions`` or ``idle_timeout_s``
+    without a new pair; returns the number of versions published."""
+    from confluent_kafka import Consumer
+
+    from ranker.model import LengthRanker
+    from ranker.publish import RankerFollower, publish
+    from schemas.codec import SchemaError
+    from schemas.records import decode_as
+    from srl.kafka import Producer, consumer_settings, wait_for_broker
+    from srl.metrics import Metrics, dead_letter
+    from srl.store import open_store
+    from srl.topics import Layout
+
+    wait_for_broker(cfg)
+    layout = Layout.from_config(cfg)
+    store = open_store(cfg.store)
+    decode_prompt = decoder_for(cfg.model_dir)
+    collector, window = PairCollector(), TrainWindow(cfg.window, cfg.retrain_every, cfg.min_pairs)
+    follower = RankerFollower(store, cfg.run)
+    consumer = Consumer(consumer_settings(cfg, cfg.group_id(), "ranker"))
+    published, last_progress = 0, time.monotonic()
+    pending: list[object] = []  # messages whose pairs are not yet in a published version
+    with Producer(cfg, "ranker") as producer:
+        metrics = Metrics(producer, layout, cfg.run, "ranker")
+        try:
+            consumer.subscribe([layout.trajectories])
+            while max_versions is None or published < max_versions:
+                if idle(last_progress, idle_timeout_s):
+                    break
+                for msg in consumer.consume(500, 0.5):
+                    if msg.error():
+                        continue
+                    pending.append(msg)
+                    try:
+                        chunk = decode_as(msg.value() or b"", TrajectoryChunk)
+                    except SchemaError as e:
+                        dead_letter(producer, layout, msg.value(), msg.key(), str(e),
+                                    f"{msg.topic()}/{msg.partition()}@{msg.offset()}", metrics)  # fmt: skip
+                        continue
+                    pair = collector.add(chunk)
+                    if pair is None:
+                        continue
+                    last_progress = time.monotonic()
+                    window.add(
+                        decode_prompt(pair.prompt_tokens), pair.length, pair.predicted_length
+                    )
+                    metrics.incr("ranker_pairs")
+                if not window.due():
+                    continue
+                texts, lengths = window.arrays()
+                live = live_report(window)
+                init = follower.poll(force=True)
+                ranker = LengthRanker.fit(texts, lengths, hidden=cfg.hidden, epochs=cfg.epochs,
+                                          init=init)  # fmt: skip
+                ranker = publish(store, cfg.run, ranker, {"dispatch_time_metrics": live})
+                window.since_fit = 0
+                published += 1
+                values = {"version": float(ranker.version or 0), "pairs": float(len(texts))}
+                if live:
+                    values |= {f"live_{k}": float(v) for k, v in live.items()}
+                metrics.emit("ranker_published", values)
+                metrics.flush_counters()
+                for m in pending:  # step 4: the version holding these pairs is durable
+                    consumer.store_offsets(m)  # type: ignore[arg-type]
+                if pending:
+                    consumer.commit(asynchronous=False)
+                pending.clear()
+                if on_version is not None:
+                    on_version(ranker, values)
+                log.info("ranker v%s published from %d pairs", ranker.version, len(texts))
+        finally:
+            consumer.close()
+    return published

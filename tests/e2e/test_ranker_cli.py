@@ -1,0 +1,48 @@
+"""`srl ranker simulate` end to end, as a user runs it (real subprocess)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from tests.conftest import bin_path
+
+HIST = Path(__file__).resolve().parents[1] / "unit" / "data" / "streamrl_output_length_hist.csv"
+
+
+def srl(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [bin_path("srl"), *args], capture_output=True, text=True, cwd=cwd,
+        timeout=120,
+    )  # fmt: skip
+
+
+def test_simulate_json_with_pairs(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    true = rng.lognormal(5, 1, 500)
+    pairs = tmp_path / "pairs.csv"
+    pairs.write_text("# true,pred\n" + "\n".join(f"{t:.0f},{t:.0f}" for t in true) + "\n")
+    r = srl("ranker", "simulate", "--lengths", str(HIST), "--pairs", str(pairs), "--instances", "4",
+            "--b-max", "16", "--batch", "512", "--iterations", "2", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    report = orjson.loads(r.stdout)
+    assert report["simulated"] is True and report["settings"]["rounds"] == 8
+    ratios = report["ratio_vs_random_fifo"]
+    # perfect predictions: the ranker run is the oracle run
+    assert ratios["ranker_lpt"]["mean"] == ratios["oracle_lpt"]["mean"] < 1
+    assert report["ranker_quality"]["recall_at_20"] == 1.0
+
+
+def test_simulate_text_and_bad_input(tmp_path: Path) -> None:
+    r = srl("ranker", "simulate", "--lengths", str(HIST), "--iterations", "1", "--batch", "256",
+            "--instances", "2", "--b-max", "8")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("SIMULATED") and "oracle + LPT" in r.stdout
+    bad = tmp_path / "bad.csv"
+    bad.write_text("1,2\n")
+    r = srl("ranker", "simulate", "--lengths", str(bad))
+    assert r.returncode != 0 and "expected lo,hi,probability" in r.stderr
+    assert "Traceback" not in r.stderr
