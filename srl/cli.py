@@ -148,6 +148,63 @@ def topics_describe(as_json: bool, **kw: Any) -> None:
     Console().print(table)
 
 
+# -- top ----------------------------------------------------------------------------------
+@cli.command()
+@common_options
+@click.option("--once", is_flag=True, help="Print one snapshot and exit.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one snapshot as JSON and exit (implies --once; shape in docs/operations.md).",
+)
+@click.option(
+    "--prometheus",
+    type=click.IntRange(1, 65535),
+    default=None,
+    metavar="PORT",
+    help="Serve /metrics on PORT (kafka_exporter names for lag, srl_* for the rest) instead of the view.",
+)
+@click.option(
+    "--listen",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address the --prometheus endpoint binds to.",
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(0.2, 3600),
+    default=2.0,
+    show_default=True,
+    help="Seconds between refreshes.",
+)
+@click.option(
+    "--window",
+    type=click.FloatRange(1, 86_400),
+    default=300.0,
+    show_default=True,
+    help="Seconds of metric events behind rates, staleness and drops.",
+)
+@click.option("--stall-after", type=click.FloatRange(1, 86_400), default=60.0, show_default=True,
+              help="Flag a partition with lag whose committed offset has not moved for this long.")  # fmt: skip
+def top(once: bool, as_json: bool, prometheus: int | None, listen: str, interval: float,
+        window: float, stall_after: float, **kw: Any) -> None:  # fmt: skip
+    """Live view of every srl topic and consumer group.
+
+    Per partition the columns of kafka-consumer-groups.sh (GROUP TOPIC PARTITION CURRENT-OFFSET
+    LOG-END-OFFSET LAG CONSUMER-ID HOST CLIENT-ID), backlog in records and tokens per length
+    bucket, tokens/s and trajectories/s, the latest weights version and whether its manifest
+    verifies, policy versions in flight, the staleness histogram, drops and dead letters, and
+    stalled partitions. Reads only: joins no group, commits nothing.
+    """
+    from srl.config import CommonConfig
+    from srl.top import run_top
+
+    cfg = config_from(CommonConfig, kw)
+    run_top(cfg, once=once, as_json=as_json, prometheus=prometheus, listen=listen,
+            interval_s=interval, window_s=window, stall_after_s=stall_after)  # fmt: skip
+
+
 # -- demo ---------------------------------------------------------------------------------
 @cli.command()
 @common_options
