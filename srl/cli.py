@@ -148,6 +148,31 @@ def topics_describe(as_json: bool, **kw: Any) -> None:
     Console().print(table)
 
 
+# -- store --------------------------------------------------------------------------------
+@cli.group()
+def store() -> None:
+    """Prepare and inspect the object store (file://DIR or s3://bucket/prefix)."""
+
+
+@store.command("init")
+@common_options
+def store_init(**kw: Any) -> None:
+    """Create the store (the S3 bucket, or the directory) if missing; say how writes stay create-only."""
+    from srl.config import CommonConfig
+    from srl.store import open_store
+
+    cfg = config_from(CommonConfig, kw)
+    st = open_store(cfg.store)
+    from srl.s3store import S3Store
+
+    if isinstance(st, S3Store):
+        created = st.ensure_bucket()
+        click.echo(f"bucket {st.bucket} {'created' if created else 'exists'} at "
+                   f"{st.settings.endpoint_url or 'AWS'}; create-only writes: {st.create_only_mode()}")  # fmt: skip
+    else:
+        click.echo(f"store {st.url} ready; create-only writes: hard links")
+
+
 # -- top ----------------------------------------------------------------------------------
 @cli.command()
 @common_options

@@ -9,6 +9,10 @@ Owns: how every role's settings are read and checked. Precedence, lowest first:
 3. environment variables ``SRL_<FIELD>`` (``SRL_BOOTSTRAP_SERVERS``, ``SRL_LINGER_MS`` …);
 4. CLI options, including ``-X key=value`` for any librdkafka setting.
 
+librdkafka settings (``kafka``) merge instead of replacing: ``SRL_KAFKA`` adds to the file's
+``[kafka]`` table and ``-X`` adds to both, so a secret can come from the environment while the
+tuning stays in the file.
+
 A bad value anywhere is a :class:`~srl.errors.ConfigError` whose one-line message names the
 key and where it came from. Role configs subclass :class:`CommonConfig` and set ``section``.
 Called by every CLI command through :func:`load_config`.
@@ -190,7 +194,10 @@ def load_config(
     for key in fields:
         raw = environ.get(f"SRL_{key.upper()}")
         if raw is not None:
-            values[key], source[key] = _from_string(cls, key, raw), f"SRL_{key.upper()}"
+            value = _from_string(cls, key, raw)
+            if key == "kafka":  # SRL_KAFKA adds to the file's [kafka] table (e.g. a secret)
+                value = {**values.get("kafka", {}), **value}
+            values[key], source[key] = value, f"SRL_{key.upper()}"
     for key, value in (cli or {}).items():
         if value is None or (key == "kafka" and not value):
             continue

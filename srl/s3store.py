@@ -170,6 +170,25 @@ class S3Store(ObjectStore):
     def delete(self, key: str) -> None:
         self._call("delete", key, Bucket=self.bucket, Key=self._key(key))
 
+    def ensure_bucket(self) -> bool:
+        """Create the bucket if it does not exist; True if it was created (for ``srl store init``)."""
+        try:
+            self._call("head_bucket", self.bucket, Bucket=self.bucket)
+            return False
+        except (ObjectMissing, StoreError):
+            pass
+        kw: dict[str, Any] = {"Bucket": self.bucket}
+        region = self._client.meta.region_name
+        if region and region != "us-east-1":  # S3 wants the region spelled out elsewhere
+            kw["CreateBucketConfiguration"] = {"LocationConstraint": region}
+        try:
+            self._call("create_bucket", self.bucket, **kw)
+        except StoreError as e:
+            if "BucketAlreadyOwnedByYou" not in str(e):
+                raise
+            return False
+        return True
+
     # -- create-only mode --------------------------------------------------------------
     def create_only_mode(self) -> str:
         """``conditional`` or ``check-then-put``: the configured mode, or the probed one."""
@@ -223,7 +242,8 @@ class S3Store(ObjectStore):
         method = {
             "put": self._client.put_object, "get": self._client.get_object,
             "head": self._client.head_object, "list": self._client.list_objects_v2,
-            "delete": self._client.delete_object,
+            "delete": self._client.delete_object, "head_bucket": self._client.head_bucket,
+            "create_bucket": self._client.create_bucket,
         }[op]  # fmt: skip
         where = f"{self.url} ({self.settings.endpoint_url or 'AWS'})"
         for _attempt in range(3):

@@ -270,3 +270,27 @@ def test_weights_protocol_through_s3_survives_crashes(  # type: ignore[no-untype
         got = fetch_tensors(store, manifest)
         assert all(torch.equal(got[k], v) for k, v in expected.items())
     assert all(a.manifest_uri.startswith(s3_url) for a in anns)
+
+
+def test_store_init_creates_the_bucket_once(  # type: ignore[no-untyped-def]
+    s3_server, cli_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.conftest import bin_path
+
+    for k, v in TEST_CREDENTIALS.items():
+        monkeypatch.setenv(k, v)
+    env = {**cli_env, **TEST_CREDENTIALS, "SRL_STORE": "s3://made-by-init/run",
+           "SRL_S3_ENDPOINT_URL": s3_server.endpoint}  # fmt: skip
+    first = subprocess.run(
+        [bin_path("srl"), "store", "init"], env=env, capture_output=True, text=True
+    )
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("bucket made-by-init created at http://127.0.0.1:")
+    assert first.stdout.rstrip().endswith("create-only writes: conditional")
+    again = subprocess.run(
+        [bin_path("srl"), "store", "init"], env=env, capture_output=True, text=True
+    )
+    assert again.returncode == 0 and "bucket made-by-init exists" in again.stdout
+    store = S3Store.from_url("s3://made-by-init/run", S3Settings(endpoint_url=s3_server.endpoint))
+    store.put("k", b"v")
+    assert store.list() == ["k"]

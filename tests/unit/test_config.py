@@ -98,3 +98,17 @@ def test_parse_kv_requires_equals() -> None:
     assert parse_kv(["a=1", "b = 2"]) == {"a": "1", "b": "2"}
     with pytest.raises(ConfigError, match="key=value"):
         parse_kv(["novalue"])
+
+
+def test_env_kafka_settings_add_to_the_file_table(tmp_path: Path) -> None:
+    f = write(tmp_path, '[kafka]\n"security.protocol" = "SASL_SSL"\n"client.rack" = "a"\n')
+    cfg = load_config(CommonConfig, file=f, env={"SRL_KAFKA": "sasl.password=s3cret,client.rack=b"})
+    assert cfg.kafka == {
+        "security.protocol": "SASL_SSL",
+        "client.rack": "b",
+        "sasl.password": "s3cret",
+    }
+    cfg = load_config(CommonConfig, file=f, env={"SRL_KAFKA": "sasl.password=s3cret"},
+                      cli={"kafka": {"sasl.username": "u"}})  # fmt: skip
+    assert cfg.kafka == {"security.protocol": "SASL_SSL", "client.rack": "a",
+                         "sasl.password": "s3cret", "sasl.username": "u"}  # fmt: skip
