@@ -8,6 +8,7 @@ policy version per chunk; ``group_chunks`` makes the ``n`` samples of one prompt
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -55,9 +56,16 @@ def traj_chunks(
     return out
 
 
+@functools.cache
+def _tokenizer() -> Any:
+    from srl.tinymodel import build_tokenizer
+
+    return build_tokenizer()
+
+
 def text_ids(text: str) -> list[int]:
-    """Token ids of the tiny model's byte-level tokenizer (byte b -> id b + 4, after 4 specials)."""
-    return [b + 4 for b in text.encode()]
+    """Token ids of ``text`` under the tiny model's byte-level tokenizer."""
+    return list(_tokenizer().encode(text, add_special_tokens=False))
 
 
 def group_chunks(
@@ -82,3 +90,40 @@ def produce(cfg: Any, chunks: Sequence[TrajectoryChunk], extra: Sequence[bytes] 
                       partition=layout.partition_for(c.bucket, c.trajectory_id))  # fmt: skip
         for raw in extra:
             p.produce(layout.trajectories, raw, key=b"bad", partition=0)
+
+
+def read_topic(cfg: Any, topic: str, timeout_s: float = 20.0) -> list[Any]:
+    """Every message of ``topic`` up to its current high watermarks (all partitions)."""
+    import time
+
+    from confluent_kafka import Consumer, TopicPartition
+
+    from srl.kafka import base_settings
+
+    c = Consumer(base_settings(cfg, "reader") | {"group.id": f"reader-{uuid.uuid4().hex[:6]}",
+                                               "enable.auto.commit": False})  # fmt: skip
+    out: list[Any] = []
+    try:
+        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+        ends = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)[1] for p in parts}
+        todo = {p for p, hi in ends.items() if hi > 0}
+        c.assign([TopicPartition(topic, p, 0) for p in todo])
+        deadline = time.monotonic() + timeout_s
+        while todo and time.monotonic() < deadline:
+            msg = c.poll(0.2)
+            if msg is None or msg.error():
+                continue
+            out.append(msg)
+            if msg.offset() >= ends[msg.partition()] - 1:
+                todo.discard(msg.partition())
+    finally:
+        c.close()
+    return out
+
+
+def metric_events(cfg: Any, kind: str | None = None) -> list[Any]:
+    from schemas.records import MetricEvent, decode_as
+    from srl.topics import Layout
+
+    events = [decode_as(m.value(), MetricEvent) for m in read_topic(cfg, Layout.from_config(cfg).metrics)]
+    return [e for e in events if kind is None or e.kind == kind]

@@ -1,0 +1,160 @@
+"""Trainer checkpoints in the object store: create-only files, a marker written last.
+
+Owns what a restart resumes from. Layout: ``checkpoints/{run}/c{n:08d}/`` with
+
+* ``model.safetensors``: the model's tensors (tied aliases left out, like published weights);
+* ``optimizer.safetensors`` + ``optimizer.json``: AdamW's per-parameter tensors and its
+  param groups as JSON (no pickle anywhere: safetensors and JSON only);
+* ``state.json``: step, policy version, the dedupe ledger (trajectory id → outcome, step),
+  and the sample events of the window this checkpoint closes (re-emitted after a restart,
+  idempotent by trajectory id and step);
+* ``CHECKPOINT.json`` **last**: every file with size and sha256. A directory without it is
+  an interrupted write and is ignored; a file that fails its sha256 refuses the load.
+
+Checkpoint numbers only grow; ``prune`` keeps the newest ``keep`` complete ones. Called by
+``consumers.trainer`` (rank 0 writes; every rank loads).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from schemas.records import now_ms
+from srl.errors import StoreError
+from srl.store import ObjectStore
+
+if TYPE_CHECKING:
+    import torch
+
+MARKER = "CHECKPOINT.json"
+_DIR = re.compile(r"^c(\d{8})$")
+
+
+def prefix(run: str, n: int) -> str:
+    return f"checkpoints/{run}/c{n:08d}"
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint holds, in memory."""
+
+    number: int
+    step: int
+    version: int
+    ledger: dict[str, list[Any]]  # trajectory id -> [outcome, step]
+    events: list[dict[str, Any]]
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]  # torch optimizer state_dict
+    extra: dict[str, Any]
+
+
+def optimizer_to_files(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], bytes]:
+    """AdamW state_dict → (tensors, JSON): per-parameter tensors by ``{index}.{name}``."""
+    import torch
+
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    for idx, per in state["state"].items():
+        for name, value in per.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{idx}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{idx}.{name}"] = value
+    body = {"param_groups": state["param_groups"], "scalars": scalars}
+    return tensors, orjson.dumps(body)
+
+
+def optimizer_from_files(tensors: dict[str, torch.Tensor], body: bytes) -> dict[str, Any]:
+    meta = orjson.loads(body)
+    per: dict[int, dict[str, Any]] = {}
+    for key, value in [*tensors.items(), *meta["scalars"].items()]:
+        idx, name = key.split(".", 1)
+        per.setdefault(int(idx), {})[name] = value
+    groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else g for g in meta["param_groups"]]
+    return {"state": per, "param_groups": groups}
+
+
+def save(
+    store: ObjectStore, run: str, n: int, *, step: int, version: int, ledger: dict[str, list[Any]],
+    events: list[dict[str, Any]], model: dict[str, torch.Tensor], optimizer: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> str:  # fmt: skip
+    """Write checkpoint ``n``; the marker goes last. Returns the marker's URI."""
+    from safetensors.torch import save as st_save
+
+    base = prefix(run, n)
+    opt_tensors, opt_json = optimizer_to_files(optimizer)
+    state = {"step": step, "version": version, "ledger": ledger, "events": events,
+             "extra": extra or {}, "created_ms": now_ms()}  # fmt: skip
+    files = {
+        "model.safetensors": st_save({k: v.detach().cpu().contiguous() for k, v in model.items()}),
+        "optimizer.safetensors": st_save(opt_tensors) if opt_tensors else b"",
+        "optimizer.json": opt_json,
+        "state.json": orjson.dumps(state),
+    }
+    entries = []
+    for name, data in files.items():
+        store.put(f"{base}/{name}", data)
+        entries.append(
+            {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        )
+    marker = {"run": run, "number": n, "step": step, "version": version, "files": entries}
+    return store.put(f"{base}/{MARKER}", orjson.dumps(marker, option=orjson.OPT_INDENT_2))
+
+
+def complete(store: ObjectStore, run: str) -> list[int]:
+    """Numbers of the complete checkpoints of ``run`` (marker present), ascending."""
+    out = []
+    for key in store.list(f"checkpoints/{run}/"):
+        parts = key.split("/")
+        if len(parts) == 4 and parts[3] == MARKER and (m := _DIR.match(parts[2])):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def load(store: ObjectStore, run: str, n: int) -> Checkpoint:
+    """Checkpoint ``n`` after checking every file against the marker."""
+    from safetensors.torch import load as st_load
+
+    base = prefix(run, n)
+    marker = orjson.loads(store.get(f"{base}/{MARKER}"))
+    data = {}
+    for f in marker["files"]:
+        body = store.get(f"{base}/{f['name']}")
+        if len(body) != f["size"] or hashlib.sha256(body).hexdigest() != f["sha256"]:
+            raise StoreError(f"checkpoint {base}: {f['name']} fails its sha256; refusing to load")
+        data[f["name"]] = body
+    state = orjson.loads(data["state.json"])
+    opt_t = st_load(data["optimizer.safetensors"]) if data["optimizer.safetensors"] else {}
+    return Checkpoint(
+        number=n, step=int(state["step"]), version=int(state["version"]), ledger=state["ledger"],
+        events=state["events"], model=st_load(data["model.safetensors"]),
+        optimizer=optimizer_from_files(opt_t, data["optimizer.json"]), extra=state.get("extra", {}),
+    )  # fmt: skip
+
+
+def prune(store: ObjectStore, run: str, keep: int) -> list[int]:
+    """Delete all but the newest ``keep`` complete checkpoints (marker first); returns those removed."""
+    numbers = complete(store, run)
+    gone = numbers[:-keep] if keep > 0 else []
+    for n in gone:
+        base = prefix(run, n)
+        store.delete(f"{base}/{MARKER}")
+        for key in store.list(base + "/"):
+            store.delete(key)
+    return gone
+
+
+def newest_published(store: ObjectStore, run: str) -> int:
+    """The highest weights version of ``run`` with a manifest in the store (0: none)."""
+    best = 0
+    for key in store.list(f"weights/{run}/"):
+        parts = key.split("/")
+        if len(parts) == 4 and parts[3] == "manifest.json" and parts[2].startswith("v"):
+            best = max(best, int(parts[2][1:]))
+    return best

@@ -1,0 +1,258 @@
+"""The compute side of the trainer: model, optimizer, frozen reference, micro-batch backward, step.
+
+Owns what touches parameters. What must hold:
+
+* ``backward(rows)`` adds the gradient of ``Σ_tokens weight · loss`` over one micro-batch to the
+  parameters' ``.grad``; per-token weights are 1 (``token_mean``) or 1/len (``seq_mean``), so
+  micro-batches run at any time, in any order, on any rank, sum to the gradient of the step;
+* ``step(normalizer)`` all-reduces the summed gradients across ranks (one flat buffer),
+  divides by the step's normaliser (loss tokens or rows, known only when the step is full),
+  clips, and takes one AdamW update; every rank holds the same replicated state afterwards;
+* ``updates_per_step > 1`` re-runs the step's stored micro-batches with the proximal
+  log-probs recorded on the first pass (decoupled PPO's ``prox``), one update each pass;
+* published and checkpointed tensors are the HF state dict without tied aliases
+  (``lm_head.weight`` when tied to the embeddings), so each version loads with from_pretrained.
+
+Called by ``consumers.trainer`` (rank 0) and ``consumers.distributed`` (other ranks).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from consumers.batcher import Row
+from consumers.config import TrainConfig
+from consumers.losses import k3_kl, policy_loss, token_logprobs
+
+if TYPE_CHECKING:
+    import torch
+
+    from consumers.distributed import Dist
+
+
+@dataclass
+class MicroBatch:
+    """Tensors of one micro-batch, in the shifted frame: position j predicts token j + 1."""
+
+    ids: torch.Tensor  # [B, L] int64, right-padded
+    attn: torch.Tensor  # [B, L] int64
+    behav: torch.Tensor  # [B, L-1] float32 behaviour log-prob of token j+1 (0 off the loss)
+    adv: torch.Tensor  # [B] float32
+    weight: torch.Tensor  # [B, L-1] float32 loss weight (0 off the loss)
+    prox: torch.Tensor | None = None  # [B, L-1] log-probs of the first pass (updates_per_step > 1)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.ids, self.attn, self.behav, self.adv, self.weight]
+
+
+def make_micro_batch(rows: list[Row], seq_mean: bool, pad_id: int = 0) -> MicroBatch:
+    """Rows → padded tensors; loss positions are the completion tokens after the first one."""
+    import torch
+
+    b, length = len(rows), max(r.length for r in rows)
+    ids = torch.full((b, length), pad_id, dtype=torch.int64)
+    attn = torch.zeros((b, length), dtype=torch.int64)
+    behav = torch.zeros((b, length - 1), dtype=torch.float32)
+    weight = torch.zeros((b, length - 1), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        ids[i, : r.length] = torch.from_numpy(r.input_ids)
+        attn[i, : r.length] = 1
+        # completion token c sits at position prompt_len + c, predicted at prompt_len + c - 1;
+        # with an empty prompt the first token has no predictor and is skipped
+        skip = 1 if r.prompt_len == 0 else 0
+        n = r.loss_tokens - skip
+        if n > 0:
+            start = r.prompt_len + skip - 1
+            behav[i, start : start + n] = torch.from_numpy(r.behav_logp[skip:].astype("float32"))
+            weight[i, start : start + n] = 1.0 / n if seq_mean else 1.0
+    adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
+    return MicroBatch(ids, attn, behav, adv, weight)
+
+
+@dataclass
+class StepStats:
+    loss: float = 0.0
+    kl: float = 0.0
+    ratio_mean: float = 0.0
+    ratio_max: float = 0.0
+    truncated_frac: float = 0.0
+    grad_norm: float = 0.0
+    compute_s: float = 0.0
+    padded_tokens: int = 0
+    _w: float = field(default=0.0, repr=False)
+    _n: float = field(default=0.0, repr=False)
+
+
+def resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def export_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """The state dict without aliases (a tied lm_head shares the embedding's storage)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    for name, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = t.detach()
+    return out
+
+
+def extra_files(model_dir: str | Path) -> dict[str, bytes]:
+    """config, generation config and tokenizer files that make a version HF-loadable."""
+    out = {}
+    for p in sorted(Path(model_dir).iterdir()):
+        if (
+            p.is_file()
+            and not p.name.startswith(".")
+            and p.suffix in (".json", ".txt", ".model", ".jinja")
+        ) and p.name != "model.safetensors.index.json":
+            out[p.name] = p.read_bytes()
+    return out
+
+
+class Engine:
+    """Plain-torch backend; ``dist`` is None for one rank."""
+
+    def __init__(self, cfg: TrainConfig, dist: Dist | None = None) -> None:
+        import torch
+
+        from srl.tinymodel import load_model
+
+        self.cfg = cfg
+        self.dist = dist
+        self.device = resolve_device(cfg.device)
+        torch.manual_seed(cfg.seed)
+        self.model = load_model(cfg.model, self.device)
+        self.model.train()
+        self.ref = None
+        if cfg.kl_coef > 0:
+            self.ref = load_model(cfg.model, self.device).eval().requires_grad_(False)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8
+        )
+        self.stored: list[MicroBatch] = []
+        self.stats = StepStats()
+
+    # -- micro-batches ------------------------------------------------------------------
+    def _loss(self, mb: MicroBatch, first_pass: bool) -> torch.Tensor:
+        import torch
+
+        cfg = self.cfg
+        ids, attn = mb.ids.to(self.device), mb.attn.to(self.device)
+        behav, weight = mb.behav.to(self.device), mb.weight.to(self.device)
+        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        logp = token_logprobs(logits, ids[:, 1:], cfg.temperature)
+        if first_pass and cfg.updates_per_step > 1:
+            mb.prox = logp.detach().cpu()
+        prox = None if mb.prox is None else mb.prox.to(self.device)
+        loss = policy_loss(cfg.loss, logp, behav, mb.adv.to(self.device), prox_logp=prox,
+                           clip_low=cfg.clip_low, clip_high=cfg.clip_high, cap=cfg.tis_cap)  # fmt: skip
+        on = weight > 0
+        if self.ref is not None:
+            with torch.no_grad():
+                ref_logits = self.ref(input_ids=ids, attention_mask=attn).logits[:, :-1]
+                ref_logp = token_logprobs(ref_logits, ids[:, 1:], cfg.temperature)
+            kl = k3_kl(logp, ref_logp)
+            loss = loss + cfg.kl_coef * kl
+            self.stats.kl += float((kl.detach() * weight).sum())
+        if first_pass:
+            ratio = (logp.detach() - behav).exp()[on]
+            if ratio.numel():
+                self.stats._n += ratio.numel()
+                self.stats.ratio_mean += float(ratio.sum())
+                self.stats.ratio_max = max(self.stats.ratio_max, float(ratio.max()))
+                self.stats.truncated_frac += float((ratio > cfg.tis_cap).sum())
+            self.stats.padded_tokens += int(ids.numel())
+        return (loss * weight).sum()
+
+    def backward(self, mb: MicroBatch) -> None:
+        """Forward/backward one micro-batch now; gradients accumulate until ``step``."""
+        t0 = time.perf_counter()
+        loss = self._loss(mb, first_pass=True)
+        loss.backward()
+        self.stats.loss += float(loss.detach())
+        if self.cfg.updates_per_step > 1:
+            self.stored.append(mb)
+        self.stats.compute_s += time.perf_counter() - t0
+
+    # -- the optimizer step -------------------------------------------------------------
+    def _update(self, normalizer: float) -> float:
+        import torch
+
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self.dist is not None and self.dist.world > 1:
+            self.dist.all_reduce_sum(grads)
+        scale = 1.0 / normalizer if normalizer > 0 else 0.0
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g.mul_(scale)
+        norm = 0.0
+        if self.cfg.max_grad_norm > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def step(self, normalizer: float) -> StepStats:
+        """All-reduce, normalise, clip, update; then any further passes (updates_per_step)."""
+        t0 = time.perf_counter()
+        stats = self.stats
+        stats.grad_norm = self._update(normalizer)
+        for _ in range(self.cfg.updates_per_step - 1):
+            for mb in self.stored:
+                self._loss(mb, first_pass=False).backward()
+            stats.grad_norm = self._update(normalizer)
+        self.stored = []
+        n = stats._n
+        if self.dist is not None and self.dist.world > 1:
+            tot = self.dist.all_reduce_floats(
+                [
+                    stats.loss,
+                    stats.kl,
+                    stats.ratio_mean,
+                    stats.truncated_frac,
+                    n,
+                    stats.padded_tokens,
+                ]
+            )
+            stats.loss, stats.kl, stats.ratio_mean, stats.truncated_frac, n, padded = tot
+            stats.padded_tokens = int(padded)
+            stats.ratio_max = self.dist.all_reduce_floats([stats.ratio_max], op="max")[0]
+        stats.loss /= max(normalizer, 1e-12)
+        stats.kl /= max(normalizer, 1e-12)
+        stats.ratio_mean = stats.ratio_mean / n if n else 0.0
+        stats.truncated_frac = stats.truncated_frac / n if n else 0.0
+        stats.compute_s += time.perf_counter() - t0
+        self.stats = StepStats()
+        return stats
+
+    def discard(self) -> None:
+        """Forget a partial step's gradients (its records are read again after a restart)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.stored = []
+        self.stats = StepStats()
+
+    # -- state ----------------------------------------------------------------------------
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return export_tensors(self.model)
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        missing, unexpected = self.model.load_state_dict(tensors, strict=False)
+        aliases = set(self.model.state_dict()) - set(export_tensors(self.model))
+        if unexpected or set(missing) - aliases:
+            from srl.errors import SrlError
+
+            raise SrlError(
+                f"checkpoint does not fit the model: missing {sorted(set(missing) - aliases)[:3]}, "
+                f"unexpected {sorted(unexpected)[:3]}"
+            )

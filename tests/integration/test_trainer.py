@@ -1,0 +1,147 @@
+"""The trainer in-process against the session broker, on the tiny HF model and chunk records."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from consumers.config import TrainConfig
+from consumers.trainer import run_trainer
+from schemas.records import TrajectoryChunk
+from srl.kafka import committed_offsets, create_topics, watermarks
+from srl.store import open_store
+from srl.topics import Layout
+from srl.weights import latest_announcement, load_manifest, materialize
+from tests.chunks import group_chunks, metric_events, produce, read_topic, text_ids
+
+
+def make_groups(
+    n_groups: int, n: int = 4, versions: list[int] | None = None, seed: int = 0, **kw: Any
+) -> list[TrajectoryChunk]:
+    """Prompt "a+b=" groups; about half the completions are the right answer."""
+    rng = random.Random(seed)
+    out: list[TrajectoryChunk] = []
+    for g in range(n_groups):
+        a, b = rng.randrange(10), rng.randrange(10)
+        answers = [str(a + b) if rng.random() < 0.5 else str(rng.randrange(20)) for _ in range(n)]
+        v = 0 if versions is None else versions[g]
+        trajs = group_chunks(f"p{g}-{a}+{b}", [text_ids(x + "\n") for x in answers],
+                             prompt=text_ids(f"{a}+{b}="), metadata={"answer": a + b}, chunk_tokens=2,
+                             versions=v, logprobs=[-5.5] * 3, **kw)  # fmt: skip
+        out += [c for t in trajs for c in t]
+    return out
+
+
+def train_cfg(make_cfg: Any, model: Path, **kw: Any) -> TrainConfig:
+    base = {"model": str(model), "groups_per_step": 2, "lr": 1e-3, "micro_batch_tokens": 64,
+            "idle_exit_s": 3.0, "max_staleness": 100, "device": "cpu"}  # fmt: skip
+    return make_cfg(TrainConfig, **{**base, **kw})
+
+
+def test_trains_publishes_hf_loadable_versions_and_commits_offsets(make_cfg: Any, tiny_model: Path) -> None:
+    cfg = train_cfg(make_cfg, tiny_model, max_steps=3, reward="consumers.rewards:first_line_match")
+    layout = Layout.from_config(cfg)
+    create_topics(cfg)
+    produce(cfg, make_groups(6))
+    result = run_trainer(cfg)
+    assert (result.steps, result.version) == (3, 3)
+    assert result.outcomes == {"trained": 24}
+
+    store = open_store(cfg.store)
+    ann = latest_announcement(cfg, layout, cfg.run)
+    assert ann is not None and ann.version == 3 and ann.trainer_step == 3 and ann.parent_version == 2
+    out = materialize(store, load_manifest(store, ann), Path(cfg.store[7:]) / "v3-hf")
+    from transformers import AutoModelForCausalLM
+
+    v3 = AutoModelForCausalLM.from_pretrained(out)
+    v0 = AutoModelForCausalLM.from_pretrained(tiny_model)
+    moved = [(a - b).abs().max().item() for a, b in zip(v3.parameters(), v0.parameters(), strict=True)]
+    assert max(moved) > 1e-4, "training changed the weights"
+    assert torch.equal(v3.lm_head.weight, v3.model.embed_tokens.weight), "tied weights stay tied"
+
+    steps = metric_events(cfg, "train_step")
+    assert [e.step for e in steps] == [1, 2, 3]
+    assert all(e.values["groups"] == 2 and e.values["samples"] == 8 and e.values["tokens"] > 0 for e in steps)
+    assert [e.values["policy_version"] for e in steps] == [1, 2, 3]
+    samples = metric_events(cfg, "sample")
+    assert len(samples) == 24 and {e.labels["outcome"] for e in samples} == {"trained"}
+    assert {int(e.step) for e in samples} == {1, 2, 3}
+    assert {e.values["reward"] for e in samples} == {0.0, 1.0}
+    assert [e.values["version"] for e in metric_events(cfg, "weights_published")] == [1, 2, 3]
+
+    # every record was used by a checkpointed step: the committed offsets reach the end
+    marks = watermarks(cfg, [layout.trajectories])
+    committed = committed_offsets(cfg, cfg.consumer_group, list(marks))
+    assert all(committed[tp] == hi for tp, (_, hi) in marks.items() if hi > 0)
+
+
+def test_max_staleness_1_trains_no_sample_with_v_minus_b_over_1(make_cfg: Any, tiny_model: Path) -> None:
+    # groups stamped with behaviour versions 0..; as the trainer publishes, old ones go stale
+    versions = [0, 0, 0, 0, 1, 0, 2, 1, 3, 0, 3, 4]
+    cfg = train_cfg(make_cfg, tiny_model, max_staleness=1, groups_per_step=1,
+                    reward="consumers.rewards:first_line_match")  # fmt: skip
+    create_topics(cfg)
+    produce(cfg, make_groups(len(versions), versions=versions))
+    run_trainer(cfg)
+    samples = metric_events(cfg, "sample")
+    assert len(samples) == 4 * len(versions), "every trajectory has an outcome"
+    trained = [e for e in samples if e.labels["outcome"] == "trained"]
+    dropped = [e for e in samples if e.labels["outcome"] == "dropped_stale"]
+    assert trained and dropped
+    assert all(e.values["staleness"] <= 1 for e in trained)
+    assert all(e.values["policy_version"] - e.values["behaviour_version"] == e.values["staleness"] for e in samples)
+    # a dropped group holds at least one sample beyond the bound
+    by_prompt: dict[str, list[float]] = {}
+    for e in dropped:
+        by_prompt.setdefault(e.labels["prompt_id"], []).append(e.values["staleness"])
+    assert all(max(s) > 1 for s in by_prompt.values())
+    assert sum(e.values["dropped_stale"] for e in metric_events(cfg, "train_step")) <= len(dropped)
+
+
+def test_malformed_records_go_to_the_dlq_and_training_continues(make_cfg: Any, tiny_model: Path) -> None:
+    import dataclasses
+
+    cfg = train_cfg(make_cfg, tiny_model, max_steps=1, reward="consumers.rewards:first_line_match")
+    layout = Layout.from_config(cfg)
+    create_topics(cfg)
+    good = make_groups(2)
+    bad_chunk = dataclasses.replace(good[0], trajectory_id="bad", sample_index=9)  # outside its group
+    produce(cfg, [bad_chunk, *good], extra=[b"\x00garbage", b""])
+    result = run_trainer(cfg)
+    assert result.steps == 1 and result.outcomes == {"trained": 8}
+    dlq = read_topic(cfg, layout.dlq)
+    reasons = sorted(dict(m.headers())["srl.reason"].decode() for m in dlq)
+    assert len(dlq) == 3
+    assert any("outside group" in r for r in reasons) and sum("undecodable" in r for r in reasons) == 2
+    counters = metric_events(cfg, "counter")
+    assert counters[-1].values["dead_letters"] == 3
+
+
+def test_a_raising_reward_fails_the_sample_and_is_counted(make_cfg: Any, tiny_model: Path) -> None:
+    cfg = train_cfg(make_cfg, tiny_model, max_steps=1, groups_per_step=1, reward="consumers.rewards:exact_match")
+    create_topics(cfg)
+    chunks = make_groups(1)
+    # one sample's metadata lacks the answer: exact_match raises KeyError for it
+    first = next(c for c in chunks if c.sample_index == 1 and c.seq == 0)
+    chunks = [c if c is not first else c.__class__(**{**c.to_dict(), "metadata": "{}"}) for c in chunks]
+    produce(cfg, chunks)
+    result = run_trainer(cfg)
+    assert result.outcomes == {"trained": 3, "failed_reward": 1}
+    failed = [e for e in metric_events(cfg, "sample") if e.labels["outcome"] == "failed_reward"]
+    assert len(failed) == 1 and "KeyError" in failed[0].labels["reason"] and "reward" not in failed[0].values
+    assert metric_events(cfg, "counter")[-1].values["reward_failures"] == 1
+
+
+@pytest.mark.parametrize("loss", ["ppo", "decoupled"])
+def test_other_objectives_and_kl_run(make_cfg: Any, tiny_model: Path, loss: str) -> None:
+    cfg = train_cfg(make_cfg, tiny_model, max_steps=1, loss=loss, kl_coef=0.1, updates_per_step=2,
+                    advantage="rloo", reward="consumers.rewards:first_line_match")  # fmt: skip
+    create_topics(cfg)
+    produce(cfg, make_groups(2))
+    assert run_trainer(cfg).steps == 1
+    (step,) = metric_events(cfg, "train_step")
+    assert step.values["kl"] >= 0 and step.values["grad_norm"] > 0
