@@ -122,7 +122,7 @@ class Trainer:
         self.producer = Producer(cfg, "trainer")
         self.metrics = Metrics(self.producer, self.layout, cfg.run, "trainer-0")
         self.stopping = False
-        self.last_record = time.monotonic()
+        self.last_record: float | None = None  # None until the group assigns us partitions
         self.step_started = time.monotonic()
         self.idle_s = 0.0
         self.stale_in_step = 0
@@ -141,11 +141,17 @@ class Trainer:
             ],
         )
         self._recover()
-        consumer = make_consumer(self.cfg, self.cfg.consumer_group, "trainer")
+        # static membership: a restarted trainer takes its predecessor's place at once instead
+        # of waiting for the group to notice the dead member; a second trainer in the same
+        # group fences the first rather than splitting the partitions (and the groups) with it
+        group = self.cfg.consumer_group
+        consumer = make_consumer(
+            self.cfg, group, "trainer", **{"group.instance.id": f"{group}-rank0"}
+        )
         self.consumer = consumer
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            consumer.subscribe([self.layout.trajectories])
+            consumer.subscribe([self.layout.trajectories], on_assign=self._on_assign)
             while not self._done():
                 t0 = time.monotonic()
                 msgs = consumer.consume(500, 0.2)
@@ -179,6 +185,12 @@ class Trainer:
             counts[outcome] = counts.get(outcome, 0) + 1
         return TrainResult(self.step, self.version, counts)
 
+    def _on_assign(self, _consumer: Any, partitions: list[Any]) -> None:
+        # a restarted trainer waits for the group to drop its dead predecessor: idle time
+        # counts from the assignment, not from the start
+        self.last_record = time.monotonic()
+        log.info("assigned %d partitions", len(partitions))
+
     def _on_signal(self, signum: int, _frame: Any) -> None:
         log.info("signal %d: stopping after a final checkpoint", signum)
         self.stopping = True
@@ -186,7 +198,11 @@ class Trainer:
     def _done(self) -> bool:
         if self.cfg.max_steps and self.step >= self.cfg.max_steps:
             return True
-        idle = self.cfg.idle_exit_s and time.monotonic() - self.last_record >= self.cfg.idle_exit_s
+        idle = (
+            self.cfg.idle_exit_s
+            and self.last_record is not None
+            and time.monotonic() - self.last_record >= self.cfg.idle_exit_s
+        )
         return self.stopping or bool(idle)
 
     # -- records → samples ------------------------------------------------------------------

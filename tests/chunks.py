@@ -105,7 +105,10 @@ def read_topic(cfg: Any, topic: str, timeout_s: float = 20.0) -> list[Any]:
     out: list[Any] = []
     try:
         parts = c.list_topics(topic, timeout=10).topics[topic].partitions
-        ends = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)[1] for p in parts}
+        ends = {
+            p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)[1]
+            for p in parts
+        }
         todo = {p for p, hi in ends.items() if hi > 0}
         c.assign([TopicPartition(topic, p, 0) for p in todo])
         deadline = time.monotonic() + timeout_s
@@ -125,5 +128,7 @@ def metric_events(cfg: Any, kind: str | None = None) -> list[Any]:
     from schemas.records import MetricEvent, decode_as
     from srl.topics import Layout
 
-    events = [decode_as(m.value(), MetricEvent) for m in read_topic(cfg, Layout.from_config(cfg).metrics)]
+    events = [
+        decode_as(m.value(), MetricEvent) for m in read_topic(cfg, Layout.from_config(cfg).metrics)
+    ]
     return [e for e in events if kind is None or e.kind == kind]

@@ -42,7 +42,9 @@ def train_cfg(make_cfg: Any, model: Path, **kw: Any) -> TrainConfig:
     return make_cfg(TrainConfig, **{**base, **kw})
 
 
-def test_trains_publishes_hf_loadable_versions_and_commits_offsets(make_cfg: Any, tiny_model: Path) -> None:
+def test_trains_publishes_hf_loadable_versions_and_commits_offsets(
+    make_cfg: Any, tiny_model: Path
+) -> None:
     cfg = train_cfg(make_cfg, tiny_model, max_steps=3, reward="consumers.rewards:first_line_match")
     layout = Layout.from_config(cfg)
     create_topics(cfg)
@@ -53,19 +55,26 @@ def test_trains_publishes_hf_loadable_versions_and_commits_offsets(make_cfg: Any
 
     store = open_store(cfg.store)
     ann = latest_announcement(cfg, layout, cfg.run)
-    assert ann is not None and ann.version == 3 and ann.trainer_step == 3 and ann.parent_version == 2
+    assert (
+        ann is not None and ann.version == 3 and ann.trainer_step == 3 and ann.parent_version == 2
+    )
     out = materialize(store, load_manifest(store, ann), Path(cfg.store[7:]) / "v3-hf")
     from transformers import AutoModelForCausalLM
 
     v3 = AutoModelForCausalLM.from_pretrained(out)
     v0 = AutoModelForCausalLM.from_pretrained(tiny_model)
-    moved = [(a - b).abs().max().item() for a, b in zip(v3.parameters(), v0.parameters(), strict=True)]
+    moved = [
+        (a - b).abs().max().item() for a, b in zip(v3.parameters(), v0.parameters(), strict=True)
+    ]
     assert max(moved) > 1e-4, "training changed the weights"
     assert torch.equal(v3.lm_head.weight, v3.model.embed_tokens.weight), "tied weights stay tied"
 
     steps = metric_events(cfg, "train_step")
     assert [e.step for e in steps] == [1, 2, 3]
-    assert all(e.values["groups"] == 2 and e.values["samples"] == 8 and e.values["tokens"] > 0 for e in steps)
+    assert all(
+        e.values["groups"] == 2 and e.values["samples"] == 8 and e.values["tokens"] > 0
+        for e in steps
+    )
     assert [e.values["policy_version"] for e in steps] == [1, 2, 3]
     samples = metric_events(cfg, "sample")
     assert len(samples) == 24 and {e.labels["outcome"] for e in samples} == {"trained"}
@@ -79,7 +88,9 @@ def test_trains_publishes_hf_loadable_versions_and_commits_offsets(make_cfg: Any
     assert all(committed[tp] == hi for tp, (_, hi) in marks.items() if hi > 0)
 
 
-def test_max_staleness_1_trains_no_sample_with_v_minus_b_over_1(make_cfg: Any, tiny_model: Path) -> None:
+def test_max_staleness_1_trains_no_sample_with_v_minus_b_over_1(
+    make_cfg: Any, tiny_model: Path
+) -> None:
     # groups stamped with behaviour versions 0..; as the trainer publishes, old ones go stale
     versions = [0, 0, 0, 0, 1, 0, 2, 1, 3, 0, 3, 4]
     cfg = train_cfg(make_cfg, tiny_model, max_staleness=1, groups_per_step=1,
@@ -93,7 +104,10 @@ def test_max_staleness_1_trains_no_sample_with_v_minus_b_over_1(make_cfg: Any, t
     dropped = [e for e in samples if e.labels["outcome"] == "dropped_stale"]
     assert trained and dropped
     assert all(e.values["staleness"] <= 1 for e in trained)
-    assert all(e.values["policy_version"] - e.values["behaviour_version"] == e.values["staleness"] for e in samples)
+    assert all(
+        e.values["policy_version"] - e.values["behaviour_version"] == e.values["staleness"]
+        for e in samples
+    )
     # a dropped group holds at least one sample beyond the bound
     by_prompt: dict[str, list[float]] = {}
     for e in dropped:
@@ -102,37 +116,51 @@ def test_max_staleness_1_trains_no_sample_with_v_minus_b_over_1(make_cfg: Any, t
     assert sum(e.values["dropped_stale"] for e in metric_events(cfg, "train_step")) <= len(dropped)
 
 
-def test_malformed_records_go_to_the_dlq_and_training_continues(make_cfg: Any, tiny_model: Path) -> None:
+def test_malformed_records_go_to_the_dlq_and_training_continues(
+    make_cfg: Any, tiny_model: Path
+) -> None:
     import dataclasses
 
     cfg = train_cfg(make_cfg, tiny_model, max_steps=1, reward="consumers.rewards:first_line_match")
     layout = Layout.from_config(cfg)
     create_topics(cfg)
     good = make_groups(2)
-    bad_chunk = dataclasses.replace(good[0], trajectory_id="bad", sample_index=9)  # outside its group
+    bad_chunk = dataclasses.replace(
+        good[0], trajectory_id="bad", sample_index=9
+    )  # outside its group
     produce(cfg, [bad_chunk, *good], extra=[b"\x00garbage", b""])
     result = run_trainer(cfg)
     assert result.steps == 1 and result.outcomes == {"trained": 8}
     dlq = read_topic(cfg, layout.dlq)
     reasons = sorted(dict(m.headers())["srl.reason"].decode() for m in dlq)
     assert len(dlq) == 3
-    assert any("outside group" in r for r in reasons) and sum("undecodable" in r for r in reasons) == 2
+    assert (
+        any("outside group" in r for r in reasons) and sum("undecodable" in r for r in reasons) == 2
+    )
     counters = metric_events(cfg, "counter")
     assert counters[-1].values["dead_letters"] == 3
 
 
 def test_a_raising_reward_fails_the_sample_and_is_counted(make_cfg: Any, tiny_model: Path) -> None:
-    cfg = train_cfg(make_cfg, tiny_model, max_steps=1, groups_per_step=1, reward="consumers.rewards:exact_match")
+    cfg = train_cfg(
+        make_cfg, tiny_model, max_steps=1, groups_per_step=1, reward="consumers.rewards:exact_match"
+    )
     create_topics(cfg)
     chunks = make_groups(1)
     # one sample's metadata lacks the answer: exact_match raises KeyError for it
     first = next(c for c in chunks if c.sample_index == 1 and c.seq == 0)
-    chunks = [c if c is not first else c.__class__(**{**c.to_dict(), "metadata": "{}"}) for c in chunks]
+    chunks = [
+        c if c is not first else c.__class__(**{**c.to_dict(), "metadata": "{}"}) for c in chunks
+    ]
     produce(cfg, chunks)
     result = run_trainer(cfg)
     assert result.outcomes == {"trained": 3, "failed_reward": 1}
     failed = [e for e in metric_events(cfg, "sample") if e.labels["outcome"] == "failed_reward"]
-    assert len(failed) == 1 and "KeyError" in failed[0].labels["reason"] and "reward" not in failed[0].values
+    assert (
+        len(failed) == 1
+        and "KeyError" in failed[0].labels["reason"]
+        and "reward" not in failed[0].values
+    )
     assert metric_events(cfg, "counter")[-1].values["reward_failures"] == 1
 
 

@@ -1,0 +1,144 @@
+"""SIGKILL the real ``srl-consumer train`` mid-run, restart it, and audit exactly-once in effect.
+
+The records include resumed trajectories (a prefix from one worker, continued by another in
+another bucket's partitions, re-sending a chunk) and plain duplicate chunks, with behaviour
+versions that make some groups stale under ``--max-staleness 1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from consumers import checkpoint as ckpts
+from schemas.records import TrajectoryChunk, WeightsAnnouncement, decode_as
+from srl.config import CommonConfig
+from srl.kafka import create_topics
+from srl.store import open_store
+from srl.topics import Layout
+from tests.chunks import metric_events, produce, read_topic, text_ids, traj_chunks
+from tests.conftest import bin_path
+
+
+def wave(first: int, count: int, rng: random.Random) -> list[TrajectoryChunk]:
+    out: list[TrajectoryChunk] = []
+    for g in range(first, first + count):
+        a, b = rng.randrange(10), rng.randrange(10)
+        version = max(0, g // 3 - rng.choice([0, 0, 1, 3]))  # some groups lag far behind
+        for i in range(4):
+            answer = str(a + b) if rng.random() < 0.5 else str(rng.randrange(20))
+            chunks = traj_chunks(f"p{g}", i, 4, text_ids(f"{a}+{b}="), text_ids(answer + "\n\n"),
+                                 chunk_tokens=2, versions=version, logprobs=[-5.5] * (len(answer) + 2),
+                                 metadata={"answer": a + b})  # fmt: skip
+            if i == 1 and len(chunks) > 1:  # resumed by worker B in the long-tail bucket
+                chunks = chunks[:1] + [
+                    dataclasses.replace(c, worker_id="B", bucket="le1024") for c in chunks
+                ]
+            if i == 2:
+                chunks = chunks + chunks[-1:]  # a producer retry
+            out += chunks
+    return out
+
+
+def train(cli_env: dict[str, str], model: Path, log: Path) -> subprocess.Popen[bytes]:
+    args = [bin_path("srl-consumer"), "-v", "train", "--model", str(model), "--groups-per-step", "1",
+            "--publish-every", "1", "--checkpoint-every", "2", "--max-staleness", "1", "--lr", "1e-3",
+            "--micro-batch-tokens", "64", "--idle-exit-s", "6", "--device", "cpu",
+            "--reward", "consumers.rewards:first_line_match"]  # fmt: skip
+    with log.open("ab") as out:
+        return subprocess.Popen(args, env=cli_env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def published(store_dir: Path, run: str = "default") -> list[int]:
+    root = store_dir / "weights" / run
+    return (
+        sorted(int(p.parent.name[1:]) for p in root.glob("v*/manifest.json"))
+        if root.exists()
+        else []
+    )
+
+
+@pytest.mark.slow
+def test_sigkill_and_restart_train_each_trajectory_exactly_once(
+    cli_env: dict[str, str], tiny_model: Path, tmp_path: Path, bootstrap: str, prefix: str
+) -> None:
+    cfg = CommonConfig(bootstrap_servers=bootstrap, topic_prefix=prefix, store=cli_env["SRL_STORE"])
+    layout = Layout.from_config(cfg)
+    store_dir = Path(cli_env["SRL_STORE"][len("file://") :])
+    create_topics(cfg)
+    rng = random.Random(7)
+    first = wave(0, 30, rng)
+    produce(cfg, first)
+    log = tmp_path / "trainer.log"
+
+    proc = train(cli_env, tiny_model, log)
+    try:
+        deadline = time.monotonic() + 120
+        while len(published(store_dir)) < 4 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, f"trainer exited early:\n{log.read_text()[-3000:]}"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    before = published(store_dir)
+    second = wave(30, 10, rng)
+    produce(cfg, second)
+
+    proc = train(cli_env, tiny_model, log)
+    try:
+        assert proc.wait(180) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    generated = {c.trajectory_id for c in first + second}
+    store = open_store(cli_env["SRL_STORE"])
+    final = ckpts.load(store, "default", ckpts.complete(store, "default")[-1])
+    assert set(final.ledger) == generated, "none lost, nothing unknown"
+    outcomes = {o for o, _ in final.ledger.values()}
+    assert (
+        outcomes <= {"trained", "dropped_stale"}
+        and "dropped_stale" in outcomes
+        and "trained" in outcomes
+    )
+
+    # the sample events (at least once, idempotent by (trajectory, step)) name one outcome each
+    decided: dict[str, set[tuple[str, int]]] = {}
+    for e in metric_events(cfg, "sample"):
+        decided.setdefault(e.labels["trajectory_id"], set()).add((e.labels["outcome"], int(e.step)))
+        if e.labels["outcome"] == "trained":
+            assert e.values["staleness"] <= 1
+    assert set(decided) == generated
+    twice = {t: d for t, d in decided.items() if len(d) != 1}
+    assert not twice, f"trained or dropped twice: {list(twice.items())[:3]}"
+    assert {t: next(iter(d)) for t, d in decided.items()} == {
+        t: (o, s) for t, (o, s) in final.ledger.items()
+    }
+
+    # versions only increase: contiguous in the store, non-decreasing on the weights topic
+    after = published(store_dir)
+    assert after == list(range(1, len(after) + 1)) and len(after) > len(before) >= 4
+    anns = [decode_as(m.value(), WeightsAnnouncement) for m in read_topic(cfg, layout.weights)]
+    assert [a.version for a in anns] == sorted(a.version for a in anns) and anns[
+        -1
+    ].version == after[-1]
+    manifests = [
+        orjson.loads((store_dir / f"weights/default/v{v:08d}/manifest.json").read_bytes())
+        for v in after
+    ]
+    assert all(m["parent_version"] < m["version"] for m in manifests)
+    text = log.read_text()
+    assert "Traceback" not in text
+    assert f"policy version {before[-1]}" in text, "the restart continued after the newest version"
