@@ -144,9 +144,9 @@ class Trainer:
         # static membership: a restarted trainer takes its predecessor's place at once instead
         # of waiting for the group to notice the dead member; a second trainer in the same
         # group fences the first rather than splitting the partitions (and the groups) with it
-        group = self.cfg.consumer_group
+        gid = self.cfg.consumer_group
         consumer = make_consumer(
-            self.cfg, group, "trainer", **{"group.instance.id": f"{group}-rank0"}
+            self.cfg, gid, "trainer", **{"group.instance.id": f"{gid}-rank0"}
         )
         self.consumer = consumer
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
