@@ -145,9 +145,7 @@ class Trainer:
         # of waiting for the group to notice the dead member; a second trainer in the same
         # group fences the first rather than splitting the partitions (and the groups) with it
         gid = self.cfg.consumer_group
-        consumer = make_consumer(
-            self.cfg, gid, "trainer", **{"group.instance.id": f"{gid}-rank0"}
-        )
+        consumer = make_consumer(self.cfg, gid, "trainer", **{"group.instance.id": f"{gid}-rank0"})
         self.consumer = consumer
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
@@ -161,7 +159,6 @@ class Trainer:
                     if msg.error():
                         log.warning("consumer: %s", msg.error())
                         continue
-                    self.last_record = now
                     chunk = self._decode(msg)
                     if chunk is None:
                         continue
@@ -171,8 +168,10 @@ class Trainer:
                     group = self.groups.add(self._score(traj))
                     if group is not None:
                         self._admit(group)
-                    if self._done():
+                    if self._stop_now():
                         break
+                if msgs:
+                    self.last_record = time.monotonic()  # idle counts from the end of the work
                 if now >= self.next_tick:
                     self._tick(now)
             self._shutdown()
@@ -195,15 +194,18 @@ class Trainer:
         log.info("signal %d: stopping after a final checkpoint", signum)
         self.stopping = True
 
+    def _stop_now(self) -> bool:
+        return self.stopping or bool(self.cfg.max_steps and self.step >= self.cfg.max_steps)
+
     def _done(self) -> bool:
-        if self.cfg.max_steps and self.step >= self.cfg.max_steps:
+        if self._stop_now():
             return True
         idle = (
             self.cfg.idle_exit_s
             and self.last_record is not None
             and time.monotonic() - self.last_record >= self.cfg.idle_exit_s
         )
-        return self.stopping or bool(idle)
+        return bool(idle)
 
     # -- records → samples ------------------------------------------------------------------
     def _dead_letter(self, msg: Any, reason: str) -> None:
