@@ -1,0 +1,95 @@
+"""Run srl across three emulated datacenters (``tests/netns.py``) and report what arrived.
+
+The broker datacenter runs the Kafka-protocol broker (``noida-db``, as ``srl broker`` does,
+bound to its datacenter address) and the S3 server (moto); generators and the trainer run in
+their own datacenters with their config files from ``deploy/datacenters/``, pointed at those
+servers by ``SRL_*`` variables. Every byte between roles crosses the delayed, rate-capped links.
+
+``run_dataplane``: the data-plane roles of ``tests/crossdc_roles.py`` (synthetic chunks one
+way, weights the other way through S3).
+
+Used by ``tests/e2e/test_datacenters.py``; as a benchmark:
+``python -m tests.crossdc --delay-ms 50 --rate-mbit 50`` (root, see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from srl.broker import broker_binary
+from tests.netns import ROOT, Topology
+from tests.s3server import TEST_CREDENTIALS
+
+CONFIGS = ROOT / "deploy" / "datacenters"
+KAFKA_PORT, S3_PORT = 9092, 9000
+
+
+def start_services(t: Topology, workdir: Path) -> dict[str, str]:
+    """Broker and S3 server in the broker datacenter; the environment that points roles at them."""
+    host = t.ip("broker")
+    t.start("broker", [str(broker_binary()), "start", "--only", "kafka", "--host", host,
+                       "--kafka-port", str(KAFKA_PORT), "--data-dir", str(workdir / "broker")],
+            log=workdir / "broker.log")  # fmt: skip
+    t.start("broker", [str(Path(sys.executable).parent / "moto_server"), "-H", host, "-p", str(S3_PORT)],
+            log=workdir / "s3.log")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SRL_")}
+    env.update({**TEST_CREDENTIALS, "PYTHONUNBUFFERED": "1",
+                "SRL_BOOTSTRAP_SERVERS": f"{host}:{KAFKA_PORT}", "SRL_TOPIC_PREFIX": "dc",
+                "SRL_RUN": "crossdc", "SRL_STORE": "s3://srl-crossdc/store",
+                "SRL_S3_ENDPOINT_URL": f"http://{host}:{S3_PORT}"})  # fmt: skip
+    srl = str(Path(sys.executable).parent / "srl")
+    deadline = time.monotonic() + 60
+    for argv in ([srl, "topics", "create"], [srl, "store", "init"]):  # from the generators' side
+        while True:
+            out = t.run("gen", argv, env=env)
+            if out.returncode == 0:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{' '.join(argv[1:])} failed: {out.stderr.strip()}")
+            time.sleep(1)
+    return env
+
+
+def run_dataplane(delay_ms: float, rate_mbit: float, trajectories: int) -> dict[str, Any]:
+    with (
+        tempfile.TemporaryDirectory(prefix="srl-crossdc-") as tmp,
+        Topology(delay_ms, rate_mbit) as t,
+    ):
+        work = Path(tmp)
+        env = start_services(t, work)
+        py = [sys.executable, "-m", "tests.crossdc_roles"]
+        t0 = time.monotonic()
+        trainer = t.start("train", [*py, "consume", str(trajectories), "--config",
+                                    str(CONFIGS / "trainer.toml")], env=env, log=work / "train.log")  # fmt: skip
+        gen = t.start("gen", [*py, "produce", str(trajectories), "--config",
+                              str(CONFIGS / "generators.toml")], env=env, log=work / "gen.log")  # fmt: skip
+        codes = {"train": trainer.wait(600), "gen": gen.wait(600)}
+        wall = time.monotonic() - t0
+        logs = {k: (work / f"{k}.log").read_text() for k in ("train", "gen")}
+        if any(codes.values()):
+            raise RuntimeError(f"roles failed {codes}: {logs}")
+        res = {k: orjson.loads(v.strip().splitlines()[-1]) for k, v in logs.items()}
+    return {"delay_ms": delay_ms, "rate_mbit": rate_mbit, "wall_s": wall, "trainer": res["train"],
+            "generator": res["gen"],
+            "tokens_per_s": res["train"]["tokens"] / res["train"]["stream_s"]}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--delay-ms", type=float, default=50)
+    ap.add_argument("--rate-mbit", type=float, default=50)
+    ap.add_argument("--trajectories", type=int, default=400)
+    args = ap.parse_args()
+    print(orjson.dumps(run_dataplane(args.delay_ms, args.rate_mbit, args.trajectories)).decode())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Data-plane roles for the cross-datacenter harness, built from srl's real parts.
+
+``produce N``  (generator datacenter): N synthetic trajectories, chunk by chunk, to the
+               trajectories topic; then waits for weights v1 on the weights topic, fetches it
+               from the store and verifies every file (a generator following the trainer).
+``consume N``  (trainer datacenter): reads the trajectories topic in a consumer group until N
+               trajectories are complete, dedupes by (trajectory_id, seq), commits, then
+               publishes weights v1 (files, manifest last, announcement).
+
+Each prints one JSON line with what it saw. Both load their datacenter's config file
+(``--config deploy/datacenters/….toml``; ``SRL_*`` variables point it at the harness' broker
+and store). Run as ``python -m tests.crossdc_roles ROLE N --config FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import orjson
+
+from schemas.records import TrajectoryChunk, decode_as, encode
+from srl.config import CommonConfig, load_config
+from srl.kafka import Producer, make_consumer
+from srl.smoke import synthetic_chunks
+from srl.store import open_store
+from srl.topics import Layout
+from srl.weights import announce, fetch_tensors, latest_announcement, load_manifest, publish
+
+
+def produce(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
+    layout = Layout.from_config(cfg)
+    chunks = synthetic_chunks(n, layout, seed=1)
+    t0 = time.monotonic()
+    with Producer(cfg, "gen") as p:
+        for c in chunks:
+            p.produce(layout.trajectories, encode(c), key=c.trajectory_id,
+                      partition=layout.partition_for(c.bucket, c.trajectory_id))  # fmt: skip
+    sent_s = time.monotonic() - t0
+    deadline = time.monotonic() + timeout_s
+    while (ann := latest_announcement(cfg, layout, cfg.run, 10)) is None:
+        if time.monotonic() > deadline:
+            raise SystemExit("no weights announcement arrived")
+        time.sleep(0.5)
+    store = open_store(cfg.store)
+    tensors = fetch_tensors(store, load_manifest(store, ann))
+    return {"role": "produce", "chunks": len(chunks), "tokens": sum(c.n_tokens for c in chunks),
+            "send_s": sent_s, "weights_version": ann.version, "tensors": len(tensors)}  # fmt: skip
+
+
+def consume(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
+    import torch
+
+    layout = Layout.from_config(cfg)
+    consumer = make_consumer(cfg, f"{cfg.topic_prefix}-crossdc", "trainer")
+    seen: set[tuple[str, int]] = set()
+    last_seq: dict[str, int] = {}
+    done: set[str] = set()
+    duplicates = tokens = 0
+    t0 = first = time.monotonic()
+    try:
+        consumer.subscribe([layout.trajectories])
+        while len(done) < n and time.monotonic() - t0 < timeout_s:
+            batch = [m for m in consumer.consume(500, 0.5) if not m.error()]
+            for msg in batch:
+                if not seen:
+                    first = time.monotonic()
+                c = decode_as(msg.value() or b"", TrajectoryChunk)
+                if (c.trajectory_id, c.seq) in seen:
+                    duplicates += 1
+                else:
+                    seen.add((c.trajectory_id, c.seq))
+                    tokens += c.n_tokens
+                if c.is_last:
+                    last_seq[c.trajectory_id] = c.seq
+                for tid, last in list(last_seq.items()):
+                    if all((tid, s) in seen for s in range(last + 1)):
+                        done.add(tid)
+                        del last_seq[tid]
+                consumer.store_offsets(msg)
+            if batch:
+                consumer.commit(asynchronous=False)
+        stream_s = time.monotonic() - first
+    finally:
+        consumer.close()
+    torch.manual_seed(0)
+    pub = publish(open_store(cfg.store), cfg.run, 1, {"w": torch.randn(256, 256)}, trainer_step=1,
+                  parent_version=0)  # fmt: skip
+    with Producer(cfg, "trainer") as p:
+        announce(p, layout, pub)
+    return {"role": "consume", "trajectories": len(done), "duplicates": duplicates, "tokens": tokens,
+            "stream_s": stream_s, "published": pub.manifest.version}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("role", choices=["produce", "consume"])
+    ap.add_argument("n", type=int)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--timeout-s", type=float, default=300)
+    args = ap.parse_args()
+    cfg = load_config(CommonConfig, file=args.config)
+    if cfg.store.startswith("s3://"):
+        from srl.s3store import S3Settings, configure
+
+        configure(S3Settings.from_config(cfg))
+    run = produce if args.role == "produce" else consume
+    print(orjson.dumps(run(cfg, args.n, args.timeout_s)).decode(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
