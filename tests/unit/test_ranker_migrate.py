@@ -1,0 +1,49 @@
+"""Migration decisions and the hand-off task (pure)."""
+
+from __future__ import annotations
+
+import math
+
+from ranker.migrate import MigrationPolicy, admission_priority, migration_task
+from ranker.schedule import LptQueue
+from schemas.records import PromptTask, decode_as, encode, unpack_tokens
+
+
+def test_policy_thresholds() -> None:
+    p = MigrationPolicy(factor=2.0, min_tokens=64)
+    assert p.threshold(None) is None and p.threshold(0) is None
+    assert p.threshold(10) == 64  # min_tokens wins for short predictions
+    assert p.threshold(100) == 201
+    assert not p.should_migrate(200, 100, remaining=50)
+    assert p.should_migrate(201, 100, remaining=50)
+    assert not p.should_migrate(500, 100, remaining=0)  # at max_new_tokens: nothing to move
+    assert not p.should_migrate(10_000, None, remaining=50)
+    assert not MigrationPolicy(enabled=False).should_migrate(10_000, 1, remaining=50)
+
+
+def test_migration_task_resumes_the_same_trajectory_in_the_longtail_bucket() -> None:
+    task = PromptTask(task_id="t1", prompt_id="p1", prompt="hi", group_size=4,
+                      max_new_tokens=512, bucket="le256", predicted_length=40, ranker_version=3,
+                      metadata='{"answer": "x"}', sample_indices=(0, 1, 2, 3))  # fmt: skip
+    m = migration_task(task, "traj-9", 2, next_seq=5, completion_tokens=[7, 8, 9],
+                       min_version=1, longtail_bucket="gt4096", prompt_tokens=[1, 2])  # fmt: skip
+    again = decode_as(encode(m), PromptTask)  # it travels through the real codec
+    assert again.bucket == "gt4096" and again.task_id != "t1" and again.prompt_id == "p1"
+    assert again.resume is not None and again.resume.reason == "migrate"
+    assert (again.resume.trajectory_id, again.resume.sample_index, again.resume.next_seq) == (
+        "traj-9", 2, 5)  # fmt: skip
+    assert list(unpack_tokens(again.resume.tokens)) == [7, 8, 9]
+    assert list(unpack_tokens(again.prompt_tokens or b"")) == [1, 2]
+    assert again.samples() == (2,)  # exactly one sample: the migrated one
+    assert again.predicted_length == 40 and again.metadata == task.metadata
+
+
+def test_resumed_tasks_jump_the_lpt_queue() -> None:
+    fresh = PromptTask(task_id="a", prompt_id="a", prompt="", group_size=1, max_new_tokens=9,
+                       bucket="b", predicted_length=10_000)  # fmt: skip
+    moved = migration_task(fresh, "tr", 0, 1, [1], 0, "b")
+    assert admission_priority(moved) == math.inf and admission_priority(fresh) == 10_000
+    q: LptQueue[PromptTask] = LptQueue()
+    q.push(fresh, admission_priority(fresh))
+    q.push(moved, admission_priority(moved))
+    assert q.pop() is moved
