@@ -116,6 +116,7 @@ class SimSettings:
     iterations: int = 20
     seed: int = 0
     ptl: PtlModel = PtlModel()
+    migrate_factor: float | None = 2.0  # also run ranker + LPT + migration; None: don't
 
     def rounds(self) -> float:
         """Samples per instance over the batch cap: above 1 is the multi-round regime."""
@@ -148,6 +149,8 @@ def compare(
     o_ratio: list[float] = []
     b_ratio: list[float] = []
     plans: dict[str, int] = {}
+    mig_ratio: list[float] = []
+    migrations: list[float] = []
     for _ in range(s.iterations):
         idx = rng.integers(0, n, s.batch)
         history = true_pool[rng.integers(0, n, s.batch)]
@@ -158,6 +161,14 @@ def compare(
         if pred_pool is not None:
             pred = pred_pool[idx].astype(np.float64)
             r = skew_aware(true, pred, history, s.instances, s.b_max, s.ptl, s.alpha)
+            if s.migrate_factor is not None and r.plan is not None:
+                from ranker.migrate import MigrationPolicy
+                from ranker.simmigrate import skew_aware_migrating
+
+                policy = MigrationPolicy(factor=s.migrate_factor)
+                m_s, n_mig = skew_aware_migrating(true, pred, r.plan, s.alpha, s.ptl, policy)
+                mig_ratio.append(m_s / b)
+                migrations.append(n_mig)
         lb = lower_bound(true, s.instances, s.b_max, s.ptl)
         for acc, v in ((base, b), (rank, r.makespan_s), (orac, o.makespan_s), (bound, lb)):
             acc.append(v)
@@ -191,6 +202,10 @@ def compare(
         },  # fmt: skip
         "ranker_plans": plans,  # "{longtail instances}x{batch}+{regular instances}x{batch}": count
     }
+    if mig_ratio:
+        report["ratio_vs_random_fifo"]["ranker_lpt_migrate"] = _stats(mig_ratio)  # type: ignore[index]
+        report["migrations_per_iteration"] = _stats(migrations)
+        report["settings"]["migrate_factor"] = s.migrate_factor  # type: ignore[index]
     if pred_pool is None:  # no ranker: the "ranker" runs above were the oracle's
         for key in ("makespan_s", "ratio_vs_random_fifo"):
             del report[key]["ranker_lpt"]  # type: ignore[attr-defined]

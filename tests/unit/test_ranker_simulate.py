@@ -58,3 +58,34 @@ def test_compare_in_the_multi_round_regime() -> None:
     lb = oracle["ratio_vs_random_fifo"]["lower_bound"]["mean"]  # type: ignore[index]
     assert lb <= r_orac < 0.9  # longest-first with true lengths clearly beats random + FIFO
     assert r_bad > 1.0  # a ranker that gets the order backwards is worse than random
+
+
+def test_migration_off_reproduces_the_per_instance_model() -> None:
+    from ranker.migrate import MigrationPolicy
+    from ranker.simmigrate import skew_aware_migrating
+
+    rng = np.random.default_rng(4)
+    true = LengthHistogram.from_file(HIST).sample(400, rng)
+    pred = true * np.exp(rng.normal(0, 0.4, 400))
+    plan = PoolPlan(2, 16, 4, 32, 0, 0)
+    ref = skew_aware(true, pred, true, 6, 32, PTL, plan=plan).makespan_s
+    got, moved = skew_aware_migrating(true, pred, plan, 0.2, PTL, MigrationPolicy(enabled=False))
+    assert moved == 0 and got == pytest.approx(ref, rel=1e-12)
+
+
+def test_a_mispredicted_straggler_migrates_and_the_makespan_shrinks() -> None:
+    from ranker.migrate import MigrationPolicy
+    from ranker.simmigrate import skew_aware_migrating
+
+    # one long sample predicted short shares the regular instance with 400 short ones; two
+    # long-tail samples have an instance to themselves. A steep PTL makes batch size matter.
+    ptl = PtlModel(1.0, 1.0)
+    true = np.array([8000] + [100] * 400 + [1500] * 2)
+    pred = np.array([100.0] + [100.0] * 400 + [1500.0] * 2)
+    plan = PoolPlan(1, 8, 1, 8, 0, 0)
+    alpha = 2 / 403
+    off, n0 = skew_aware_migrating(true, pred, plan, alpha, ptl, MigrationPolicy(enabled=False))
+    on, n1 = skew_aware_migrating(true, pred, plan, alpha, ptl, MigrationPolicy(factor=2.0))
+    assert (n0, n1) == (0, 1)
+    # the straggler left after 201 tokens at PTL(8) and finished on the long-tail instance
+    assert on < 0.9 * off
