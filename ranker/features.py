@@ -4,7 +4,8 @@ Owns the map ``prompt text → float32 vector`` that the model reads. It needs n
 no vocabulary file, so a dispatcher and a trainer on different machines featurize alike:
 
 * hashed word unigrams and bigrams and character trigrams (crc32 into ``buckets`` slots each,
-  value ``log1p(count)``): what the prompt asks for;
+  value ``log1p(count)``; digits read as ``0`` so a number's value does not scatter over
+  arbitrary hash slots): what the prompt asks for;
 * the numbers in the prompt (``log1p`` of the first ``MAX_NUMBERS`` in order, of their max and
   sum, and how many there are): how much it asks for, which answer length often tracks;
 * ``log1p`` of the prompt's characters, words and lines.
@@ -26,6 +27,7 @@ import numpy as np
 MAX_NUMBERS = 6
 _WORD = re.compile(r"[A-Za-z]+|[^\sA-Za-z0-9]")
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
+_DIGIT = re.compile(r"\d")
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ def featurize_one(text: str, spec: FeatureSpec, out: np.ndarray) -> None:
         out[_slot(w, b)] += 1
     for w1, w2 in zip(words, words[1:], strict=False):
         out[b + _slot(f"{w1} {w2}", b)] += 1
-    low = text.lower()
+    low = _DIGIT.sub("0", text.lower())  # numbers count through the numeric features only
     for i in range(len(low) - 2):
         out[2 * b + _slot(low[i : i + 3], b)] += 1
     np.log1p(out[: 3 * b], out=out[: 3 * b])

@@ -28,6 +28,7 @@ from srl.errors import SrlError
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+CLIP = 10.0  # standardised inputs are clipped to ±CLIP in training and prediction alike
 
 
 class RankerError(SrlError):
@@ -47,7 +48,7 @@ class LengthRanker:
         return len(self.hidden) + 1
 
     def predict_log(self, x: np.ndarray) -> np.ndarray:
-        h = (x - self.params["mu"]) / self.params["sd"]
+        h = np.clip((x - self.params["mu"]) / self.params["sd"], -CLIP, CLIP)
         for i in range(self.layers):
             h = h @ self.params[f"w{i}"] + self.params[f"b{i}"]
             if i < self.layers - 1:
@@ -90,8 +91,11 @@ class LengthRanker:
             mu, sd = init.params["mu"], init.params["sd"]
         else:
             mu = x.mean(axis=0)
-            sd = np.maximum(x.std(axis=0), 1e-3).astype(np.float32)
-        xs = torch.from_numpy((x - mu) / sd)
+            std = x.std(axis=0)
+            # a feature constant in training keeps its scale (sd 1), so an unseen n-gram at
+            # prediction time moves the input by its count, not by count / 1e-3
+            sd = np.where(std < 1e-6, 1.0, np.maximum(std, 1e-2)).astype(np.float32)
+        xs = torch.from_numpy(np.clip((x - mu) / sd, -CLIP, CLIP).astype(np.float32))
         ys = torch.from_numpy(y)
         g = torch.Generator().manual_seed(seed)
         sizes = [spec.dim, *hidden, 1]

@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -165,37 +165,35 @@ def run_online(
     on_version: Callable[[LengthRanker, dict[str, float]], None] | None = None,
 ) -> int:
     """Consume trajectories and publish versions until ``max_versions`` or ``idle_timeout_s``
-    without a new pair; returns the number of versions published."""
+    without a new pair; returns the number of versions published. A version is trained the
+    moment the ``retrain_every``-th new pair arrives, so versions hold exactly those pairs."""
     from confluent_kafka import Consumer
 
-    from ranker.model import LengthRanker
-    from ranker.publish import RankerFollower, publish
     from schemas.codec import SchemaError
     from schemas.records import decode_as
     from srl.kafka import Producer, consumer_settings, wait_for_broker
     from srl.metrics import Metrics, dead_letter
-    from srl.store import open_store
     from srl.topics import Layout
 
     wait_for_broker(cfg)
     layout = Layout.from_config(cfg)
-    store = open_store(cfg.store)
-    decode_prompt = decoder_for(cfg.model_dir)
-    collector, window = PairCollector(), TrainWindow(cfg.window, cfg.retrain_every, cfg.min_pairs)
-    follower = RankerFollower(store, cfg.run)
+    trainer = _VersionTrainer(cfg)
+    collector = PairCollector()
     consumer = Consumer(consumer_settings(cfg, cfg.group_id(), "ranker"))
     published, last_progress = 0, time.monotonic()
-    pending: list[object] = []  # messages whose pairs are not yet in a published version
+    pending: list[Any] = []  # messages whose pairs are not yet in a published version
+
+    def done() -> bool:
+        return max_versions is not None and published >= max_versions
+
     with Producer(cfg, "ranker") as producer:
         metrics = Metrics(producer, layout, cfg.run, "ranker")
         try:
             consumer.subscribe([layout.trajectories])
-            while max_versions is None or published < max_versions:
-                if idle(last_progress, idle_timeout_s):
-                    break
+            while not done() and not idle(last_progress, idle_timeout_s):
                 for msg in consumer.consume(500, 0.5):
-                    if msg.error():
-                        continue
+                    if msg.error() or done():
+                        continue  # past max_versions: left uncommitted for the next run
                     pending.append(msg)
                     try:
                         chunk = decode_as(msg.value() or b"", TrajectoryChunk)
@@ -207,33 +205,56 @@ def run_online(
                     if pair is None:
                         continue
                     last_progress = time.monotonic()
-                    window.add(
-                        decode_prompt(pair.prompt_tokens), pair.length, pair.predicted_length
-                    )
+                    trainer.add(pair)
                     metrics.incr("ranker_pairs")
-                if not window.due():
-                    continue
-                texts, lengths = window.arrays()
-                live = live_report(window)
-                init = follower.poll(force=True)
-                ranker = LengthRanker.fit(texts, lengths, hidden=cfg.hidden, epochs=cfg.epochs,
-                                          init=init)  # fmt: skip
-                ranker = publish(store, cfg.run, ranker, {"dispatch_time_metrics": live})
-                window.since_fit = 0
-                published += 1
-                values = {"version": float(ranker.version or 0), "pairs": float(len(texts))}
-                if live:
-                    values |= {f"live_{k}": float(v) for k, v in live.items()}
-                metrics.emit("ranker_published", values)
-                metrics.flush_counters()
-                for m in pending:  # step 4: the version holding these pairs is durable
-                    consumer.store_offsets(m)  # type: ignore[arg-type]
-                if pending:
+                    if not trainer.window.due():
+                        continue
+                    ranker, values = trainer.train_and_publish()  # steps 2 and 3
+                    published += 1
+                    metrics.emit("ranker_published", values)
+                    metrics.flush_counters()
+                    for m in pending:  # step 4: the version holding these pairs is durable
+                        consumer.store_offsets(m)
                     consumer.commit(asynchronous=False)
-                pending.clear()
-                if on_version is not None:
-                    on_version(ranker, values)
-                log.info("ranker v%s published from %d pairs", ranker.version, len(texts))
+                    pending.clear()
+                    if on_version is not None:
+                        on_version(ranker, values)
+                    log.info("ranker v%s published from %d pairs", ranker.version, values["pairs"])
         finally:
             consumer.close()
     return published
+
+
+class _VersionTrainer:
+    """Window of pairs → a fitted, published version (warm-started from the latest)."""
+
+    def __init__(self, cfg: RankerConfig) -> None:
+        from ranker.publish import RankerFollower
+        from srl.store import open_store
+
+        self.cfg = cfg
+        self.store = open_store(cfg.store)
+        self.decode_prompt = decoder_for(cfg.model_dir)
+        self.window = TrainWindow(cfg.window, cfg.retrain_every, cfg.min_pairs)
+        self.follower = RankerFollower(self.store, cfg.run)
+
+    def add(self, pair: Pair) -> None:
+        self.window.add(self.decode_prompt(pair.prompt_tokens), pair.length, pair.predicted_length)
+
+    def train_and_publish(self) -> tuple[LengthRanker, dict[str, float]]:
+        from ranker.dispatch import length_quantiles
+        from ranker.model import LengthRanker
+        from ranker.publish import publish
+
+        texts, lengths = self.window.arrays()
+        live = live_report(self.window)
+        init = self.follower.poll(force=True)
+        ranker = LengthRanker.fit(texts, lengths, hidden=self.cfg.hidden, epochs=self.cfg.epochs,
+                                  init=init)  # fmt: skip
+        ranker.info["length_quantiles"] = length_quantiles(lengths)
+        ranker = publish(self.store, self.cfg.run, ranker, {"dispatch_time_metrics": live})
+        self.window.since_fit = 0
+        values = {"version": float(ranker.version or 0), "pairs": float(len(texts))}
+        if live:
+            values |= {f"live_{k}": float(v) for k, v in live.items()}
+        return ranker, values

@@ -131,3 +131,25 @@ def test_lpt_queue_refills_with_longest_remaining() -> None:
     q.push("f", 40)  # arrives later, still longer than the rest
     assert [q.pop() for _ in range(len(q))] == ["f", "d", "a", "b", "e"]
     assert not q
+
+
+def test_assign_buckets_and_window_plan() -> None:
+    from ranker.dispatch import assign_buckets, length_quantiles, window_plan
+
+    def bucket_for(n: int) -> str:
+        return (
+            "le256" if n <= 256 else "le1024" if n <= 1024 else "le4096" if n <= 4096 else "gt4096"
+        )
+
+    pred = np.array([100, 5000, 300, 2000, 50, 8000, 900, 700, 10, 20], dtype=float)
+    got = assign_buckets(pred, 0.2, "gt4096", bucket_for, ["le256", "le1024", "le4096"])
+    assert got == ["le256", "gt4096", "le1024", "le4096", "le256", "gt4096", "le1024",
+                   "le1024", "le256", "le256"]  # fmt: skip
+    # a large prediction outside the top alpha stays on the regular pool's last bucket
+    got = assign_buckets([9000, 8000, 1], 0.34, "gt4096", bucket_for, ["le256", "le4096"])
+    assert got == ["gt4096", "le4096", "le256"]
+    assert window_plan(pred, None, 8, 32) is None
+    hist = np.array(length_quantiles(np.arange(1, 10_001)))
+    assert len(hist) == 101 and hist[0] == 1 and hist[-1] == 10_000
+    plan = window_plan(pred, hist, 8, 32)
+    assert plan is not None and plan.longtail_instances + plan.regular_instances == 8
