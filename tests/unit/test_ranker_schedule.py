@@ -146,7 +146,7 @@ def test_assign_buckets_and_window_plan() -> None:
     assert got == ["le256", "gt4096", "le1024", "le4096", "le256", "gt4096", "le1024",
                    "le1024", "le256", "le256"]  # fmt: skip
     # a large prediction outside the top alpha stays on the regular pool's last bucket
-    got = assign_buckets([9000, 8000, 1], 0.34, "gt4096", bucket_for, ["le256", "le4096"])
+    got = assign_buckets([9000, 8000, 1], 0.3, "gt4096", bucket_for, ["le256", "le4096"])
     assert got == ["gt4096", "le4096", "le256"]
     assert window_plan(pred, None, 8, 32) is None
     hist = np.array(length_quantiles(np.arange(1, 10_001)))
