@@ -117,6 +117,20 @@ def complete(store: ObjectStore, run: str) -> list[int]:
     return sorted(out)
 
 
+def highest_number(store: ObjectStore, run: str) -> int:
+    """The highest checkpoint number with any file, complete or not (0: none).
+
+    A new checkpoint takes the next number: a crash mid-write leaves files without a marker,
+    and create-only writes must never meet them again.
+    """
+    best = 0
+    for key in store.list(f"checkpoints/{run}/"):
+        parts = key.split("/")
+        if len(parts) == 4 and (m := _DIR.match(parts[2])):
+            best = max(best, int(m.group(1)))
+    return best
+
+
 def load(store: ObjectStore, run: str, n: int) -> Checkpoint:
     """Checkpoint ``n`` after checking every file against the marker."""
     from safetensors.torch import load as st_load
@@ -139,14 +153,19 @@ def load(store: ObjectStore, run: str, n: int) -> Checkpoint:
 
 
 def prune(store: ObjectStore, run: str, keep: int) -> list[int]:
-    """Delete all but the newest ``keep`` complete checkpoints (marker first); returns those removed."""
+    """Delete all but the newest ``keep`` complete checkpoints (marker first) and interrupted
+    writes older than the newest complete one; returns the numbers of the checkpoints removed."""
     numbers = complete(store, run)
     gone = numbers[:-keep] if keep > 0 else []
     for n in gone:
-        base = prefix(run, n)
-        store.delete(f"{base}/{MARKER}")
-        for key in store.list(base + "/"):
-            store.delete(key)
+        store.delete(f"{prefix(run, n)}/{MARKER}")  # first: from here on it is not complete
+    newest = numbers[-1] if numbers else 0
+    for key in store.list(f"checkpoints/{run}/"):  # the pruned ones, and interrupted writes
+        parts = key.split("/")
+        if len(parts) == 4 and (m := _DIR.match(parts[2])):
+            n = int(m.group(1))
+            if n < newest and (n in gone or n not in numbers):
+                store.delete(key)
     return gone
 
 

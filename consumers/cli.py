@@ -112,7 +112,11 @@ def train(as_json: bool, **kw: Any) -> None:
     }
     cfg = config_from(TrainConfig, kw, **own)
     result = run_trainer(cfg)
-    if as_json:
+    if result.rank > 0:
+        click.echo(
+            f"rank {result.rank}: {result.steps} steps, {result.micro_batches} micro-batches"
+        )
+    elif as_json:
         echo_json({"steps": result.steps, "version": result.version, "outcomes": result.outcomes})
     else:
         click.echo(

@@ -140,15 +140,15 @@ class Dist:
         self._to_all(STOP)
 
 
-def follow(engine: Engine, dist_: Dist) -> int:
-    """The loop of ranks > 0: run what rank 0 sends until STOP; returns the steps taken."""
+def follow(engine: Engine, dist_: Dist) -> tuple[int, int]:
+    """The loop of ranks > 0: run what rank 0 sends until STOP; returns (steps, micro-batches)."""
     import torch
     import torch.distributed as dist
 
     from consumers.engine import MicroBatch
 
     g = dist_.group
-    steps = 0
+    steps = micro_batches = 0
     while True:
         header = torch.zeros(4, dtype=torch.int64)
         dist.recv(header, src=0, group=g)
@@ -162,6 +162,7 @@ def follow(engine: Engine, dist_: Dist) -> int:
             for t in (ids, attn, behav, adv, weight):
                 dist.recv(t, src=0, group=g)
             engine.backward(MicroBatch(ids, attn, behav, adv, weight))
+            micro_batches += 1
         elif cmd == STEP:
             norm = torch.zeros(1, dtype=torch.float64)
             dist.recv(norm, src=0, group=g)
@@ -170,6 +171,7 @@ def follow(engine: Engine, dist_: Dist) -> int:
         elif cmd == DISCARD:
             engine.discard()
         elif cmd == STOP:
-            return steps
+            log.info("rank %d: %d steps, %d micro-batches", dist_.rank, steps, micro_batches)
+            return steps, micro_batches
         else:
             raise RuntimeError(f"rank {dist_.rank}: unknown command {cmd} from rank 0")

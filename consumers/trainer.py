@@ -57,6 +57,8 @@ class TrainResult:
     steps: int
     version: int
     outcomes: dict[str, int] = field(default_factory=dict)
+    rank: int = 0
+    micro_batches: int = 0  # ranks > 0: micro-batches this rank ran
 
 
 def run_trainer(cfg: TrainConfig) -> TrainResult:
@@ -83,8 +85,8 @@ def run_trainer(cfg: TrainConfig) -> TrainResult:
             engine.load_tensors(ckpt.model)
             engine.optimizer.load_state_dict(ckpt.optimizer)
         if dist is not None and dist.rank > 0:
-            steps = follow(engine, dist)
-            return TrainResult(steps, -1)
+            steps, micro_batches = follow(engine, dist)
+            return TrainResult(steps, -1, rank=dist.rank, micro_batches=micro_batches)
         return Trainer(cfg, engine, store, dist, ckpt).run()
     finally:
         if dist is not None:
@@ -102,7 +104,7 @@ class Trainer:
         self.cfg, self.engine, self.store, self.dist = cfg, engine, store, dist
         self.layout = Layout.from_config(cfg)
         self.step = ckpt.step if ckpt else 0
-        self.ckpt_number = ckpt.number if ckpt else 0
+        self.ckpt_number = ckpts.highest_number(store, cfg.run)
         self.ledger: dict[str, list[Any]] = dict(ckpt.ledger) if ckpt else {}
         self.replay_events = list(ckpt.events) if ckpt else []
         self.lineage = int(ckpt.extra.get("lineage", ckpt.version)) if ckpt else 0

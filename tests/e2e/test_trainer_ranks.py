@@ -1,0 +1,65 @@
+"""Two CPU ranks (torchrun, gloo) and one rank trained on the same records give the same weights."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from srl.broker import free_port
+from srl.config import CommonConfig
+from srl.kafka import create_topics
+from srl.store import open_store
+from srl.weights import Manifest, fetch_tensors, version_prefix
+from tests.chunks import produce
+from tests.conftest import bin_path
+from tests.integration.test_trainer import make_groups
+
+ARGS = ["train", "--groups-per-step", "2", "--max-steps", "3", "--micro-batch-tokens", "40",
+        "--lr", "1e-3", "--idle-exit-s", "5", "--device", "cpu", "--loss", "decoupled",
+        "--updates-per-step", "2", "--max-staleness", "100", "--reward", "consumers.rewards:first_line_match"]  # fmt: skip
+
+
+def weights(store_url: str, run: str, version: int) -> dict[str, torch.Tensor]:
+    store = open_store(store_url)
+    key = f"{version_prefix(run, version)}/manifest.json"
+    return fetch_tensors(store, Manifest.from_json(store.get(key)))
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_match_one_rank(
+    cli_env: dict[str, str], tiny_model: Path, bootstrap: str, prefix: str
+) -> None:
+    # one partition, so both runs see the records in the same order and form the same steps
+    env = {**cli_env, "SRL_PARTITIONS_PER_BUCKET": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    cfg = CommonConfig(bootstrap_servers=bootstrap, topic_prefix=prefix, partitions_per_bucket=1)
+    create_topics(cfg)
+    produce(cfg, make_groups(6, seed=3))
+    model = ["--model", str(tiny_model)]
+
+    # the run name goes by SRL_RUN: torchrun would take a --run after the module for its own
+    one = subprocess.run([bin_path("srl-consumer"), *ARGS, *model], env={**env, "SRL_RUN": "one"},
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run(
+        [bin_path("torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), "-m", "consumers", *ARGS, *model],
+        env={**env, "SRL_RUN": "two"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert (
+        "trained 3 steps; policy version 3" in one.stdout
+        and "trained 3 steps; policy version 3" in two.stdout
+    )
+    rank1 = [line for line in two.stdout.splitlines() if line.startswith("rank 1: 3 steps")]
+    assert rank1 and int(rank1[0].split()[4]) > 0, f"rank 1 trained micro-batches: {two.stdout}"
+
+    a, b = weights(env["SRL_STORE"], "one", 3), weights(env["SRL_STORE"], "two", 3)
+    start = weights(env["SRL_STORE"], "one", 1)  # v1 already moved from v0; compare v3 with it
+    assert a.keys() == b.keys()
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    moved = max((a[k] - start[k]).abs().max().item() for k in a)
+    print(f"2 ranks vs 1: weights moved {moved:.2e} from v1, differ by {diff:.2e}")
+    assert moved > 1e-4 and diff < 1e-5, f"moved {moved:.2e}, 1 vs 2 ranks differ by {diff:.2e}"
