@@ -76,7 +76,7 @@ def optimizer_from_files(tensors: dict[str, torch.Tensor], body: bytes) -> dict[
         idx, name = key.split(".", 1)
         per.setdefault(int(idx), {})[name] = value
     groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else g for g in meta["param_groups"]]
-    return {"state": per, "param_groups": groups}
+    return {"state": dict(sorted(per.items())), "param_groups": groups}
 
 
 def save(

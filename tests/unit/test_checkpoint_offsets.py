@@ -39,8 +39,9 @@ def test_checkpoint_round_trips_model_optimizer_and_ledger(tmp_path: Path) -> No
     assert all(torch.equal(c.model[k], v) for k, v in model.state_dict().items())
     model2, opt2 = adam_state()
     opt2.load_state_dict(c.optimizer)
-    for a, b in zip(opt.state.values(), opt2.state.values(), strict=True):
-        assert all(torch.equal(a[k], b[k]) for k in a)
+    for p1, p2 in zip(model.parameters(), model2.parameters(), strict=True):
+        a, b = opt.state[p1], opt2.state[p2]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert opt2.param_groups[0]["betas"] == (0.9, 0.999)
 
 
