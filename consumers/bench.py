@@ -32,6 +32,7 @@ def main(steps: int, groups: int, n: int, budget: int, spec: str, threads: int) 
     from consumers.config import TrainConfig
     from consumers.engine import Engine, make_micro_batch
     from srl.cli_common import echo_json
+    from srl.config import load_config
     from srl.tinymodel import TinyModelSpec, build_tiny_model
 
     if threads:
@@ -41,7 +42,10 @@ def main(steps: int, groups: int, n: int, budget: int, spec: str, threads: int) 
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(tmp, shape)
-        engine = Engine(TrainConfig(model=str(model_dir), device="cpu", lr=1e-5))
+        cfg = load_config(
+            TrainConfig, cli={"model": str(model_dir), "device": "cpu", "lr": 1e-5}, env={}
+        )
+        engine = Engine(cfg)
         params = sum(p.numel() for p in engine.params)
         times, tokens, padded = [], 0, 0
         for step in range(steps + 1):

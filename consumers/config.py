@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from srl.config import CommonConfig
 
@@ -112,15 +112,26 @@ class TrainConfig(CommonConfig):
     zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage (backend=deepspeed).")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
 
-    @model_validator(mode="after")
-    def _rules(self) -> TrainConfig:
-        if self.sync_barrier and self.max_staleness != 0:
-            raise ValueError("--sync-barrier is the k = 0 baseline; set --max-staleness 0")
-        if self.sync_barrier and self.publish_every != 1:
-            raise ValueError("--sync-barrier publishes every step; set --publish-every 1")
-        if ":" not in self.reward:
-            raise ValueError(f"reward must be module:function, got {self.reward!r}")
-        return self
+    @field_validator("reward")
+    @classmethod
+    def _reward_spec(cls, v: str) -> str:
+        if ":" not in v:
+            raise ValueError(f"expected module:function, got {v!r}")
+        return v
+
+    @field_validator("sync_barrier")
+    @classmethod
+    def _barrier_is_k0(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("max_staleness") != 0:
+            raise ValueError("the synchronous baseline is k = 0: add --max-staleness 0")
+        return v
+
+    @field_validator("publish_every")
+    @classmethod
+    def _barrier_publishes_every_step(cls, v: int, info: ValidationInfo) -> int:
+        if info.data.get("sync_barrier") and v != 1:
+            raise ValueError("--sync-barrier publishes every step: use --publish-every 1")
+        return v
 
     @property
     def consumer_group(self) -> str:

@@ -131,3 +131,19 @@ def test_scorer_marks_raising_or_non_numeric_rewards_failed() -> None:
     assert s.reward is None and "KeyError" in (s.error or "")
     assert Scorer(lambda p, c, m: "x", tok).score(t).reward is None
     assert Scorer(lambda p, c, m: float("nan"), tok).score(t).reward is None
+
+
+def test_sync_barrier_config_rules() -> None:
+    from consumers.config import TrainConfig
+    from srl.config import load_config
+
+    with pytest.raises(ConfigError, match="sync_barrier: .*k = 0"):
+        load_config(TrainConfig, cli={"sync_barrier": True}, env={})
+    with pytest.raises(ConfigError, match="publish_every: .*every step"):
+        load_config(
+            TrainConfig, cli={"sync_barrier": True, "max_staleness": 0, "publish_every": 2}, env={}
+        )
+    with pytest.raises(ConfigError, match="reward: .*module:function"):
+        load_config(TrainConfig, cli={"reward": "nocolon"}, env={})
+    cfg = load_config(TrainConfig, cli={"sync_barrier": True, "max_staleness": 0}, env={})
+    assert cfg.sync_barrier and cfg.consumer_group == "srl-trainer-default"
