@@ -101,9 +101,23 @@ def _config(kw: dict[str, Any]) -> Any:
     help="Iterations (batches) to average over.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed.")
+@click.option(
+    "--always-split",
+    is_flag=True,
+    help="Algorithm 2 exactly as StreamRL states it: always dedicate long-tail instances "
+    "(never one shared pool).",
+)
+@click.option(
+    "--migrate-factor",
+    type=click.FloatRange(1.0, min_open=True),
+    default=2.0,
+    show_default=True,
+    help="Also simulate migration of regular-pool samples past this multiple of their prediction.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def simulate(lengths: Path, scale: float, pairs: Path | None, instances: int, b_max: int,
-             batch: int, alpha: float, iterations: int, seed: int, as_json: bool) -> None:  # fmt: skip
+             batch: int, alpha: float, iterations: int, seed: int, always_split: bool,
+             migrate_factor: float, as_json: bool) -> None:  # fmt: skip
     """SIMULATED generation makespan: random dispatch + FIFO vs ranker dispatch + LPT vs oracle.
 
     Time comes from the PTL(BS) = 8.1 + 0.056·BS ms model (the sim engine's), not from a
@@ -111,9 +125,8 @@ def simulate(lengths: Path, scale: float, pairs: Path | None, instances: int, b_
     """
     from ranker.evaluate import simulate_report
 
-    report = simulate_report(
-        lengths, scale, pairs, instances, b_max, batch, alpha, iterations, seed
-    )
+    report = simulate_report(lengths, scale, pairs, instances, b_max, batch, alpha, iterations,
+                             seed, allow_shared=not always_split, migrate_factor=migrate_factor)  # fmt: skip
     if as_json:
         echo_json(report)
         return
@@ -124,7 +137,13 @@ def simulate(lengths: Path, scale: float, pairs: Path | None, instances: int, b_
     )
     ms = report["makespan_s"]
     for key, label in (("random_fifo", "random + FIFO"), ("ranker_lpt", "ranker + LPT"),
-                       ("oracle_lpt", "oracle + LPT"), ("lower_bound", "lower bound")):  # fmt: skip
-        if key in ms:
+                       ("ranker_lpt_migrate", "  + migration"), ("oracle_lpt", "oracle + LPT"),
+                       ("lower_bound", "lower bound")):  # fmt: skip
+        if key in r or key == "random_fifo":
+            secs = f"{ms[key]['mean']:9.1f} s" if key in ms else " " * 11
             ratio = "1.000" if key == "random_fifo" else f"{r[key]['mean']:.3f}"
-            click.echo(f"  {label:14s} {ms[key]['mean']:9.1f} s  ratio {ratio}")
+            click.echo(f"  {label:14s} {secs}  ratio {ratio}")
+    if "ranker_quality" in report:
+        q = report["ranker_quality"]
+        click.echo(f"  ranker: recall@20 {q['recall_at_20']:.3f}, spearman {q['spearman']:.3f} "
+                   f"on {q['n']} held-out pairs; plans {report['ranker_plans']}")  # fmt: skip

@@ -45,10 +45,12 @@ def read_pairs(path: Path) -> tuple[np.ndarray, np.ndarray]:
 def simulate_report(
     lengths: Path, scale: float, pairs: Path | None, instances: int, b_max: int, batch: int,
     alpha: float, iterations: int, seed: int, ptl: PtlModel | None = None,
+    allow_shared: bool = True, migrate_factor: float | None = 2.0,
 ) -> dict[str, Any]:  # fmt: skip
     """The SIMULATED comparison, with the workload and ranker provenance recorded."""
     hist = LengthHistogram.from_file(lengths, scale)
-    settings = SimSettings(instances, b_max, batch, alpha, iterations, seed, ptl or PtlModel())
+    settings = SimSettings(instances, b_max, batch, alpha, iterations, seed, ptl or PtlModel(),
+                           migrate_factor, allow_shared)  # fmt: skip
     if pairs is None:
         true_pool = hist.sample(max(20_000, batch * 4), np.random.default_rng(seed + 7919))
         pred_pool = None

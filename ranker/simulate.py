@@ -117,6 +117,7 @@ class SimSettings:
     seed: int = 0
     ptl: PtlModel = PtlModel()
     migrate_factor: float | None = 2.0  # also run ranker + LPT + migration; None: don't
+    allow_shared: bool = True  # Algorithm 2 may keep one shared pool (False: always split)
 
     def rounds(self) -> float:
         """Samples per instance over the batch cap: above 1 is the multi-round regime."""
@@ -156,11 +157,13 @@ def compare(
         history = true_pool[rng.integers(0, n, s.batch)]
         true = true_pool[idx]
         b = random_fifo(true, s.instances, s.b_max, s.ptl, rng).makespan_s
-        o = skew_aware(true, true.astype(np.float64), history, s.instances, s.b_max, s.ptl, s.alpha)
+        o = skew_aware(true, true.astype(np.float64), history, s.instances, s.b_max, s.ptl,
+                       s.alpha, allow_shared=s.allow_shared)  # fmt: skip
         r = o
         if pred_pool is not None:
             pred = pred_pool[idx].astype(np.float64)
-            r = skew_aware(true, pred, history, s.instances, s.b_max, s.ptl, s.alpha)
+            r = skew_aware(true, pred, history, s.instances, s.b_max, s.ptl, s.alpha,
+                           allow_shared=s.allow_shared)  # fmt: skip
             if s.migrate_factor is not None and r.plan is not None:
                 from ranker.migrate import MigrationPolicy
                 from ranker.simmigrate import skew_aware_migrating
@@ -187,6 +190,7 @@ def compare(
             "iterations": s.iterations,
             "seed": s.seed,
             "rounds": s.rounds(),
+            "allow_shared_pool": s.allow_shared,
             "ptl_ms": f"{s.ptl.a_ms} + {s.ptl.b_ms}*BS",
         },  # fmt: skip
         "makespan_s": {
