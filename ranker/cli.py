@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from srl.cli_common import config_from, echo_json
+from srl.cli_common import common_options, config_from, echo_json
 
 DEFAULT_LENGTHS = Path("../shared/data/streamrl_output_length_hist.csv")
 
@@ -30,6 +30,9 @@ def _ranker_options(f: Any) -> Any:
         click.option("--retrain-every", type=int, default=None, help="New pairs between versions."),
         click.option("--min-pairs", type=int, default=None, help="Pairs needed before the first version."),
         click.option("--epochs", type=int, default=None, help="Training epochs per version."),
+        click.option("--hidden", default=None, metavar="N,N",
+                     help="MLP hidden sizes, e.g. 64,32 (empty: linear). Default 64,32."),
+        click.option("--buckets", type=int, default=None, help="Hashed slots per n-gram family (default 16)."),
     ]  # fmt: skip
     for option in reversed(options):
         f = option(f)
@@ -39,8 +42,117 @@ def _ranker_options(f: Any) -> Any:
 def _config(kw: dict[str, Any]) -> Any:
     from ranker.config import RankerConfig
 
-    keys = ("model_dir", "window", "retrain_every", "min_pairs", "epochs")
+    keys = ("model_dir", "window", "retrain_every", "min_pairs", "epochs", "hidden", "buckets")
+    if kw.get("hidden") is not None:
+        kw["hidden"] = [h for h in kw["hidden"].split(",") if h.strip()]
     return config_from(RankerConfig, kw, **{k: kw.pop(k, None) for k in keys})
+
+
+@ranker.command("train")
+@common_options
+@_ranker_options
+@click.option(
+    "--demo",
+    "demo_n",
+    type=click.IntRange(10, 1_000_000),
+    default=None,
+    help="Fit one version on N training prompts of the demo task (their true lengths) and publish it.",
+)
+@click.option(
+    "--online",
+    is_flag=True,
+    help="Follow the trajectories topic and publish a version every --retrain-every pairs.",
+)
+@click.option(
+    "--max-versions",
+    type=click.IntRange(1),
+    default=None,
+    help="With --online: stop after publishing this many versions.",
+)
+@click.option(
+    "--idle-timeout",
+    type=float,
+    default=None,
+    help="With --online: stop after this many seconds without a new pair.",
+)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed for demo prompts and init."
+)
+def train(demo_n: int | None, online: bool, max_versions: int | None, idle_timeout: float | None,
+          seed: int, **kw: Any) -> None:  # fmt: skip
+    """Train the ranker and publish versions to the object store (ranker/{run}/v…/).
+
+    With --demo N it bootstraps from the demo task; with --online it learns from the (prompt,
+    actual length) pairs the generators put on the trajectories topic, warm-starting each
+    version from the last, so it follows the policy as output lengths drift.
+    """
+    from srl.errors import ConfigError
+
+    cfg = _config(kw)
+    if (demo_n is None) == (not online):
+        raise ConfigError("srl ranker train: give exactly one of --demo N or --online")
+    if demo_n is not None:
+        from ranker.evaluate import train_on_demo
+
+        r = train_on_demo(cfg, demo_n, seed)
+        click.echo(f"ranker v{r.version} published for run {cfg.run} ({demo_n} demo prompts)")
+        return
+    from ranker.online import run_online
+
+    def report(r: Any, values: dict[str, float]) -> None:
+        live = values.get("live_recall_at_20")
+        extra = f", dispatch-time recall_at_20 {live:.3f}" if live is not None else ""
+        click.echo(f"ranker v{r.version} published ({int(values['pairs'])} pairs{extra})")
+
+    n = run_online(cfg, max_versions, idle_timeout, on_version=report)
+    click.echo(f"published {n} version(s)")
+
+
+@ranker.command("eval")
+@common_options
+@_ranker_options
+@click.option(
+    "--version",
+    "version",
+    type=click.IntRange(1),
+    default=None,
+    help="Ranker version to evaluate. Default: the latest published.",
+)
+@click.option(
+    "--demo",
+    "demo_n",
+    type=click.IntRange(10, 1_000_000),
+    default=2000,
+    show_default=True,
+    help="Held-out demo-task prompts to evaluate on (never trained on).",
+)
+@click.option(
+    "--seed", type=int, default=1, show_default=True, help="Seed of the held-out prompts."
+)
+@click.option(
+    "--pairs-out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the (true, predicted) pairs as CSV (input of `srl ranker simulate`).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def eval_(version: int | None, demo_n: int, seed: int, pairs_out: Path | None, as_json: bool,
+          **kw: Any) -> None:  # fmt: skip
+    """Recall of the truly longest 20/10/5 % and Spearman's rho on held-out prompts."""
+    from ranker.evaluate import evaluate_on_demo, write_pairs
+
+    cfg = _config(kw)
+    report, true, pred = evaluate_on_demo(cfg, version, demo_n, seed)
+    if pairs_out is not None:
+        write_pairs(pairs_out, true, pred)
+    if as_json:
+        echo_json(report)
+        return
+    click.echo(
+        f"ranker v{report['version']} on {report['n']} held-out prompts: recall@20 "
+        f"{report['recall_at_20']:.3f}, recall@10 {report['recall_at_10']:.3f}, recall@5 "
+        f"{report['recall_at_5']:.3f}, spearman {report['spearman']:.3f}"
+    )
 
 
 @ranker.command("simulate")

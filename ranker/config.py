@@ -42,7 +42,13 @@ class RankerConfig(CommonConfig):
         description="Training epochs per version (warm-started after the first).",
     )
     hidden: tuple[int, ...] = Field(
-        (128, 64), description="MLP hidden layer sizes; empty for the linear model."
+        (64, 32), description="MLP hidden layer sizes; empty for the linear model."
+    )
+    buckets: int = Field(
+        16,
+        ge=1,
+        le=1 << 20,
+        description="Hashed slots per n-gram family of the ranker's features (new models only).",
     )
     poll_s: float = Field(
         10.0,

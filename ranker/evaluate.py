@@ -1,6 +1,11 @@
 """Evaluation glue: ranker quality on held-out prompts, pair files, and the simulated benchmark.
 
-Owns what ``srl ranker eval`` and ``srl ranker simulate`` compute:
+Owns what ``srl ranker train --demo``, ``srl ranker eval`` and ``srl ranker simulate``
+compute:
+
+* demo pairs: prompts of the demo task (``srl.task``) with their true lengths; ``train
+  --demo`` fits on the train split, ``eval`` scores a published version on the held-out eval
+  split (disjoint from train by construction);
 
 * pair files: CSV ``true,predicted`` rows (a ``#`` header), written by ``eval --pairs-out``;
 * :func:`simulate_report`: the SIMULATED makespan comparison of ``ranker.simulate`` on a
@@ -15,7 +20,7 @@ Owns what ``srl ranker eval`` and ``srl ranker simulate`` compute:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,6 +28,57 @@ from ranker.model import RankerError
 from ranker.schedule import PtlModel
 from ranker.simulate import SimSettings, compare
 from ranker.workload import LengthHistogram, quantile_map
+
+if TYPE_CHECKING:
+    from ranker.config import RankerConfig
+    from ranker.model import LengthRanker
+
+
+def demo_pairs(n: int, split: str, seed: int) -> tuple[list[str], np.ndarray]:
+    """``n`` demo-task prompts of ``split`` and their true output lengths in tokens.
+
+    The true length is the reference answer's (``srl.task.reference_length``; one token per
+    character with the byte-level tokenizer) plus the end-of-sequence token the policy emits.
+    """
+    from srl.task import demo_prompts, reference_length
+
+    prompts = demo_prompts(n, split, seed)  # type: ignore[arg-type]
+    return [p.text for p in prompts], np.array(
+        [reference_length(p.text) + 1 for p in prompts], dtype=np.float64
+    )
+
+
+def train_on_demo(cfg: RankerConfig, n: int, seed: int) -> LengthRanker:
+    """Bootstrap: fit on ``n`` training prompts of the demo task and publish the version."""
+    from ranker.dispatch import length_quantiles
+    from ranker.model import LengthRanker
+    from ranker.publish import publish
+    from srl.store import open_store
+
+    texts, lengths = demo_pairs(n, "train", seed)
+    from ranker.features import FeatureSpec
+
+    ranker = LengthRanker.fit(texts, lengths, spec=FeatureSpec(cfg.buckets), hidden=cfg.hidden,
+                              epochs=cfg.epochs, seed=seed)  # fmt: skip
+    ranker.info["length_quantiles"] = length_quantiles(lengths)
+    ranker.info["source"] = f"demo task, {n} train prompts, seed {seed}"
+    return publish(open_store(cfg.store), cfg.run, ranker)
+
+
+def evaluate_on_demo(
+    cfg: RankerConfig, version: int | None, n: int, seed: int
+) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+    """(report, true, predicted) of a published version on ``n`` held-out demo prompts."""
+    from ranker.metrics import ranking_report
+    from ranker.publish import load_version
+    from srl.store import open_store
+
+    ranker = load_version(open_store(cfg.store), cfg.run, version)
+    texts, true = demo_pairs(n, "eval", seed)
+    pred = ranker.predict(texts)
+    report: dict[str, Any] = dict(ranking_report(true, pred))
+    report |= {"version": ranker.version, "run": cfg.run, "split": "eval", "seed": seed}
+    return report, true, pred
 
 
 def write_pairs(path: Path, true: np.ndarray, pred: np.ndarray) -> None:

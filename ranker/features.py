@@ -8,7 +8,8 @@ no vocabulary file, so a dispatcher and a trainer on different machines featuriz
   arbitrary hash slots): what the prompt asks for;
 * the numbers in the prompt (``log1p`` of the first ``MAX_NUMBERS`` in order, of their max and
   sum, and how many there are): how much it asks for, which answer length often tracks;
-* ``log1p`` of the prompt's characters, words and lines.
+* ``log1p`` of the prompt's characters, words and lines, of its longest alphanumeric run, and
+  of its digit and letter counts: how much material it hands over to work on.
 
 Must hold: the same text always gives the same vector (crc32, not Python's salted ``hash``);
 the layout is fixed by ``FeatureSpec``, which is saved with the model. Called by
@@ -28,15 +29,16 @@ MAX_NUMBERS = 6
 _WORD = re.compile(r"[A-Za-z]+|[^\sA-Za-z0-9]")
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 _DIGIT = re.compile(r"\d")
+_RUN = re.compile(r"[A-Za-z0-9]+")
 
 
 @dataclass(frozen=True)
 class FeatureSpec:
-    buckets: int = 256  # hashed slots per n-gram family (words, word pairs, char trigrams)
+    buckets: int = 16  # hashed slots per n-gram family (words, word pairs, char trigrams)
 
     @property
     def dim(self) -> int:
-        return 3 * self.buckets + MAX_NUMBERS + 3 + 3
+        return 3 * self.buckets + MAX_NUMBERS + 3 + 3 + 3
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -70,6 +72,11 @@ def featurize_one(text: str, spec: FeatureSpec, out: np.ndarray) -> None:
     out[base + 3] = np.log1p(len(text))
     out[base + 4] = np.log1p(len(words))
     out[base + 5] = np.log1p(text.count("\n"))
+    # sizes of what the prompt hands over to work on (operands, lists, numbers)
+    runs = _RUN.findall(text)
+    out[base + 6] = np.log1p(max((len(r) for r in runs), default=0))
+    out[base + 7] = np.log1p(sum(c.isdigit() for c in text))
+    out[base + 8] = np.log1p(sum(c.isalpha() for c in text))
 
 
 def featurize(texts: Sequence[str], spec: FeatureSpec) -> np.ndarray:

@@ -68,7 +68,7 @@ class LengthRanker:
         texts: Sequence[str],
         lengths: Sequence[float] | np.ndarray,
         spec: FeatureSpec | None = None,
-        hidden: tuple[int, ...] = (128, 64),
+        hidden: tuple[int, ...] = (64, 32),
         epochs: int = 60,
         lr: float = 2e-3,
         weight_decay: float = 1e-4,

@@ -249,8 +249,10 @@ class _VersionTrainer:
         texts, lengths = self.window.arrays()
         live = live_report(self.window)
         init = self.follower.poll(force=True)
-        ranker = LengthRanker.fit(texts, lengths, hidden=self.cfg.hidden, epochs=self.cfg.epochs,
-                                  init=init)  # fmt: skip
+        from ranker.features import FeatureSpec
+
+        ranker = LengthRanker.fit(texts, lengths, spec=FeatureSpec(self.cfg.buckets),
+                                  hidden=self.cfg.hidden, epochs=self.cfg.epochs, init=init)  # fmt: skip
         ranker.info["length_quantiles"] = length_quantiles(lengths)
         ranker = publish(self.store, self.cfg.run, ranker, {"dispatch_time_metrics": live})
         self.window.since_fit = 0

@@ -93,13 +93,16 @@ def history_lengths(
 
 
 def pool_latency(
-    samples: int, instances: int, typical: float, tail: float, ptl: PtlModel, b_max: int
-) -> tuple[float, int]:
-    """(modelled seconds, best batch size) for ``samples`` spread over ``instances``.
+    samples: int, instances: int, typical: float, tail: float, ptl: PtlModel, b_max: int,
+    small_batch: bool = True,
+) -> tuple[float, int]:  # fmt: skip
+    """(modelled seconds, batch size) for ``samples`` spread over ``instances``.
 
     ``PTL(BS) × max(tail, typical × ceil(M / BS))``: ``ceil(M/BS)`` rounds of typical length,
     but never less than one tail sample, which longest-first ordering starts in round one
     (for a single-round pool this is StreamRL's ``PTL(BS) × L × ceil(M/BS)`` with L = tail).
+    With ``small_batch`` (the long-tail pool) the best ``BS ≤ B_max`` is chosen; otherwise
+    (regular and shared pools: large batch) ``BS = min(B_max, M)``.
     """
     if samples == 0:
         return 0.0, 0
@@ -107,7 +110,7 @@ def pool_latency(
         return math.inf, 0
     m = math.ceil(samples / instances)
     best = (math.inf, 1)
-    for bs in range(1, min(b_max, m) + 1):
+    for bs in range(1 if small_batch else min(b_max, m), min(b_max, m) + 1):
         t = ptl(bs) * max(tail, typical * math.ceil(m / bs)) / 1000.0
         if t < best[0]:
             best = (t, bs)
@@ -168,7 +171,7 @@ def plan_pools(
             n_regular * lengths.regular_typical + n_longtail * lengths.longtail_typical
         ) / max(1, total)
         tail = lengths.longtail_tail if n_longtail else lengths.regular_tail
-        t, bs = pool_latency(total, instances, typical, tail, ptl, b_max)
+        t, bs = pool_latency(total, instances, typical, tail, ptl, b_max, small_batch=False)
         candidates.append(PoolPlan(0, 0, instances, bs, 0.0, t))
     if n_longtail and n_regular:
         for n_lt in range(1, instances):
@@ -177,7 +180,7 @@ def plan_pools(
             )
             t_rg, bs_rg = pool_latency(
                 n_regular, instances - n_lt, lengths.regular_typical, lengths.regular_tail,
-                ptl, b_max,
+                ptl, b_max, small_batch=False,
             )  # fmt: skip
             candidates.append(PoolPlan(n_lt, bs_lt, instances - n_lt, bs_rg, t_lt, t_rg))
     # strictly better only: ties keep the earlier candidate (shared pool, then fewer long-tail)

@@ -46,3 +46,24 @@ def test_simulate_text_and_bad_input(tmp_path: Path) -> None:
     r = srl("ranker", "simulate", "--lengths", str(bad))
     assert r.returncode != 0 and "expected lo,hi,probability" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_train_on_demo_then_eval_json(tmp_path: Path) -> None:
+    store = f"file://{tmp_path / 'store'}"
+    r = srl("ranker", "eval", "--store", store, "--run", "x", "--json")
+    assert r.returncode != 0 and "no ranker published" in r.stderr and "Traceback" not in r.stderr
+    r = srl("ranker", "train", "--store", store, "--run", "x", "--demo", "600", "--epochs", "30")
+    assert r.returncode == 0, r.stderr
+    assert "ranker v1 published" in r.stdout
+    pairs = tmp_path / "pairs.csv"
+    r = srl("ranker", "eval", "--store", store, "--run", "x", "--demo", "400", "--json",
+            "--pairs-out", str(pairs))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    report = orjson.loads(r.stdout)
+    for key in ("recall_at_20", "recall_at_10", "recall_at_5", "spearman"):
+        assert 0.0 <= report[key] <= 1.0
+    assert report["n"] == 400 and report["version"] == 1
+    assert report["spearman"] > 0.5  # learned something from 600 prompts
+    assert len(pairs.read_text().splitlines()) == 401
+    r = srl("ranker", "train", "--store", store, "--run", "x")
+    assert r.returncode == 2 and "exactly one of --demo N or --online" in r.stderr

@@ -79,3 +79,13 @@ def test_quantile_map_keeps_order_and_takes_the_histogram_shape() -> None:
     # ties share one rank
     r = ranks01(np.array([5.0, 1, 5, 3]))
     assert r[0] == r[2]
+
+
+def test_recall_with_tied_true_lengths() -> None:
+    true = np.array([10, 5, 5, 5, 5, 1, 1, 1, 1, 1], dtype=float)  # top 20 %: 10 and one 5
+    assert recall_at(true, true, 0.2) == 1.0  # any 5 completes the true top set
+    assert recall_at(true, true + np.arange(10) * 1e-3, 0.2) == 1.0
+    # the ranker ranks a 1 above the 10: half of its top is wrong
+    pred = np.array([0, 5, 5, 5, 5, 9, 1, 1, 1, 1], dtype=float)
+    assert recall_at(true, pred, 0.2) == pytest.approx(0.5)
+    assert recall_at(true, np.zeros(10), 0.2) == pytest.approx((0.2 * 1 + min(0.8, 1)) / 2)

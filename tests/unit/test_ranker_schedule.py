@@ -54,6 +54,9 @@ def test_pool_latency_by_hand() -> None:
     candidates = {b: PTL(b) * max(150, 100 * math.ceil(10 / b)) / 1000 for b in range(1, 5)}
     assert bs == min(candidates, key=lambda b: candidates[b])
     assert t == pytest.approx(candidates[bs])
+    # a regular pool runs its large batch: min(B_max, M)
+    t_rg, bs_rg = pool_latency(10, 1, typical=100, tail=150, ptl=PTL, b_max=4, small_batch=False)
+    assert bs_rg == 4 and t_rg == pytest.approx(candidates[4])
     assert pool_latency(0, 3, 1, 1, PTL, 4) == (0.0, 0)
     assert pool_latency(5, 0, 1, 1, PTL, 4)[0] == math.inf
 
@@ -67,10 +70,12 @@ def test_plan_single_instance_or_one_class_is_one_pool() -> None:
 
 def _candidates(n_lt: int, n_rg: int, inst: int, cl: ClassLengths, ptl: PtlModel, b: int):
     typ = (n_rg * cl.regular_typical + n_lt * cl.longtail_typical) / (n_lt + n_rg)
-    yield 0, pool_latency(n_lt + n_rg, inst, typ, cl.longtail_tail, ptl, b)[0]
+    yield 0, pool_latency(n_lt + n_rg, inst, typ, cl.longtail_tail, ptl, b, small_batch=False)[0]
     for n in range(1, inst):
         t_lt = pool_latency(n_lt, n, cl.longtail_typical, cl.longtail_tail, ptl, b)[0]
-        t_rg = pool_latency(n_rg, inst - n, cl.regular_typical, cl.regular_tail, ptl, b)[0]
+        t_rg = pool_latency(
+            n_rg, inst - n, cl.regular_typical, cl.regular_tail, ptl, b, small_batch=False
+        )[0]
         yield n, max(t_lt, t_rg)
 
 
