@@ -40,7 +40,10 @@ def demo_pairs(n: int, split: str, seed: int) -> tuple[list[str], np.ndarray]:
     The true length is the reference answer's (``srl.task.reference_length``; one token per
     character with the byte-level tokenizer) plus the end-of-sequence token the policy emits.
     """
-    from srl.task import demo_prompts, reference_length
+    try:
+        from srl.task import demo_prompts, reference_length
+    except ImportError:
+        raise RankerError("the demo task (srl/task.py) is not in this build") from None
 
     prompts = demo_prompts(n, split, seed)  # type: ignore[arg-type]
     return [p.text for p in prompts], np.array(
