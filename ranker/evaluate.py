@@ -20,7 +20,7 @@ compute:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ranker.model import LengthRanker
 
 
-def demo_pairs(n: int, split: str, seed: int) -> tuple[list[str], np.ndarray]:
+def demo_pairs(n: int, split: Literal["train", "eval"], seed: int) -> tuple[list[str], np.ndarray]:
     """``n`` demo-task prompts of ``split`` and their true output lengths in tokens.
 
     The true length is the reference answer's (``srl.task.reference_length``; one token per
@@ -45,7 +45,7 @@ def demo_pairs(n: int, split: str, seed: int) -> tuple[list[str], np.ndarray]:
     except ImportError:
         raise RankerError("the demo task (srl/task.py) is not in this build") from None
 
-    prompts = demo_prompts(n, split, seed)  # type: ignore[arg-type]
+    prompts = demo_prompts(n, split, seed)
     return [p.text for p in prompts], np.array(
         [reference_length(p.text) + 1 for p in prompts], dtype=np.float64
     )
