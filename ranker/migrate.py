@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from schemas.records import PromptTask, ResumePrefix, now_ms, pack_tokens
 
@@ -49,6 +49,44 @@ class MigrationPolicy:
         (``remaining`` = max_new_tokens − generated; nothing is gained by moving a finisher)."""
         t = self.threshold(predicted)
         return t is not None and generated >= t and remaining > 0
+
+
+@dataclass(frozen=True)
+class Running:
+    """What the worker knows of one running trajectory."""
+
+    trajectory_id: str
+    generated: int  # completion tokens so far (a resume's prefix included)
+    predicted: int | None  # the task's predicted_length
+    max_new_tokens: int
+
+
+@dataclass
+class Migrator:
+    """The worker's hook: which running trajectories to hand to the long-tail pool now.
+
+    Only a worker of a regular pool migrates (``enabled``); each trajectory at most once.
+    ``migrated`` counts hand-offs for the worker's metrics.
+    """
+
+    policy: MigrationPolicy
+    longtail_bucket: str
+    enabled: bool = True
+    migrated: int = 0
+    _seen: set[str] = field(default_factory=set)
+
+    def stragglers(self, running: list[Running]) -> list[str]:
+        if not self.enabled:
+            return []
+        out = []
+        for r in running:
+            if r.trajectory_id in self._seen:
+                continue
+            if self.policy.should_migrate(r.generated, r.predicted, r.max_new_tokens - r.generated):
+                self._seen.add(r.trajectory_id)
+                out.append(r.trajectory_id)
+        self.migrated += len(out)
+        return out
 
 
 def migration_task(

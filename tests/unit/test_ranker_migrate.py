@@ -47,3 +47,15 @@ def test_resumed_tasks_jump_the_lpt_queue() -> None:
     q.push(fresh, admission_priority(fresh))
     q.push(moved, admission_priority(moved))
     assert q.pop() is moved
+
+
+def test_migrator_picks_each_straggler_once() -> None:
+    from ranker.migrate import Migrator, Running
+
+    m = Migrator(MigrationPolicy(factor=2.0, min_tokens=10), "gt4096")
+    running = [Running("a", 50, 20, 100), Running("b", 30, 20, 100), Running("c", 100, 20, 100),
+               Running("d", 500, None, 1000)]  # fmt: skip
+    assert m.stragglers(running) == ["a"]  # b is on time, c is done, d has no prediction
+    assert m.stragglers(running) == [] and m.migrated == 1
+    off = Migrator(MigrationPolicy(), "gt4096", enabled=False)  # a long-tail pool worker
+    assert off.stragglers(running) == []
