@@ -155,6 +155,64 @@ def eval_(version: int | None, demo_n: int, seed: int, pairs_out: Path | None, a
     )
 
 
+@ranker.command("plan")
+@common_options
+@click.option(
+    "--instances", type=click.IntRange(1, 4096), required=True, help="Generator instances N."
+)
+@click.option(
+    "--b-max", type=click.IntRange(1, 65536), required=True, help="Batch cap of an instance."
+)
+@click.option(
+    "--batch",
+    type=click.IntRange(1, 10_000_000),
+    required=True,
+    help="Samples per iteration (prompts x group size).",
+)
+@click.option(
+    "--alpha",
+    type=click.FloatRange(0, 1),
+    default=0.2,
+    show_default=True,
+    help="Share of prompts treated as long-tail.",
+)
+@click.option("--always-split", is_flag=True, help="Never keep one shared pool.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def plan(instances: int, b_max: int, batch: int, alpha: float, always_split: bool, as_json: bool,
+         **kw: Any) -> None:  # fmt: skip
+    """Algorithm 2's pool split for the next launch: long-tail and regular instances and batch
+    caps, from the recent actual lengths published with the latest ranker version."""
+    import math
+
+    from ranker.config import RankerConfig
+    from ranker.publish import load_version
+    from ranker.schedule import PtlModel, history_lengths, plan_pools
+    from srl.errors import ConfigError
+    from srl.store import open_store
+
+    cfg = config_from(RankerConfig, kw)
+    ranker = load_version(open_store(cfg.store), cfg.run)
+    quantiles = ranker.info.get("length_quantiles")
+    if not quantiles:
+        raise ConfigError(f"ranker v{ranker.version} carries no length history; train a newer one")
+    lengths = history_lengths(quantiles, alpha)
+    n_lt = math.ceil(alpha * batch - 1e-9)
+    p = plan_pools(n_lt, batch - n_lt, instances, lengths, PtlModel(), b_max, not always_split)
+    out = {"ranker_version": ranker.version, "alpha": alpha, "batch": batch, **p.to_dict(),
+           "class_lengths": vars(lengths), "ptl_ms": "8.1 + 0.056*BS"}  # fmt: skip
+    if as_json:
+        echo_json(out)
+        return
+    if p.longtail_instances == 0:
+        click.echo(f"one shared pool: {p.regular_instances} instances, --max-batch {p.regular_batch} "
+                   f"(modelled {p.regular_model_s:.1f} s; long-tail prompts simply go first)")  # fmt: skip
+    else:
+        click.echo(f"long-tail pool: {p.longtail_instances} instances, --max-batch {p.longtail_batch} "
+                   f"(modelled {p.longtail_model_s:.1f} s)")  # fmt: skip
+        click.echo(f"regular pool:   {p.regular_instances} instances, --max-batch {p.regular_batch} "
+                   f"(modelled {p.regular_model_s:.1f} s)")  # fmt: skip
+
+
 @ranker.command("simulate")
 @click.option(
     "--lengths",

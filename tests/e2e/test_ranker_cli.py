@@ -69,3 +69,31 @@ def test_train_on_demo_then_eval_json(tmp_path: Path) -> None:
     assert len(pairs.read_text().splitlines()) == 401
     r = srl("ranker", "train", "--store", store, "--run", "x")
     assert r.returncode == 2 and "exactly one of --demo N or --online" in r.stderr
+
+
+def test_plan_from_the_published_history(tmp_path: Path) -> None:
+    from ranker.dispatch import length_quantiles
+    from ranker.features import FeatureSpec
+    from ranker.model import LengthRanker
+    from ranker.publish import publish
+    from srl.store import LocalStore
+
+    from ranker.workload import LengthHistogram
+
+    lengths = LengthHistogram.from_file(HIST).sample(400, np.random.default_rng(0))
+    r = LengthRanker.fit([f"p {i}" for i in range(400)], lengths, spec=FeatureSpec(4), hidden=(),
+                         epochs=2)  # fmt: skip
+    r.info["length_quantiles"] = length_quantiles(lengths)
+    publish(LocalStore(tmp_path / "store"), "x", r)
+    store = f"file://{tmp_path / 'store'}"
+    few = srl("ranker", "plan", "--store", store, "--run", "x", "--instances", "8", "--b-max", "64",
+              "--batch", "1024", "--json")  # fmt: skip
+    many = srl("ranker", "plan", "--store", store, "--run", "x", "--instances", "16", "--b-max",
+               "32", "--batch", "2048", "--json")  # fmt: skip
+    assert few.returncode == 0 and many.returncode == 0, few.stderr + many.stderr
+    a, b = orjson.loads(few.stdout), orjson.loads(many.stdout)
+    assert a["longtail_instances"] + a["regular_instances"] == 8 and a["ranker_version"] == 1
+    assert b["longtail_instances"] == 0 and b["regular_batch"] == 32  # 4 rounds: one shared pool
+    text = srl("ranker", "plan", "--store", store, "--run", "x", "--instances", "16", "--b-max", "32",
+               "--batch", "2048")  # fmt: skip
+    assert text.returncode == 0 and text.stdout.startswith("one shared pool: 16 instances")
