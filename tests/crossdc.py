@@ -6,7 +6,8 @@ their own datacenters with their config files from ``deploy/datacenters/``, poin
 servers by ``SRL_*`` variables. Every byte between roles crosses the delayed, rate-capped links.
 
 ``run_dataplane``: the data-plane roles of ``tests/crossdc_roles.py`` (synthetic chunks one
-way, weights the other way through S3).
+way, weights the other way through S3). ``run_pipeline``: the real roles (``srl-producer
+dispatch`` / ``generate``, ``srl-consumer train``) and an audit of every sample asked for.
 
 Used by ``tests/e2e/test_datacenters.py``; as a benchmark:
 ``python -m tests.crossdc --delay-ms 50 --rate-mbit 50`` (root, see docs/benchmarks.md).
@@ -82,13 +83,59 @@ def run_dataplane(delay_ms: float, rate_mbit: float, trajectories: int) -> dict[
             "tokens_per_s": res["train"]["tokens"] / res["train"]["stream_s"]}  # fmt: skip
 
 
+def run_pipeline(delay_ms: float, rate_mbit: float, prompts: int, group_size: int = 4,
+                 max_new_tokens: int = 24) -> dict[str, Any]:  # fmt: skip
+    """The real roles: dispatcher and a generator worker (hf engine, tiny model) in the
+    generators' datacenter, the trainer in its own; then an audit of every sample asked for."""
+    from srl.tinymodel import build_tiny_model
+
+    bins = Path(sys.executable).parent
+    gen_cfg, train_cfg = str(CONFIGS / "generators.toml"), str(CONFIGS / "trainer.toml")
+    with (
+        tempfile.TemporaryDirectory(prefix="srl-crossdc-") as tmp,
+        Topology(delay_ms, rate_mbit) as t,
+    ):
+        work = Path(tmp)
+        model = build_tiny_model(work / "model", seed=0)  # each datacenter has the base model
+        env = {**start_services(t, work), "SRL_MODEL": str(model)}
+        t0 = time.monotonic()
+        trainer = t.start("train", [str(bins / "srl-consumer"), "train", "--config", train_cfg,
+                                    "--groups-per-step", "2", "--device", "cpu", "--idle-exit-s", "30"],
+                          env=env, log=work / "train.log")  # fmt: skip
+        gen = t.start("gen", [str(bins / "srl-producer"), "generate", "--config", gen_cfg, "--engine", "hf",
+                              "--max-batch", "8", "--chunk-tokens", "8", "--idle-exit-s", "30"],
+                      env=env, log=work / "gen.log")  # fmt: skip
+        dispatch = t.run("gen", [str(bins / "srl-producer"), "dispatch", "--config", gen_cfg, "--task", "demo",
+                                 "--num-prompts", str(prompts), "--group-size", str(group_size),
+                                 "--max-new-tokens", str(max_new_tokens)], env=env, timeout=600)  # fmt: skip
+        if dispatch.returncode != 0:
+            raise RuntimeError(f"dispatch failed: {dispatch.stderr.strip()}")
+        codes = {"train": trainer.wait(1200), "gen": gen.wait(1200)}
+        wall = time.monotonic() - t0
+        if any(codes.values()):
+            logs = {k: (work / f"{k}.log").read_text()[-3000:] for k in codes}
+            raise RuntimeError(f"roles failed {codes}: {logs}")
+        out = t.run("broker", [sys.executable, "-m", "tests.crossdc_roles", "audit", "--config", gen_cfg],
+                    env=env)  # fmt: skip
+        if out.returncode != 0:
+            raise RuntimeError(f"audit failed: {out.stderr.strip()}")
+        return {"delay_ms": delay_ms, "rate_mbit": rate_mbit, "wall_s": wall,
+                "audit": orjson.loads(out.stdout.strip().splitlines()[-1])}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--delay-ms", type=float, default=50)
     ap.add_argument("--rate-mbit", type=float, default=50)
-    ap.add_argument("--trajectories", type=int, default=400)
+    ap.add_argument("--trajectories", type=int, default=400, help="data plane: trajectories")
+    ap.add_argument("--pipeline", action="store_true", help="run the real roles instead")
+    ap.add_argument("--prompts", type=int, default=16, help="pipeline: prompts dispatched")
     args = ap.parse_args()
-    print(orjson.dumps(run_dataplane(args.delay_ms, args.rate_mbit, args.trajectories)).decode())
+    if args.pipeline:
+        res = run_pipeline(args.delay_ms, args.rate_mbit, args.prompts)
+    else:
+        res = run_dataplane(args.delay_ms, args.rate_mbit, args.trajectories)
+    print(orjson.dumps(res).decode())
 
 
 if __name__ == "__main__":

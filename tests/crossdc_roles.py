@@ -6,6 +6,9 @@
 ``consume N``  (trainer datacenter): reads the trajectories topic in a consumer group until N
                trajectories are complete, dedupes by (trajectory_id, seq), commits, then
                publishes weights v1 (files, manifest last, announcement).
+``audit``      (any datacenter): after a run of the real pipeline, every sample the dispatcher
+               asked for (prompt tasks × their samples) against the trainer's ``sample``
+               events: trained, dropped, missing, twice; and the trained-sample rate.
 
 Each prints one JSON line with what it saw. Both load their datacenter's config file
 (``--config deploy/datacenters/….toml``; ``SRL_*`` variables point it at the harness' broker
@@ -93,10 +96,40 @@ def consume(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
             "stream_s": stream_s, "published": pub.manifest.version}  # fmt: skip
 
 
+def audit(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
+    from collections import Counter
+
+    from schemas.records import MetricEvent, PromptTask
+    from tests.chunks import read_topic
+
+    layout = Layout.from_config(cfg)
+    asked: Counter[str] = Counter()
+    for bucket in layout.buckets:
+        for m in read_topic(cfg, layout.prompts(bucket), timeout_s):
+            task = decode_as(m.value() or b"", PromptTask)
+            asked[task.prompt_id] += len(task.samples())
+    events = [
+        decode_as(m.value() or b"", MetricEvent) for m in read_topic(cfg, layout.metrics, timeout_s)
+    ]
+    samples = [e for e in events if e.kind == "sample" and e.run == cfg.run]
+    seen = Counter(e.labels["trajectory_id"] for e in samples)
+    outcomes = Counter(e.labels.get("outcome") for e in samples)
+    per_prompt = Counter(e.labels["prompt_id"] for e in samples)
+    trained = sorted(e.ts_ms for e in samples if e.labels.get("outcome") == "trained")
+    tokens = sum(e.values.get("tokens", 0) for e in samples if e.labels.get("outcome") == "trained")
+    span_s = (trained[-1] - trained[0]) / 1000 if len(trained) > 1 else 0.0
+    return {"role": "audit", "asked": sum(asked.values()), "prompts": len(asked),
+            "outcomes": dict(outcomes), "twice": sum(1 for v in seen.values() if v > 1),
+            "missing": sum(max(0, k - per_prompt[p]) for p, k in asked.items()),
+            "trained_samples_per_s": (len(trained) - 1) / span_s if span_s else None,
+            "trained_tokens_per_s": tokens / span_s if span_s else None,
+            "steps": sum(1 for e in events if e.kind == "train_step" and e.run == cfg.run)}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("role", choices=["produce", "consume"])
-    ap.add_argument("n", type=int)
+    ap.add_argument("role", choices=["produce", "consume", "audit"])
+    ap.add_argument("n", type=int, nargs="?", default=0)
     ap.add_argument("--config", required=True)
     ap.add_argument("--timeout-s", type=float, default=300)
     args = ap.parse_args()
@@ -105,7 +138,7 @@ def main() -> None:
         from srl.s3store import S3Settings, configure
 
         configure(S3Settings.from_config(cfg))
-    run = produce if args.role == "produce" else consume
+    run = {"produce": produce, "consume": consume, "audit": audit}[args.role]
     print(orjson.dumps(run(cfg, args.n, args.timeout_s)).decode(), flush=True)
 
 
