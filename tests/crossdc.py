@@ -83,6 +83,42 @@ def run_dataplane(delay_ms: float, rate_mbit: float, trajectories: int) -> dict[
             "tokens_per_s": res["train"]["tokens"] / res["train"]["stream_s"]}  # fmt: skip
 
 
+def run_trainer(delay_ms: float, rate_mbit: float, groups: int) -> dict[str, Any]:
+    """The real trainer (``srl-consumer train``, tiny model) in its datacenter, fed completed
+    demo-shaped trajectories from the generators' datacenter (``feed``), publishing and
+    checkpointing every step to the store across the link; then the audit."""
+    from srl.tinymodel import build_tiny_model
+
+    bins = Path(sys.executable).parent
+    gen_cfg, train_cfg = str(CONFIGS / "generators.toml"), str(CONFIGS / "trainer.toml")
+    with (
+        tempfile.TemporaryDirectory(prefix="srl-crossdc-") as tmp,
+        Topology(delay_ms, rate_mbit) as t,
+    ):
+        work = Path(tmp)
+        model = build_tiny_model(work / "model", seed=0)
+        env = {**start_services(t, work), "SRL_MODEL": str(model)}
+        t0 = time.monotonic()
+        trainer = t.start("train", [str(bins / "srl-consumer"), "train", "--config", train_cfg,
+                                    "--groups-per-step", "2", "--device", "cpu", "--idle-exit-s", "10",
+                                    "--max-staleness", "1", "--reward", "consumers.rewards:first_line_match"],
+                          env=env, log=work / "train.log")  # fmt: skip
+        feeder = t.start("gen", [sys.executable, "-m", "tests.crossdc_roles", "feed", str(groups),
+                                 "--config", gen_cfg], env=env, log=work / "gen.log")  # fmt: skip
+        codes = {"train": trainer.wait(1200), "gen": feeder.wait(1200)}
+        wall = time.monotonic() - t0
+        logs = {k: (work / f"{k}.log").read_text() for k in codes}
+        if any(codes.values()):
+            raise RuntimeError(f"roles failed {codes}: { {k: v[-3000:] for k, v in logs.items()} }")
+        out = t.run("broker", [sys.executable, "-m", "tests.crossdc_roles", "audit", "--config", gen_cfg],
+                    env=env)  # fmt: skip
+        if out.returncode != 0:
+            raise RuntimeError(f"audit failed: {out.stderr.strip()}")
+        return {"delay_ms": delay_ms, "rate_mbit": rate_mbit, "wall_s": wall,
+                "feed": orjson.loads(logs["gen"].strip().splitlines()[-1]),
+                "audit": orjson.loads(out.stdout.strip().splitlines()[-1])}  # fmt: skip
+
+
 def run_pipeline(delay_ms: float, rate_mbit: float, prompts: int, group_size: int = 4,
                  max_new_tokens: int = 24) -> dict[str, Any]:  # fmt: skip
     """The real roles: dispatcher and a generator worker (hf engine, tiny model) in the
@@ -129,10 +165,15 @@ def main() -> None:
     ap.add_argument("--rate-mbit", type=float, default=50)
     ap.add_argument("--trajectories", type=int, default=400, help="data plane: trajectories")
     ap.add_argument("--pipeline", action="store_true", help="run the real roles instead")
+    ap.add_argument(
+        "--trainer", type=int, metavar="GROUPS", help="the real trainer on GROUPS fed groups"
+    )
     ap.add_argument("--prompts", type=int, default=16, help="pipeline: prompts dispatched")
     args = ap.parse_args()
     if args.pipeline:
         res = run_pipeline(args.delay_ms, args.rate_mbit, args.prompts)
+    elif args.trainer:
+        res = run_trainer(args.delay_ms, args.rate_mbit, args.trainer)
     else:
         res = run_dataplane(args.delay_ms, args.rate_mbit, args.trajectories)
     print(orjson.dumps(res).decode())

@@ -6,9 +6,15 @@
 ``consume N``  (trainer datacenter): reads the trajectories topic in a consumer group until N
                trajectories are complete, dedupes by (trajectory_id, seq), commits, then
                publishes weights v1 (files, manifest last, announcement).
+``feed G``     (generator datacenter): G prompt groups of 4 completed trajectories of the
+               arithmetic demo shape (prompt "a+b=", metadata answer) for the real trainer,
+               two groups per trainer step, each pair stamped with the latest announced
+               version and sent at most one step ahead of the trainer (as generators under
+               max_staleness 1 would); then fetches and verifies the final version G // 2.
 ``audit``      (any datacenter): after a run of the real pipeline, every sample the dispatcher
-               asked for (prompt tasks × their samples) against the trainer's ``sample``
-               events: trained, dropped, missing, twice; and the trained-sample rate.
+               asked for (prompt tasks × their samples; without prompt tasks, every complete
+               trajectory on the trajectories topic) against the trainer's ``sample`` events:
+               trained, dropped, missing, twice; and the trained-sample rate.
 
 Each prints one JSON line with what it saw. Both load their datacenter's config file
 (``--config deploy/datacenters/….toml``; ``SRL_*`` variables point it at the harness' broker
@@ -96,6 +102,48 @@ def consume(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
             "stream_s": stream_s, "published": pub.manifest.version}  # fmt: skip
 
 
+def feed(cfg: CommonConfig, groups: int, timeout_s: float) -> dict[str, Any]:
+    import random
+
+    from tests.chunks import produce as produce_chunks
+    from tests.chunks import text_ids, traj_chunks
+
+    rng = random.Random(5)
+    layout = Layout.from_config(cfg)
+    deadline = time.monotonic() + timeout_s
+
+    def latest() -> int:
+        ann = latest_announcement(cfg, layout, cfg.run, 10)
+        return ann.version if ann else 0
+
+    sent = 0
+    for step in range(groups // 2):  # two groups per trainer step; one step ahead at most
+        while (version := latest()) < step - 1:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"weights v{step - 1} did not arrive")
+            time.sleep(0.2)
+        chunks: list[TrajectoryChunk] = []
+        for g in (2 * step, 2 * step + 1):
+            a, b = rng.randrange(10), rng.randrange(10)
+            for i in range(4):
+                answer = str(a + b) if rng.random() < 0.5 else str(rng.randrange(20))
+                chunks += traj_chunks(f"p{g}", i, 4, text_ids(f"{a}+{b}="), text_ids(answer + "\n\n"),
+                                      chunk_tokens=2, versions=version, logprobs=[-5.5] * (len(answer) + 2),
+                                      metadata={"answer": a + b})  # fmt: skip
+        produce_chunks(cfg, chunks)
+        sent += len(chunks)
+    while (version := latest()) < groups // 2:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"weights v{groups // 2} did not arrive")
+        time.sleep(0.2)
+    ann = latest_announcement(cfg, layout, cfg.run, 10)
+    assert ann is not None
+    store = open_store(cfg.store)
+    tensors = fetch_tensors(store, load_manifest(store, ann))
+    return {"role": "feed", "trajectories": 4 * groups, "chunks": sent,
+            "weights_version": ann.version, "tensors": len(tensors)}  # fmt: skip
+
+
 def audit(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
     from collections import Counter
 
@@ -108,6 +156,11 @@ def audit(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
         for m in read_topic(cfg, layout.prompts(bucket), timeout_s):
             task = decode_as(m.value() or b"", PromptTask)
             asked[task.prompt_id] += len(task.samples())
+    if not asked:  # no dispatcher: every complete trajectory on the topic was asked for
+        for m in read_topic(cfg, layout.trajectories, timeout_s):
+            chunk = decode_as(m.value() or b"", TrajectoryChunk)
+            if chunk.is_last:
+                asked[chunk.prompt_id] += 1
     events = [
         decode_as(m.value() or b"", MetricEvent) for m in read_topic(cfg, layout.metrics, timeout_s)
     ]
@@ -128,7 +181,7 @@ def audit(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("role", choices=["produce", "consume", "audit"])
+    ap.add_argument("role", choices=["produce", "consume", "feed", "audit"])
     ap.add_argument("n", type=int, nargs="?", default=0)
     ap.add_argument("--config", required=True)
     ap.add_argument("--timeout-s", type=float, default=300)
@@ -138,7 +191,7 @@ def main() -> None:
         from srl.s3store import S3Settings, configure
 
         configure(S3Settings.from_config(cfg))
-    run = {"produce": produce, "consume": consume, "audit": audit}[args.role]
+    run = {"produce": produce, "consume": consume, "feed": feed, "audit": audit}[args.role]
     print(orjson.dumps(run(cfg, args.n, args.timeout_s)).decode(), flush=True)
 
 

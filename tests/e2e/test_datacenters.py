@@ -47,3 +47,16 @@ def test_dataplane_across_datacenters_loses_nothing() -> None:
     assert trainer["trajectories"] == n and trainer["duplicates"] == 0
     assert trainer["tokens"] == gen["tokens"]  # every token sent arrived, once
     assert gen["weights_version"] == 1 and gen["tensors"] == 1  # weights crossed back via S3
+
+
+def test_real_trainer_across_datacenters_trains_every_sample_once() -> None:
+    from tests.crossdc import run_trainer
+
+    groups = 8
+    res = run_trainer(DELAY_MS, RATE_MBIT, groups)
+    audit, feed = res["audit"], res["feed"]
+    assert audit["asked"] == feed["trajectories"] == 4 * groups
+    assert audit["missing"] == 0 and audit["twice"] == 0
+    assert audit["outcomes"] == {"trained": 4 * groups}  # one step ahead at most: none stale
+    assert audit["steps"] == groups // 2
+    assert feed["weights_version"] == groups // 2 and feed["tensors"] > 0  # back via S3

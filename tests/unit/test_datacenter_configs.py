@@ -55,6 +55,13 @@ def test_config_is_valid_and_librdkafka_accepts_it(path: Path, sasl: bool, tmp_p
     Consumer(consumer_settings(cfg, "dc-test", "dc-test")).close()
 
 
+def test_role_tables_are_valid_for_their_roles() -> None:
+    from consumers.config import TrainConfig
+
+    cfg = load_config(TrainConfig, file=DIR / "trainer.toml", env={}, cli={"model": "m"})
+    assert cfg.checkpoint_every > 1 and cfg.publish_every == 1
+
+
 def test_both_sides_share_only_kafka_and_the_store() -> None:
     sides = [tomllib.loads(f.read_text()) for f in FILES]
     for key in SHARED:
