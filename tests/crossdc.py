@@ -164,7 +164,11 @@ def main() -> None:
     ap.add_argument("--delay-ms", type=float, default=50)
     ap.add_argument("--rate-mbit", type=float, default=50)
     ap.add_argument("--trajectories", type=int, default=400, help="data plane: trajectories")
-    ap.add_argument("--pipeline", action="store_true", help="run the real roles instead")
+    ap.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="the real dispatcher, generator and trainer (needs srl-producer dispatch/generate)",
+    )
     ap.add_argument(
         "--trainer", type=int, metavar="GROUPS", help="the real trainer on GROUPS fed groups"
     )
