@@ -11,7 +11,9 @@ Steps, in this order (DESIGN.md, "Weights protocol"):
 3. ``announce`` publishes a ``WeightsAnnouncement`` (key = run) on the compacted weights topic.
 
 A crash between 1 and 3 leaves files without a manifest or a manifest without an
-announcement: no pointer to missing files. Followers call ``load_manifest`` (checks the
+announcement: no pointer to missing files. Publishing that version again removes files left
+without a manifest first (step 1 of a retry); a manifest left without an announcement makes
+the version "already published", and the caller announces it or moves on to the next. Followers call ``load_manifest`` (checks the
 manifest's sha256) and ``fetch_tensors`` (checks every file's sha256) and never unpickle
 anything: safetensors and JSON only. Versions only move forward (``VersionTracker``).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +39,8 @@ if TYPE_CHECKING:
 
     from srl.kafka import Producer
     from srl.topics import Layout
+
+log = logging.getLogger("srl.weights")
 
 MANIFEST = "manifest.json"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
@@ -139,6 +144,15 @@ def publish(
     prefix = version_prefix(run, version)
     if store.exists(f"{prefix}/{MANIFEST}"):
         raise WeightsError(f"weights {run} v{version} already published")
+    # Files without a manifest are what a publisher that died between steps 1 and 2 left:
+    # nothing points at them (no manifest, so no announcement), so they are removed before the
+    # version is written again; otherwise the create-only puts below would refuse it forever.
+    leftovers = store.list(prefix)
+    if leftovers:
+        log.warning("weights %s v%d: removing %d file(s) of an unfinished publication",
+                    run, version, len(leftovers))  # fmt: skip
+        for key in leftovers:
+            store.delete(key)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
     shards = _shards(tensors, max_shard_bytes)

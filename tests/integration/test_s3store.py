@@ -262,6 +262,10 @@ def test_weights_protocol_through_s3_survives_crashes(  # type: ignore[no-untype
     assert any(k.endswith("manifest.json") for k in v3)  # crashed before announcing
     anns = read_announcements(cfg, Layout.from_config(cfg))
     assert sorted(a.version for a in anns) == [1, 4]
+    # A restarted publisher can write the version the crash left unfinished.
+    assert publisher("none", 2) == 0
+    anns = read_announcements(cfg, Layout.from_config(cfg))
+    assert sorted(a.version for a in anns) == [1, 2, 4]
     for ann in anns:  # every announced version is complete and verifies
         manifest = load_manifest(store, ann)
         assert len(manifest.files) > 2  # sharded: several objects per version

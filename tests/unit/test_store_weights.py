@@ -137,3 +137,14 @@ def test_version_tracker_only_moves_forward() -> None:
     t.advance(1)
     assert not t.accept(ann(1)) and not t.accept(ann(0)) and not t.accept(ann(5, "other"))
     assert t.accept(ann(3)) and t.ignored == 3
+
+
+def test_publish_again_after_a_crash_before_the_manifest(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    prefix = version_prefix("r", 2)
+    store.put(f"{prefix}/model.safetensors", b"half of an earlier attempt")
+    store.put(f"{prefix}/config.json", b"{}")
+    pub = publish(store, "r", 2, tiny_state(), trainer_step=2, parent_version=1)
+    assert sorted(store.list(prefix)) == [f"{prefix}/manifest.json", f"{prefix}/model.safetensors"]
+    got = fetch_tensors(store, load_manifest(store, pub.announcement()))
+    assert all(torch.equal(got[k], v) for k, v in tiny_state().items())
