@@ -89,3 +89,22 @@ def test_a_mispredicted_straggler_migrates_and_the_makespan_shrinks() -> None:
     assert (n0, n1) == (0, 1)
     # the straggler left after 201 tokens at PTL(8) and finished on the long-tail instance
     assert on < 0.9 * off
+
+
+@pytest.mark.parametrize("cap", [1, 4, 16])
+def test_the_model_is_the_sim_engines(cap: int) -> None:
+    """The simulator's instance model and the sim engine agree step for step (same PTL,
+    same continuous batching, admission by priority = predicted length)."""
+    sim = pytest.importorskip(
+        "producers.engines.sim", reason="the sim engine (issue 3) has not landed"
+    )
+    base = pytest.importorskip("producers.engines.base")
+    lengths = np.random.default_rng(cap).integers(1, 300, 100)
+    engine = sim.SimEngine(max_batch=cap, time_scale=0.0, seed=0)
+    for i, n in enumerate(lengths):
+        engine.add(base.Request(key=str(i), prompt_ids=[5], max_new_tokens=10_000,
+                                priority=float(n), target_length=int(n)))  # fmt: skip
+    while engine.has_work:
+        engine.step()
+    ours = instance_makespan(np.sort(lengths)[::-1].copy(), cap, PTL)
+    assert engine.simulated_ms / 1000 == pytest.approx(ours, rel=1e-9)
