@@ -6,9 +6,10 @@ created time). The **pointer** is the manifest: a version exists once its manife
 the latest version is the highest one with a manifest. Writes are create-only, so a version
 never changes; a crash before the manifest leaves files nobody points to.
 
-Steps of :func:`publish`, in this order: (1) pick ``latest + 1``; (2) put each file
+Steps of :func:`publish`, in this order: (1) pick one past the highest version directory
+(a crashed publication's files keep their number, which is never reused); (2) put each file
 create-only, hashing what is written; (3) put the manifest. Two trainers racing for one
-version number: the loser's create-only put fails with ``ObjectExists`` and it retries with
+version number: the loser's create-only put fails with ``ObjectExists`` and it moves on to
 the next number.
 
 Readers (:func:`load_version`, :class:`RankerFollower`) verify every file against the manifest
@@ -46,6 +47,17 @@ def versions(store: ObjectStore, run: str) -> list[int]:
     return sorted(out)
 
 
+def _highest_dir(store: ObjectStore, run: str) -> int:
+    """Highest version number with any file, manifest or not (0 if none): a crashed
+    publication's files keep their number, and a new version takes the next one."""
+    out = 0
+    for key in store.list(f"ranker/{run}/"):
+        parts = key.split("/")
+        if len(parts) == 4 and (m := _VERSION_DIR.match(parts[2])):
+            out = max(out, int(m.group(1)))
+    return out
+
+
 def latest_version(store: ObjectStore, run: str) -> int | None:
     v = versions(store, run)
     return v[-1] if v else None
@@ -56,8 +68,9 @@ def publish(
 ) -> LengthRanker:
     """Write a new version (files, then manifest); returns the ranker with its version set."""
     files = ranker.to_files()
+    version = _highest_dir(store, run)
     for _attempt in range(5):
-        version = (latest_version(store, run) or 0) + 1
+        version += 1
         prefix = version_prefix(run, version)
         try:
             entries = []

@@ -81,6 +81,12 @@ def test_publish_versions_manifest_last(tmp_path: Path, fitted: LengthRanker) ->
     store.put("ranker/r/v00000003/model.safetensors", b"partial")
     assert latest_version(store, "r") == 2
     assert load_version(store, "r").version == 2
+    # and the next publication skips the crashed number instead of colliding with it forever
+    v4 = publish(store, "r", fitted)
+    assert v4.version == 4 and versions(store, "r") == [1, 2, 4]
+    # a rival that took the next number first (files only, no manifest yet): we move past it
+    store.put("ranker/r/v00000005/config.json", b"{}")
+    assert publish(store, "r", fitted).version == 6
 
 
 def test_follower_moves_forward_and_refuses_corrupt_versions(
@@ -98,3 +104,23 @@ def test_follower_moves_forward_and_refuses_corrupt_versions(
     (tmp_path / "ranker/r/v00000002/model.safetensors").write_bytes(b"x" * 10)
     got = follower.poll(force=True)
     assert got is not None and got.version == 1 and follower.refused == {2}
+
+
+def test_publish_moves_on_when_a_rival_takes_the_number_mid_write(
+    tmp_path: Path, fitted: LengthRanker
+) -> None:
+    class RacingStore(LocalStore):
+        """A rival trainer writes v1's manifest between our listing and our first put."""
+
+        raced = False
+
+        def put(self, key: str, data: bytes | memoryview) -> str:
+            if not self.raced and key.startswith("ranker/r/v00000001/"):
+                self.raced = True
+                super().put("ranker/r/v00000001/config.json", b"{}")
+            return super().put(key, data)
+
+    store = RacingStore(tmp_path)
+    mine = publish(store, "r", fitted)
+    assert mine.version == 2 and versions(store, "r") == [2]
+    assert load_version(store, "r").version == 2
