@@ -10,6 +10,7 @@ from collections import defaultdict
 from typing import Any
 
 import orjson
+import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from schemas.records import TrajectoryChunk
@@ -283,3 +284,30 @@ def test_unreachable_broker_is_one_line(cli_env) -> None:  # type: ignore[no-unt
         out.stderr.startswith("srl: error: no Kafka broker answered")
         and out.stderr.count("\n") == 1
     )
+
+
+@pytest.mark.slow
+def test_top_reads_what_the_real_trainer_reports(cfg, cli_env, tiny_model) -> None:  # type: ignore[no-untyped-def]
+    """The real `srl-consumer train` on a few groups; `srl top` then shows its group caught up,
+    its weights verified, and its steps, staleness and outcomes from the metric events."""
+    from tests.chunks import text_ids
+
+    create_topics(cfg)
+    chunks: list[TrajectoryChunk] = []
+    for g in range(4):
+        for i in range(4):
+            chunks += traj_chunks(f"p{g}", i, 4, text_ids(f"{g}+1="), text_ids(f"{g + i % 2 + 1}\n"),
+                                  chunk_tokens=2, metadata={"answer": g + 1})  # fmt: skip
+    produce(cfg, chunks)
+    args = [bin_path("srl-consumer"), "train", "--model", str(tiny_model), "--groups-per-step", "2",
+            "--idle-exit-s", "4", "--device", "cpu", "--reward", "consumers.rewards:first_line_match"]  # fmt: skip
+    out = subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    snap = top_json(cli_env)
+    rows = [r for r in snap["groups"] if r["group"] == "srl-trainer-default"]
+    assert rows and all(r["lag"] == 0 for r in rows if r["log_end_offset"] > 0)
+    assert sum(r["log_end_offset"] for r in rows) == len(chunks)
+    assert snap["weights"]["version"] == 2 and snap["weights"]["manifest_ok"] is True
+    assert snap["versions"]["published"] == 2 and snap["versions"]["trainer"] == 2
+    assert snap["staleness"]["histogram"] == {"0": 8, "1": 8}  # steps v0->v1 and v1->v2 on b = 0
+    assert snap["drops"]["by_outcome"] == {} and not snap["stalled"]
