@@ -78,18 +78,31 @@ def group_chunks(
     return [traj_chunks(prompt_id, i, n, prompt, c, **kw) for i, c in enumerate(completions)]
 
 
-def produce(cfg: Any, chunks: Sequence[TrajectoryChunk], extra: Sequence[bytes] = ()) -> None:
-    """Write chunks (and raw ``extra`` values) to the trajectories topic, in order."""
+def produce(
+    cfg: Any,
+    chunks: Sequence[TrajectoryChunk],
+    extra: Sequence[bytes] = (),
+    partition: int | None = None,
+) -> None:
+    """Write chunks, then raw ``extra`` values, to the trajectories topic, in order.
+
+    ``partition`` overrides the layout's partition for every record (chunks and extras);
+    by default chunks go to their bucket's partition and extras to partition 0.
+    """
     from srl.kafka import Producer
     from srl.topics import Layout
 
     layout = Layout.from_config(cfg)
     with Producer(cfg, "test") as p:
         for c in chunks:
-            p.produce(layout.trajectories, encode(c), key=c.trajectory_id,
-                      partition=layout.partition_for(c.bucket, c.trajectory_id))  # fmt: skip
+            part = (
+                partition
+                if partition is not None
+                else layout.partition_for(c.bucket, c.trajectory_id)
+            )
+            p.produce(layout.trajectories, encode(c), key=c.trajectory_id, partition=part)
         for raw in extra:
-            p.produce(layout.trajectories, raw, key=b"bad", partition=0)
+            p.produce(layout.trajectories, raw, key=b"bad", partition=partition or 0)
 
 
 def read_topic(cfg: Any, topic: str, timeout_s: float = 20.0) -> list[Any]:

@@ -128,7 +128,11 @@ def test_malformed_records_go_to_the_dlq_and_training_continues(
     bad_chunk = dataclasses.replace(
         good[0], trajectory_id="bad", sample_index=9
     )  # outside its group
-    produce(cfg, [bad_chunk, *good], extra=[b"\x00garbage", b""])
+    # The bad records go first, on the partition of a trajectory the step needs, so the
+    # trainer must read past them before its one step can complete.
+    first = layout.partition_for(good[0].bucket, good[0].trajectory_id)
+    produce(cfg, [bad_chunk], extra=[b"\x00garbage", b""], partition=first)
+    produce(cfg, good)
     result = run_trainer(cfg)
     assert result.steps == 1 and result.outcomes == {"trained": 8}
     dlq = read_topic(cfg, layout.dlq)
