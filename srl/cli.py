@@ -230,17 +230,17 @@ def top(once: bool, as_json: bool, prometheus: int | None, listen: str, interval
             interval_s=interval, window_s=window, stall_after_s=stall_after)  # fmt: skip
 
 
-# -- demo ---------------------------------------------------------------------------------
+# -- smoke and demo ------------------------------------------------------------------------
 @cli.command()
 @common_options
 @click.option("--trajectories", type=click.IntRange(1, 100_000), default=200, show_default=True,
               help="Synthetic trajectories to stream through the broker.")  # fmt: skip
-def demo(trajectories: int, **kw: Any) -> None:
-    """End-to-end smoke on the embedded broker (the full RL demo replaces it).
+def smoke(trajectories: int, **kw: Any) -> None:
+    """Data-plane smoke test: synthetic trajectories through the broker, codec and topics.
 
     Starts a broker on a free port unless --bootstrap is given, streams synthetic trajectories
     chunk by chunk through the real codec and topics, consumes them in a group, reassembles
-    them, and checks that none is lost or duplicated.
+    them, and checks that none is lost or duplicated. Nothing is trained.
     """
     from srl.config import CommonConfig
     from srl.smoke import run_smoke
@@ -250,6 +250,67 @@ def demo(trajectories: int, **kw: Any) -> None:
         kw.get("bootstrap") is not None or "SRL_BOOTSTRAP_SERVERS" in __import__("os").environ
     )
     run_smoke(cfg, trajectories, external=external)
+
+
+@cli.command()
+@click.option("--steps", type=click.IntRange(1, 100_000), help="Optimizer steps. Default 40.")
+@click.option(
+    "--out", type=click.Path(file_okay=False), help="Report directory. Default runs/demo."
+)
+@click.option(
+    "--mode", type=click.Choice(["sync", "stream", "async"]), help="Pipeline mode. Default async."
+)
+@click.option(
+    "--max-staleness",
+    type=click.IntRange(0, 1000),
+    metavar="K",
+    help="k of --mode async. Default 1.",
+)
+@click.option(
+    "--bootstrap",
+    metavar="HOST:PORT",
+    help="Use this broker instead of the embedded one (its topics stay).",
+)
+@click.option(
+    "--topic-prefix", help="Topic prefix. Default srl (embedded) or a fresh srl-demo-XXXXXX."
+)
+@click.option(
+    "--reward",
+    metavar="MODULE:FUNCTION",
+    help="Reward fn(prompt, completion, metadata). Default srl.task:demo_reward.",
+)
+@click.option("--seed", type=int, help="Seed of prompts, sampling and training. Default 0.")
+@click.option(
+    "--model",
+    type=click.Path(file_okay=False),
+    help="HF model directory (policy v0). Default: srl init-model's.",
+)
+@click.option("--config", type=click.Path(dir_okay=False), help="TOML file with a [demo] table.")
+@click.option("--json", "as_json", is_flag=True, help="Print report.json at the end.")
+def demo(as_json: bool, config: str | None, bootstrap: str | None, **kw: Any) -> None:
+    """A real RL run on one machine: dispatcher, two generator pools and the trainer as
+    separate processes joined only by Kafka and the object store.
+
+    Warm-starts (or reuses) the tiny demo model, measures held-out accuracy, trains for
+    --steps steps with live progress, stops every process it started, and writes
+    OUT/report.json and OUT/report.png. See docs/demo.md.
+    """
+    from srl.config import load_config
+    from srl.demo import DemoConfig, run_demo
+
+    cli_values = {k: v for k, v in kw.items() if v is not None}
+    if bootstrap is not None:
+        cli_values["bootstrap_servers"] = bootstrap
+    if bootstrap is not None or __import__("os").environ.get("SRL_BOOTSTRAP_SERVERS"):
+        cli_values.setdefault("embedded", False)
+    cfg = load_config(DemoConfig, file=config, cli=cli_values)
+    report = run_demo(cfg)
+    if as_json:
+        echo_json({k: v for k, v in report.items() if k != "series"})
+    else:
+        from srl.demo import summary
+
+        click.echo(summary(report))
 
 
 # -- ranker (ranker/cli.py) ----------------------------------------------------------------

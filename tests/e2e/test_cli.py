@@ -137,6 +137,6 @@ def test_bad_x_setting_is_one_line(cli_env: dict[str, str]) -> None:
 @pytest.mark.slow
 def test_demo_smoke_on_its_own_embedded_broker(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SRL_")}
-    out = run("srl", "demo", "--trajectories", "300", env=env, cwd=tmp_path, timeout=300)
+    out = run("srl", "smoke", "--trajectories", "300", env=env, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "300/300 trajectories" in out.stdout and "lost 0, duplicates 0" in out.stdout

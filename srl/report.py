@@ -1,0 +1,378 @@
+"""The demo's audit and report: what was generated, trained, dropped, pending or lost, and plots.
+
+Owns ``OUT/report.json`` and ``OUT/report.png``. Everything is read back from where the roles
+left it, never from the roles' own summaries:
+
+* the trajectories topic, scanned to its high watermark: a trajectory is *generated* when its
+  chunks ``0..last`` are all there (``is_last`` seen); a chunk seen twice at the same
+  ``(trajectory_id, seq)`` is a duplicate;
+* the metrics topic: ``sample`` events (docs/metrics.md) give each trajectory's outcome,
+  deduplicated by ``(trajectory_id, step)`` because a restarted trainer re-sends them;
+  ``train_step`` events give the per-step series;
+* the trainer group's committed offsets: a generated trajectory with no outcome whose first
+  chunk lies at or after its partition's committed offset is *pending* — the run ended
+  before the trainer read it; it is still in Kafka and a continued run trains it. One with no
+  outcome below the committed offset is *lost*: the trainer moved past it without deciding it;
+* the object store: the last published version is materialised into ``OUT/final-model`` and
+  evaluated greedily on the held-out prompts.
+
+Called by ``srl.demo``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import shutil
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+if TYPE_CHECKING:
+    from srl.config import CommonConfig
+    from srl.demo import Fleet, Plan
+
+log = logging.getLogger("srl.report")
+
+EVAL_SEED = 20261122  # the held-out evaluation prompts are the same for every run and seed
+SAMPLE_OUTCOMES = ("trained", "dropped_stale", "failed_reward", "expired", "invalid")
+
+
+# -- reading topics ----------------------------------------------------------------------------
+def read_all(
+    cfg: CommonConfig, topic: str, timeout_s: float = 30.0
+) -> Iterator[tuple[int, int, bytes]]:
+    """Every record of ``topic`` up to the high watermarks at call time: (partition, offset, value)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from srl.kafka import base_settings, watermarks
+
+    hw = {tp: (lo, hi) for tp, (lo, hi) in watermarks(cfg, [topic]).items() if hi > lo}
+    if not hw:
+        return
+    c = Consumer(
+        base_settings(cfg, "demo-report")
+        | {"group.id": "srl-demo-report", "enable.auto.commit": False}
+        | cfg.kafka
+    )
+    try:
+        c.assign([TopicPartition(t, p, lo) for (t, p), (lo, _hi) in hw.items()])
+        todo = {p: hi for (_t, p), (_lo, hi) in hw.items()}
+        deadline = time.monotonic() + timeout_s
+        while todo and time.monotonic() < deadline:
+            msg = c.poll(0.5)
+            if msg is None or msg.error():
+                continue
+            p, o = msg.partition() or 0, msg.offset() or 0
+            if p not in todo or o >= todo[p]:
+                continue
+            yield p, o, msg.value() or b""
+            if o >= todo[p] - 1:
+                del todo[p]
+        if todo:
+            log.warning("%s: read timed out with partitions %s unfinished", topic, sorted(todo))
+    finally:
+        c.close()
+
+
+@dataclass
+class TrajSeen:
+    partition: int
+    first_offset: int
+    seqs: set[int] = field(default_factory=set)
+    last_seq: int | None = None
+    tokens: int = 0
+    first_ms: int = 0
+    last_ms: int = 0
+    versions: set[int] = field(default_factory=set)
+    workers: set[str] = field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        return self.last_seq is not None and self.seqs == set(range(self.last_seq + 1))
+
+
+@dataclass
+class Audit:
+    trajectories: dict[str, TrajSeen]
+    duplicate_chunks: int
+    undecodable: int
+    outcomes: dict[str, str]
+    decided_twice: int
+    committed: dict[int, int | None]
+
+    @property
+    def generated(self) -> set[str]:
+        return {t for t, s in self.trajectories.items() if s.complete}
+
+    def pending(self) -> set[str]:
+        out = set()
+        for t in self.generated - set(self.outcomes):
+            s = self.trajectories[t]
+            c = self.committed.get(s.partition)
+            if c is None or s.first_offset >= c:
+                out.add(t)
+        return out
+
+    def lost(self) -> set[str]:
+        return self.generated - set(self.outcomes) - self.pending()
+
+
+def audit_trajectories(cfg: CommonConfig, trainer_group: str, samples: list[Any]) -> Audit:
+    from schemas.records import SchemaError, TrajectoryChunk, decode_as
+    from srl.kafka import committed_offsets, watermarks
+    from srl.topics import Layout
+
+    layout = Layout.from_config(cfg)
+    seen: dict[str, TrajSeen] = {}
+    dup = bad = 0
+    for p, o, value in read_all(cfg, layout.trajectories):
+        try:
+            ch = decode_as(value, TrajectoryChunk)
+        except SchemaError:
+            bad += 1
+            continue
+        s = seen.get(ch.trajectory_id)
+        if s is None:
+            s = seen[ch.trajectory_id] = TrajSeen(p, o, first_ms=ch.created_ms)
+        if ch.seq in s.seqs:
+            dup += 1
+            continue
+        s.seqs.add(ch.seq)
+        s.first_offset = min(s.first_offset, o)
+        s.tokens += ch.n_tokens
+        s.first_ms = min(s.first_ms, ch.created_ms)
+        s.last_ms = max(s.last_ms, ch.created_ms)
+        s.versions.add(ch.policy_version)
+        s.workers.add(ch.worker_id)
+        if ch.is_last:
+            s.last_seq = ch.seq
+    decided: dict[str, set[tuple[str, int]]] = defaultdict(set)
+    for e in samples:
+        decided[e.labels.get("trajectory_id", "")].add(
+            (e.labels.get("outcome", ""), int(e.step or 0))
+        )
+    outcomes = {t: max(d, key=lambda x: x[1])[0] for t, d in decided.items() if t}
+    hw = watermarks(cfg, [layout.trajectories])
+    done = committed_offsets(cfg, trainer_group, list(hw))
+    return Audit(
+        trajectories=seen,
+        duplicate_chunks=dup,
+        undecodable=bad,
+        outcomes=outcomes,
+        decided_twice=sum(1 for d in decided.values() if len(d) > 1),
+        committed={p: v for (_t, p), v in done.items()},
+    )
+
+
+def metric_events(cfg: CommonConfig, run: str) -> list[Any]:
+    from schemas.records import MetricEvent, SchemaError, decode_as
+    from srl.topics import Layout
+
+    out = []
+    for _p, _o, value in read_all(cfg, Layout.from_config(cfg).metrics):
+        with contextlib.suppress(SchemaError):
+            e = decode_as(value, MetricEvent)
+            if e.run == run:
+                out.append(e)
+    return out
+
+
+# -- the final policy ------------------------------------------------------------------------
+def final_policy(cfg: CommonConfig, run: str, model_dir: Path, out_dir: Path) -> tuple[Path, int]:
+    """The last published version as a HF model directory (v0 = ``model_dir`` itself)."""
+    from srl.store import open_store
+    from srl.topics import Layout
+    from srl.weights import latest_announcement, load_manifest, materialize
+
+    ann = latest_announcement(cfg, Layout.from_config(cfg), run)
+    if ann is None:
+        return model_dir, 0
+    store = open_store(cfg.store)
+    manifest = load_manifest(store, ann)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    for f in model_dir.iterdir():  # config and tokenizer; the weights come from the store
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".index.json")):
+            shutil.copy2(f, out_dir / f.name)
+    materialize(store, manifest, out_dir)
+    return out_dir, ann.version
+
+
+# -- the report ------------------------------------------------------------------------------
+def _mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def build(
+    cfg: CommonConfig,
+    plan: Plan,
+    fleet: Fleet,
+    before: Any,
+    eval_set: list[Any],
+    wall_run: float,
+    status: str,
+) -> dict[str, Any]:
+    from srl import warmstart
+
+    events = metric_events(cfg, plan.run)
+    samples = [e for e in events if e.kind == "sample"]
+    steps: dict[int, Any] = {}
+    for e in events:
+        if e.kind == "train_step" and e.step is not None:
+            steps[int(e.step)] = e  # a step redone after a restart: the last one counts
+    gen_stats = [e for e in events if e.kind == "gen_stats"]
+    audit = audit_trajectories(cfg, f"srl-trainer-{plan.run}", samples)
+
+    final_dir, version = final_policy(cfg, plan.run, plan.model_dir, plan.out / "final-model")
+    after = warmstart.evaluate(final_dir, eval_set)
+
+    order = sorted(steps)
+    t0 = min((e.ts_ms for e in events), default=0)
+    rewards = [steps[s].values.get("reward_mean") for s in order]
+    tenth = max(1, math.ceil(len(order) / 10))
+    counts = {o: sum(1 for v in audit.outcomes.values() if v == o) for o in SAMPLE_OUTCOMES}
+    last_sample: dict[str, Any] = {}
+    for e in samples:
+        t = e.labels.get("trajectory_id", "")
+        if t not in last_sample or (e.step or 0) >= (last_sample[t].step or 0):
+            last_sample[t] = e
+    trained = [e for e in last_sample.values() if e.labels.get("outcome") == "trained"]
+    staleness = [int(e.values.get("staleness", 0)) for e in trained]
+    latency = [
+        e.values["ready_latency_ms"] for e in last_sample.values() if "ready_latency_ms" in e.values
+    ]
+    gen_tokens = sum(audit.trajectories[t].tokens for t in audit.generated)
+    counters: dict[str, float] = {}
+    for e in events:
+        if e.kind == "counter" and e.source.startswith("trainer"):
+            counters.update(e.values)
+    c = plan.cfg
+    report: dict[str, Any] = {
+        "status": status,
+        "mode": c.mode,
+        "seed": c.seed,
+        "max_staleness": 0 if c.mode != "async" else c.max_staleness,
+        "steps": len(order),
+        "steps_requested": c.steps,
+        "reward_first": _r(_mean(rewards[:tenth])),
+        "reward_last": _r(_mean(rewards[-tenth:])),
+        "eval_accuracy_before": _r(before.accuracy),
+        "eval_accuracy_after": _r(after.accuracy),
+        "eval_prompts": len(eval_set),
+        "eval_by_op_before": getattr(before, "by_op", None),
+        "eval_by_op_after": getattr(after, "by_op", None),
+        "trajectories_generated": len(audit.generated),
+        "trajectories_trained": counts["trained"],
+        "dropped_stale": counts["dropped_stale"],
+        "failed": counts["failed_reward"] + counts["expired"] + counts["invalid"],
+        "duplicates_seen": audit.duplicate_chunks + int(counters.get("duplicates", 0)),
+        "duplicate_chunks_in_topic": audit.duplicate_chunks,
+        "decided_twice": audit.decided_twice,
+        "pending_at_stop": len(audit.pending()),
+        "incomplete_at_stop": len(audit.trajectories) - len(audit.generated),
+        "lost": len(audit.lost()),
+        "wall_s": round(wall_run, 1),
+        "tokens_per_s": _r(gen_tokens / wall_run if wall_run > 0 else None, 1),
+        "tokens_generated": gen_tokens,
+        "policy_versions": version,
+        "staleness_hist": {str(k): staleness.count(k) for k in sorted(set(staleness))},
+        "ready_latency_ms_p50": _r(_pct(latency, 50), 1),
+        "ready_latency_ms_p99": _r(_pct(latency, 99), 1),
+        "model": str(plan.model_dir),
+        "final_model": str(final_dir),
+        "run": plan.run,
+        "topic_prefix": plan.prefix,
+        "bootstrap": plan.bootstrap,
+        "series": {
+            "step": order,
+            "t_s": [round((steps[s].ts_ms - t0) / 1000, 2) for s in order],
+            "reward_mean": rewards,
+            "train_tokens_per_s": [steps[s].values.get("tokens_per_s") for s in order],
+            "staleness_mean": [steps[s].values.get("staleness_mean") for s in order],
+            "gen": [
+                [round((e.ts_ms - t0) / 1000, 2), e.labels.get("worker_id", e.source), e.values.get("tokens_per_s")]
+                for e in gen_stats
+            ],
+            "ready_latency_ms": sorted(latency),
+        },
+        "roles": {r.name: (r.proc.returncode if r.proc else None) for r in fleet.roles},
+    }  # fmt: skip
+    if audit.lost():
+        report["lost_examples"] = sorted(audit.lost())[:5]
+    return report
+
+
+def write(report: dict[str, Any], out: Path) -> None:
+    (out / "report.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    try:
+        plot(report, out / "report.png")
+    except Exception as e:  # a plot must not cost the user the numbers
+        log.warning("report.png not written: %s", e)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = report["series"]
+    fig, ax = plt.subplots(2, 3, figsize=(15, 8.5))
+    title = (
+        f"srl demo — mode {report['mode']}, seed {report['seed']}: held-out accuracy "
+        f"{report['eval_accuracy_before']:.2f} → {report['eval_accuracy_after']:.2f}, "
+        f"{report['steps']} steps in {report['wall_s']:.0f} s, lost {report['lost']}"
+    )
+    fig.suptitle(title, fontsize=12)
+    ax[0, 0].plot(s["step"], s["reward_mean"], ".-")
+    ax[0, 0].set(title="reward vs step", xlabel="optimizer step", ylabel="mean reward")
+    ax[0, 1].plot(s["t_s"], s["reward_mean"], ".-", color="C1")
+    ax[0, 1].set(title="reward vs wall-clock", xlabel="seconds since start", ylabel="mean reward")
+    by_worker: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for t, w, tps in s["gen"]:
+        by_worker[w].append((t, tps or 0.0))
+    for w, pts in sorted(by_worker.items()):
+        ax[0, 2].plot([p[0] for p in pts], [p[1] for p in pts], label=f"generator {w}")
+    ax[0, 2].plot(s["t_s"], s["train_tokens_per_s"], "k.-", label="trainer")
+    ax[0, 2].set(title="throughput", xlabel="seconds since start", ylabel="tokens/s")
+    ax[0, 2].legend(fontsize=8)
+    hist = report["staleness_hist"]
+    ax[1, 0].bar([int(k) for k in hist], list(hist.values()))
+    ax[1, 0].set(title="staleness of trained samples (v − b)", xlabel="versions", ylabel="samples")
+    ax[1, 0].set_xticks([int(k) for k in hist] or [0])
+    lat = s["ready_latency_ms"]
+    if lat:
+        ax[1, 1].hist(lat, bins=30)
+    ax[1, 1].set(
+        title="chunk-to-trainer latency (last chunk → assembled)",
+        xlabel="ms",
+        ylabel="trajectories",
+    )
+    ax[1, 2].bar(
+        ["before", "after"],
+        [report["eval_accuracy_before"], report["eval_accuracy_after"]],
+        color=["C7", "C2"],
+    )
+    ax[1, 2].set(title=f"held-out accuracy (greedy, {report['eval_prompts']} prompts)", ylim=(0, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
