@@ -412,11 +412,16 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
         plan = Plan(cfg, out, model_dir, bootstrap, prefix, run, f"file://{out / 'store'}")
         conf = plan.write()
         live = cfg.model_copy(
-            update={"bootstrap_servers": bootstrap, "topic_prefix": prefix, "run": run}
+            update={
+                "bootstrap_servers": bootstrap,
+                "topic_prefix": prefix,
+                "run": run,
+                "store": plan.store_url,
+                "bucket_bounds": DEMO_BUCKET_BOUNDS,
+            }
         )
         from srl.kafka import create_topics, wait_for_broker
 
-        live = live.model_copy(update={"bucket_bounds": DEMO_BUCKET_BOUNDS})
         wait_for_broker(live)
         create_topics(live)
         env = dict(
