@@ -140,19 +140,24 @@ class Fleet:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(r.proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for r in todo:
-            assert r.proc is not None
-            try:
-                r.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in %.0f s; killing it", r.name, grace_s)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(r.proc.pid, signal.SIGKILL)
-                r.proc.wait(10)
+        try:
+            for r in todo:
+                assert r.proc is not None
+                try:
+                    r.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in %.0f s; killing it", r.name, grace_s)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(r.proc.pid, signal.SIGKILL)
+                    r.proc.wait(10)
+        except KeyboardInterrupt:  # a second Ctrl-C: no more grace
+            log.warning("interrupted again: killing every role")
         for r in self.roles:  # anything a role left in its process group
             if r.proc is not None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(r.proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    r.proc.wait(10)
 
 
 def _script(name: str, *args: str) -> list[str]:
@@ -254,8 +259,11 @@ class Plan:
             "bucket_bounds": list(DEMO_BUCKET_BOUNDS),
             "linger_ms": 2.0,
         }
+        tables = self.role_tables()
+        if self.cfg.kafka:  # librdkafka settings (security …) reach every role
+            tables = {"kafka": dict(self.cfg.kafka)} | tables
         path = self.out / "srl.toml"
-        path.write_text(_toml(top, self.role_tables()))
+        path.write_text(_toml(top, tables))
         return path
 
     def roles(self, config_file: Path) -> list[Role]:
@@ -424,10 +432,11 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
 
         wait_for_broker(live)
         create_topics(live)
-        env = dict(
-            os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"
-        )
-        env.pop("SRL_CONFIG", None)
+        # the roles read OUT/srl.toml only: SRL_* variables would override it
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith("SRL_") or k == "SRL_VERBOSE"
+        }
+        env |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         fleet = Fleet(env=env, cwd=out)
         watcher = Watcher(live, run, f"srl-trainer-{run}")
         watcher.start()

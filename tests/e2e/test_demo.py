@@ -1,0 +1,120 @@
+"""``srl demo`` end to end: real processes, the test broker, a user's own reward, Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tests.conftest import bin_path
+
+REWARD = '''
+import os
+
+def odd_length(prompt, completion, metadata):
+    """A reward srl has never seen: it leaves a mark, and prefers odd-length answers."""
+    with open(os.environ["MARK_FILE"], "a") as f:
+        f.write(prompt + "\\n")
+    return float(len(completion.strip()) % 2)
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is not alive; /proc tells
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _pids(out: Path) -> list[int]:
+    """The roles' pids, from the demo's log lines."""
+    return [
+        int(line.split("(pid ")[1].split(")")[0])
+        for line in out.read_text().splitlines()
+        if "(pid " in line
+    ]
+
+
+def _demo(tmp_path: Path, cli_env: dict[str, str], tiny_model: Path, *args: str) -> list[str]:
+    return [
+        bin_path("srl"), "-v", "demo", "--out", str(tmp_path / "demo"), "--model", str(tiny_model),
+        "--steps", "3", *args,
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_demo_runs_every_role_with_a_users_reward_and_audits_the_run(
+    tmp_path: Path, cli_env: dict[str, str], tiny_model: Path
+) -> None:
+    (tmp_path / "userreward.py").write_text(REWARD)
+    env = cli_env | {"PYTHONPATH": str(tmp_path), "MARK_FILE": str(tmp_path / "marks")}
+    log = tmp_path / "demo.log"
+    with log.open("w") as f:
+        rc = subprocess.run(
+            [*_demo(tmp_path, env, tiny_model, "--reward", "userreward:odd_length"), "--json"],
+            env=env, stdout=subprocess.PIPE, stderr=f, timeout=600, cwd=tmp_path,
+        )  # fmt: skip
+    assert rc.returncode == 0, log.read_text()[-3000:]
+    report = orjson.loads((tmp_path / "demo" / "report.json").read_bytes())
+    assert orjson.loads(rc.stdout)["lost"] == report["lost"] == 0
+    assert report["steps"] == 3 and report["policy_versions"] == 3
+    assert report["trajectories_trained"] > 0
+    assert (
+        report["trajectories_generated"]
+        == report["trajectories_trained"]
+        + report["dropped_stale"]
+        + report["failed"]
+        + report["pending_at_stop"]
+    )
+    assert report["decided_twice"] == 0
+    # the user's reward ran in the trainer, and its values are what the trainer reports
+    assert (tmp_path / "marks").exists() and (tmp_path / "marks").read_text().count("=") > 0
+    assert 0.0 < report["reward_first"] < 1.0
+    for key in ("eval_accuracy_before", "eval_accuracy_after", "wall_s", "tokens_per_s"):
+        assert report[key] is not None
+    assert (tmp_path / "demo" / "report.png").stat().st_size > 10_000
+    assert (tmp_path / "demo" / "final-model" / "config.json").exists()
+    # every process it started is gone
+    pids = _pids(log)
+    assert len(pids) == 4 and not [p for p in pids if _alive(p)]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process_and_still_writes_the_report(
+    tmp_path: Path, cli_env: dict[str, str], tiny_model: Path
+) -> None:
+    log = tmp_path / "demo.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            _demo(tmp_path, cli_env, tiny_model, "--steps", "500"),
+            env=cli_env, stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while "step 1/500" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
+        assert "step 1/500" in log.read_text(), log.read_text()[-3000:]
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert rc != 0 and "Traceback" not in text, text[-3000:]
+    assert text.strip().splitlines()[-1].startswith("srl: error: interrupted")
+    pids = _pids(log)
+    assert len(pids) == 4 and not [p for p in pids if _alive(p)]
+    report = orjson.loads((tmp_path / "demo" / "report.json").read_bytes())
+    assert report["status"] == "interrupted" and report["lost"] == 0
