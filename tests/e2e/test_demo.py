@@ -57,7 +57,8 @@ def test_demo_runs_every_role_with_a_users_reward_and_audits_the_run(
     tmp_path: Path, cli_env: dict[str, str], tiny_model: Path
 ) -> None:
     (tmp_path / "userreward.py").write_text(REWARD)
-    env = cli_env | {"PYTHONPATH": str(tmp_path), "MARK_FILE": str(tmp_path / "marks")}
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    env = cli_env | {"PYTHONPATH": path, "MARK_FILE": str(tmp_path / "marks")}
     log = tmp_path / "demo.log"
     with log.open("w") as f:
         rc = subprocess.run(
