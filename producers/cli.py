@@ -1,10 +1,21 @@
-"""``srl-producer``: the producer side's entry point (dispatcher, generator workers)."""
+"""``srl-producer``: the producer side's entry point (dispatcher, generator workers, benchmark).
+
+Each command turns its options into a config and calls one function; heavy modules (torch,
+transformers, confluent_kafka) are imported inside the commands, so ``--help`` is instant.
+SIGTERM and Ctrl-C stop a command gracefully (the second Ctrl-C aborts).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
 import click
 
-from srl.cli_common import run_main, setup_logging
+from srl.cli_common import common_options, config_from, echo_json, run_main, setup_logging
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -12,6 +23,219 @@ from srl.cli_common import run_main, setup_logging
 def cli(verbose: int) -> None:
     """srl producers: dispatch prompt tasks and generate trajectories into Kafka."""
     setup_logging(verbose)
+
+
+def _stop_on_signals() -> threading.Event:
+    """An event set by the first SIGTERM/SIGINT; a second SIGINT interrupts at once."""
+    stop = threading.Event()
+
+    def handler(signum: int, _frame: Any) -> None:
+        if stop.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+@contextlib.contextmanager
+def _kafka_errors() -> Iterator[None]:
+    """A Kafka client error (e.g. a bad -X setting) as one line, not a traceback."""
+    from confluent_kafka import KafkaException
+
+    from srl.errors import SrlError
+
+    try:
+        yield
+    except KafkaException as e:
+        err = e.args[0] if e.args else e
+        raise SrlError(f"kafka: {err.str() if hasattr(err, 'str') else err}") from None
+
+
+def _csv(value: str | None) -> list[str] | None:
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
+@cli.command()
+@common_options
+@click.option(
+    "--prompts",
+    type=click.Path(dir_okay=False),
+    help="JSONL file: {prompt_id, prompt, metadata} per line.",
+)
+@click.option(
+    "--task",
+    type=click.Choice(["demo", "sim"]),
+    help="Built-in source: demo (synthetic task) or sim (simulated workload).",
+)
+@click.option("--num-prompts", type=int, help="Prompts the built-in task generates. Default 64.")
+@click.option(
+    "--split", type=click.Choice(["train", "eval"]), help="Split of the demo task. Default train."
+)
+@click.option(
+    "--lengths",
+    type=click.Path(dir_okay=False),
+    help="sim task: length histogram file (lo,hi,probability).",
+)
+@click.option(
+    "--scale", "length_scale", type=float, help="sim task: factor on histogram lengths. Default 1."
+)
+@click.option("--seed", type=int, help="Seed of the built-in task. Default 0.")
+@click.option("--group-size", type=int, help="Samples per prompt (n). Default 4.")
+@click.option("--max-new-tokens", type=int, help="Max generated tokens per sample. Default 256.")
+@click.option("--temperature", type=float, help="Sampling temperature (0 = greedy). Default 1.")
+@click.option("--top-p", type=float, help="Nucleus sampling mass. Default 1.")
+@click.option(
+    "--predictor",
+    type=click.Choice(["baseline", "oracle"]),
+    help="Length predictor. Default baseline.",
+)
+@click.option("--window", type=int, help="Prompts ordered together before publishing. Default 64.")
+@click.option(
+    "--sync-barrier/--no-sync-barrier",
+    default=None,
+    help="Wait for new weights after each groups_per_step prompts.",
+)
+@click.option(
+    "--groups-per-step", type=int, help="Sync barrier: prompts per trainer step. Default 8."
+)
+@click.option(
+    "--max-pending",
+    type=int,
+    help="Async: most unconsumed tasks on the prompt topics. Default 256.",
+)
+@click.option(
+    "--pools",
+    help="Comma-separated generator pools whose progress counts for --max-pending. Default regular.",
+)
+@click.option("--epochs", type=int, help="Passes over the prompts. Default 1.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def dispatch(as_json: bool, pools: str | None, **kw: Any) -> None:
+    """Publish prompt tasks to the length-bucket prompt topics, longest-predicted first.
+
+    Each prompt becomes one task of --group-size samples on {prefix}.prompts.{bucket}, the
+    bucket chosen by the length predictor. With --sync-barrier the next --groups-per-step
+    prompts wait for the next weights announcement; otherwise at most --max-pending tasks
+    stay unconsumed.
+    """
+    from producers.config import DispatchConfig
+    from producers.dispatcher import run_dispatcher
+    from producers.sources import load_source, make_predictor
+
+    own = {
+        k: kw.pop(k)
+        for k in list(kw)
+        if k not in ("config", "bootstrap", "topic_prefix", "run", "store", "kafka_setting")
+    }
+    cfg = config_from(DispatchConfig, kw, **own, pools=_csv(pools))
+    prompts = load_source(cfg)
+    if cfg.task == "sim":
+        click.echo(
+            f"sim workload: {len(prompts)} prompts with SIMULATED lengths from {cfg.lengths} (x{cfg.length_scale:g})",
+            err=True,
+        )
+    with _kafka_errors():
+        summary = run_dispatcher(cfg, prompts, make_predictor(cfg, prompts), _stop_on_signals())
+    if as_json:
+        echo_json(summary.to_dict())
+    else:
+        buckets = ", ".join(f"{b}: {n}" for b, n in summary.by_bucket.items())
+        click.echo(
+            f"dispatched {summary.tasks} tasks ({cfg.group_size} samples each) from {summary.prompts} prompts; {buckets}"
+        )
+
+
+@cli.command()
+@common_options
+@click.option(
+    "--pool", help="Generator pool (consumer group {prefix}.gen.{pool}). Default regular."
+)
+@click.option(
+    "--buckets", help="Comma-separated length buckets to consume, e.g. le256,le1024. Default: all."
+)
+@click.option("--group-id", help="Consumer group override.")
+@click.option("--worker-id", help="Worker id on chunks and metrics. Default host-pid-pool.")
+@click.option(
+    "--engine", type=click.Choice(["hf", "sim", "vllm"]), help="Generation backend. Default hf."
+)
+@click.option(
+    "--model",
+    type=click.Path(file_okay=False),
+    help="Hugging Face model directory (policy version 0).",
+)
+@click.option("--device", help="torch device for hf (cpu, cuda …). Default cpu.")
+@click.option("--dtype", help="Weights dtype (float32, bfloat16 …).")
+@click.option("--threads", type=int, help="torch CPU threads.")
+@click.option("--max-batch", type=int, help="Most sequences decoded together. Default 8.")
+@click.option("--chunk-tokens", type=int, help="Tokens per published chunk. Default 32.")
+@click.option(
+    "--max-staleness",
+    type=int,
+    help="k: never start with weights older than latest - k. Default 1.",
+)
+@click.option(
+    "--max-backlog-chunks", type=int, help="Pause while the trainer lags by more chunks than this."
+)
+@click.option("--seed", type=int, help="Sampling seed.")
+@click.option(
+    "--lengths",
+    type=click.Path(dir_okay=False),
+    help="sim: length histogram file for tasks without sim_length.",
+)
+@click.option("--scale", "length_scale", type=float, help="sim: factor on histogram lengths.")
+@click.option(
+    "--time-scale", type=float, help="sim: factor on the modelled step time PTL(BS). Default 1."
+)
+@click.option(
+    "--drain-timeout",
+    "drain_timeout_s",
+    type=float,
+    help="On SIGTERM: seconds to finish running sequences. Default 30.",
+)
+@click.option(
+    "--idle-exit",
+    "idle_exit_s",
+    type=float,
+    help="Exit after this many seconds with nothing to do.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def generate(as_json: bool, buckets: str | None, **kw: Any) -> None:
+    """Run a generator worker: consume prompt tasks, stream token chunks to the trajectories topic.
+
+    Chunks of --chunk-tokens tokens (and the last one) go out as they are generated, keyed by
+    trajectory id. A task's offset is committed once all its samples' chunks are acknowledged.
+    New weights announced on {prefix}.weights are verified and loaded between decode steps.
+    """
+    import logging
+
+    from producers.config import GenerateConfig
+    from producers.worker import run_generator
+
+    own = {
+        k: kw.pop(k)
+        for k in list(kw)
+        if k not in ("config", "bootstrap", "topic_prefix", "run", "store", "kafka_setting")
+    }
+    cfg = config_from(GenerateConfig, kw, **own, buckets=_csv(buckets))
+    stop = _stop_on_signals()
+    if cfg.engine == "sim":
+        click.echo(
+            "engine sim: token ids, log-probs and timing are SIMULATED (PTL model); chunks are labelled simulated",
+            err=True,
+        )
+    logging.getLogger("srl").info(
+        "generator %s: engine %s, pool %s", cfg.worker_name, cfg.engine, cfg.pool
+    )
+    with _kafka_errors():
+        s = run_generator(cfg, stop)
+    if as_json:
+        echo_json(s.to_dict())
+    else:
+        label = " (SIMULATED engine)" if s.simulated else ""
+        click.echo(f"generator {s.worker_id}{label}: {s.tasks} tasks, {s.trajectories} trajectories, {s.tokens} tokens "
+                   f"in {s.chunks} chunks; resumed {s.resumed}, handed off {s.handed_off}, dead letters "
+                   f"{s.dead_letters}, weights loaded {s.weights_loaded} refused {s.weights_refused}, policy v{s.policy_version}")  # fmt: skip
 
 
 main = run_main(cli, "srl-producer")

@@ -1,0 +1,206 @@
+"""Typed settings of the dispatcher (``[dispatch]``) and the generator worker (``[generate]``).
+
+Owns every knob of the producer side, with bounds checked once at load and the cross-field
+rules in one validator per class. Values come from defaults < config file < ``SRL_*`` <
+CLI options (``srl.config.load_config``). docs/producers.md lists them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from srl.config import _NAME, CommonConfig
+from srl.errors import ConfigError
+
+
+class DispatchConfig(CommonConfig):
+    """``srl-producer dispatch``: which prompts become which tasks, in which order, how fast."""
+
+    section = "dispatch"
+
+    prompts: str | None = Field(
+        None, description="JSONL file of {prompt_id, prompt, metadata} lines; or use task."
+    )
+    task: Literal["demo", "sim"] | None = Field(
+        None,
+        description="Built-in prompt source instead of a file: demo (synthetic task) or sim (simulated workload).",
+    )
+    num_prompts: int = Field(
+        64, ge=1, le=10_000_000, description="Prompts the built-in task generates."
+    )
+    split: Literal["train", "eval"] = Field("train", description="Split of the demo task.")
+    lengths: str | None = Field(
+        None, description="Length histogram file (lo,hi,probability) for the sim task's sim_length."
+    )
+    length_scale: float = Field(
+        1.0,
+        gt=0,
+        le=100,
+        description="Factor on histogram lengths (0.25 / 0.5: the 5K / 10K settings).",
+    )
+    seed: int = Field(0, description="Seed of the built-in task's prompts.")
+    group_size: int = Field(4, ge=1, le=4096, description="n: samples per prompt (GRPO group).")
+    max_new_tokens: int = Field(
+        256, ge=1, le=1_000_000, description="Upper bound on generated tokens per sample."
+    )
+    temperature: float = Field(1.0, ge=0, le=100, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    predictor: Literal["baseline", "oracle"] = Field(
+        "baseline",
+        description="Length predictor: baseline (one length for all) or oracle (metadata.sim_length).",
+    )
+    baseline_length: int | None = Field(
+        None, ge=1, description="The baseline predictor's length; null: max_new_tokens."
+    )
+    window: int = Field(
+        64,
+        ge=1,
+        description="Prompts ordered together (longest-predicted first per bucket) before publishing; sync mode uses groups_per_step.",
+    )
+    sync_barrier: bool = Field(
+        False,
+        description="Publish groups_per_step prompts, then wait for the next weights announcement before the next ones.",
+    )
+    groups_per_step: int = Field(
+        8, ge=1, description="Prompts (groups) per trainer step in sync-barrier mode."
+    )
+    max_pending: int | None = Field(
+        256,
+        ge=1,
+        description="Async mode: stop publishing while this many tasks are unconsumed by the pools; null: no bound.",
+    )
+    pools: tuple[str, ...] = Field(
+        ("regular",),
+        description="Generator pools whose progress counts for max_pending (their groups: {prefix}.gen.{pool}).",
+    )
+    barrier_timeout_s: float = Field(
+        3600.0, gt=0, description="Sync mode: give up when no new weights arrive for this long."
+    )
+    epochs: int = Field(1, ge=1, le=100_000, description="Passes over the prompt source.")
+
+    # Cross-field rules raise ConfigError (not ValueError), so pydantic passes the one-line
+    # message through unchanged instead of wrapping it.
+    @model_validator(mode="after")
+    def _one_source(self) -> DispatchConfig:
+        if (self.prompts is None) == (self.task is None):
+            raise ConfigError("give exactly one prompt source: --prompts FILE or --task demo|sim")
+        if self.task == "sim" and self.lengths is None:
+            raise ConfigError("--task sim needs --lengths FILE (a lo,hi,probability histogram)")
+        return self
+
+
+class GenerateConfig(CommonConfig):
+    """``srl-producer generate``: one generator worker of one pool."""
+
+    section = "generate"
+
+    pool: str = Field(
+        "regular",
+        pattern=_NAME,
+        description="Generator pool; its consumer group is {prefix}.gen.{pool}.",
+    )
+    buckets: tuple[str, ...] = Field(
+        (), description="Length buckets whose prompt topics this pool consumes; empty: all."
+    )
+    group_id: str | None = Field(
+        None, description="Consumer group on the prompt topics; null: {prefix}.gen.{pool}."
+    )
+    worker_id: str | None = Field(
+        None, description="Id on chunks and metrics; null: host-pid-pool."
+    )
+    engine: Literal["hf", "sim", "vllm"] = Field("hf", description="Generation backend.")
+    model: str | None = Field(
+        None, description="Hugging Face model directory: policy version 0 (hf, vllm)."
+    )
+    device: str = Field("cpu", description="torch device of the hf engine (cpu, cuda, cuda:1 …).")
+    dtype: str | None = Field(
+        None,
+        description="Weights dtype (float32, bfloat16 …); null: float32 for hf, auto for vllm.",
+    )
+    threads: int | None = Field(
+        None, ge=1, le=1024, description="torch CPU threads; null: torch's default."
+    )
+    max_batch: int = Field(
+        8, ge=1, le=65_536, description="Most sequences decoded together (continuous batching)."
+    )
+    chunk_tokens: int = Field(
+        32,
+        ge=1,
+        le=65_536,
+        description="Tokens per published chunk (the last chunk may be shorter).",
+    )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        le=1_000_000,
+        description="k: never start a trajectory with weights older than latest - k (0: synchronous).",
+    )
+    max_backlog_chunks: int | None = Field(
+        None,
+        ge=1,
+        description="Pause intake while the trainer's group lags by more than this many chunks on the trajectories topic; null: no bound.",
+    )
+    backlog_group: str | None = Field(
+        None, description="Consumer group whose lag is the backlog; null: srl-trainer-{run}."
+    )
+    seed: int | None = Field(None, description="Sampling seed; null: random.")
+    lengths: str | None = Field(
+        None, description="sim engine: length histogram file for tasks without metadata.sim_length."
+    )
+    length_scale: float = Field(
+        1.0, gt=0, le=100, description="sim engine: factor on histogram lengths."
+    )
+    time_scale: float = Field(
+        1.0,
+        ge=0,
+        le=1000,
+        description="sim engine: factor on the modelled step time PTL(BS) (0.01 = 100x faster than modelled).",
+    )
+    stats_interval_s: float = Field(
+        5.0, gt=0, description="How often gen_stats events are emitted."
+    )
+    commit_interval_s: float = Field(
+        1.0, gt=0, description="How often finished tasks' offsets are committed."
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM: how long in-flight trajectories may run before they are handed off.",
+    )
+    idle_exit_s: float | None = Field(
+        None,
+        gt=0,
+        description="Exit cleanly after this long with nothing to do; null: run until stopped.",
+    )
+    recovery_slack_s: float = Field(
+        60.0,
+        ge=0,
+        description="Clock skew allowed when reading a redelivered task's chunks back by timestamp.",
+    )
+
+    @model_validator(mode="after")
+    def _engine_needs(self) -> GenerateConfig:
+        if self.engine in ("hf", "vllm") and not self.model:
+            raise ConfigError(f"engine {self.engine} needs --model DIR (policy version 0)")
+        return self
+
+    @property
+    def consumer_group(self) -> str:
+        return self.group_id or pool_group(self.topic_prefix, self.pool)
+
+    @property
+    def trainer_group(self) -> str:
+        return self.backlog_group or f"srl-trainer-{self.run}"
+
+    @property
+    def worker_name(self) -> str:
+        return self.worker_id or f"{socket.gethostname()}-{os.getpid()}-{self.pool}"
+
+
+def pool_group(prefix: str, pool: str) -> str:
+    """The consumer group of a generator pool on the prompt topics."""
+    return f"{prefix}.gen.{pool}"

@@ -1,0 +1,54 @@
+"""Generation engines behind one interface (``base.Engine``): hf, sim (simulated), vllm.
+
+``make_engine(cfg)`` builds the configured one; each backend is imported only when chosen.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from producers.engines.base import (
+    Completion,
+    Emitted,
+    Engine,
+    Request,
+    RequestError,
+    complete,
+    generate,
+)
+
+if TYPE_CHECKING:
+    from producers.config import GenerateConfig
+
+__all__ = [
+    "Completion",
+    "Emitted",
+    "Engine",
+    "Request",
+    "RequestError",
+    "complete",
+    "generate",
+    "make_engine",
+]
+
+
+def make_engine(cfg: GenerateConfig) -> Engine:
+    if cfg.threads is not None:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+    if cfg.engine == "hf":
+        from producers.engines.hf import HFEngine
+
+        assert cfg.model is not None
+        return HFEngine(cfg.model, cfg.max_batch, cfg.device, cfg.dtype or "float32", cfg.seed)
+    if cfg.engine == "vllm":
+        from producers.engines.vllm import VLLMEngine
+
+        assert cfg.model is not None
+        return VLLMEngine(cfg.model, cfg.max_batch, cfg.dtype or "auto", cfg.seed)
+    from producers.engines.sim import SimEngine
+    from producers.workload import LengthHistogram
+
+    lengths = LengthHistogram.load(cfg.lengths, cfg.length_scale) if cfg.lengths else None
+    return SimEngine(cfg.max_batch, lengths, cfg.time_scale, cfg.seed)

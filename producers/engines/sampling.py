@@ -1,0 +1,56 @@
+"""Per-row temperature / top-p sampling with the behaviour log-prob of each sampled token.
+
+Pure tensor math, no model: ``sample(logits, temperature, top_p, generator)`` for a batch
+whose rows may each use their own parameters. What must hold:
+
+* a row with ``temperature == 0`` is greedy (argmax) and its log-prob is
+  ``log_softmax(logits)`` at the argmax;
+* any other row samples from ``softmax(logits / T)`` restricted to the smallest set of tokens
+  whose mass reaches ``top_p`` (the most likely token is always kept), and its log-prob is
+  ``log_softmax(logits / T)`` at the sampled token, i.e. *before* the top-p truncation, which
+  is what a trainer recomputes from the same logits and temperature.
+
+Called by the hf engine each decode step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens [B] int64, logprobs [B] float32)`` for ``logits [B, V]``.
+
+    ``temperature`` and ``top_p`` are ``[B]`` tensors on the logits' device.
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
+    tokens = logp.argmax(dim=-1)
+    sampled_rows = ~greedy
+    if bool(sampled_rows.any()):
+        probs = logp[sampled_rows].exp()
+        probs = _top_p_filter(probs, top_p[sampled_rows])
+        draw = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tokens = tokens.clone()
+        tokens[sampled_rows] = draw
+    chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, chosen
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tail beyond mass ``top_p`` per row (rows with top_p >= 1 are untouched)."""
+    if bool((top_p >= 1).all()):
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly above each token
+    drop_sorted = before >= top_p[:, None]
+    drop_sorted[:, 0] = False  # always keep the most likely token
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return probs.masked_fill(drop, 0.0)

@@ -1,0 +1,121 @@
+"""Simulated engine: tokens at the pace of ``PTL(BS)``, lengths from a workload. Always labelled.
+
+Owns a stand-in for a GPU engine in benchmarks of the system's scheduling and data plane.
+What is simulated and what is real:
+
+* simulated: the token ids (random), their log-probs (``-log V``, uniform over the vocabulary)
+  and the decode time (each step lasts ``PTL(BS) × time_scale`` ms, ``PTL(BS) = 8.1 + 0.056·BS``,
+  ``BS`` = sequences running in that step);
+* real: continuous batching (admission as sequences finish, ``max_batch``), the length of
+  every trajectory, and everything downstream (chunks, Kafka, weights verification).
+
+A trajectory's length is its request's ``target_length`` (task metadata ``sim_length``,
+an oracle length), else a draw from the histogram file, else ``max_new_tokens``; it ends
+with ``stop`` at that length or ``length`` at ``max_new_tokens``. ``simulated = True`` puts
+``simulated=true`` on every metric and into the CLI's output.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from producers.engines.base import FINISH_LENGTH, FINISH_STOP, Emitted, Engine, Request
+from producers.workload import LengthHistogram, ptl_ms
+
+if TYPE_CHECKING:
+    import torch
+
+SIM_VOCAB = 32_000
+
+
+@dataclass
+class _SimRow:
+    request: Request
+    target: int
+    generated: int
+
+
+class SimEngine(Engine):
+    name = "sim"
+    simulated = True
+
+    def __init__(
+        self,
+        max_batch: int = 64,
+        lengths: LengthHistogram | None = None,
+        time_scale: float = 1.0,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__(max_batch)
+        if time_scale < 0:
+            raise ValueError("time_scale must be >= 0")
+        self.lengths = lengths
+        self.time_scale = time_scale
+        self.rng = np.random.default_rng(seed)
+        self.rows: list[_SimRow] = []
+        self._next_step_at = 0.0
+        self.simulated_ms = 0.0  # modelled decode time so far (before time_scale)
+
+    @property
+    def running(self) -> int:
+        return len(self.rows)
+
+    def tokenize(self, text: str) -> list[int]:
+        return [b + 4 for b in text.encode()] or [1]
+
+    def step(self) -> list[Emitted]:
+        while self.waiting and len(self.rows) < self.max_batch:
+            req = self._next_waiting()
+            self.rows.append(_SimRow(req, self._target(req), len(req.prefix)))
+        if not self.rows:
+            return []
+        step_ms = ptl_ms(len(self.rows))
+        self.simulated_ms += step_ms
+        self._pace(step_ms * self.time_scale / 1000)
+        tokens = self.rng.integers(4, SIM_VOCAB, len(self.rows)).tolist()
+        logprob = -math.log(SIM_VOCAB)
+        out, keep = [], []
+        for row, tok in zip(self.rows, tokens, strict=True):
+            row.generated += 1
+            finish = None
+            if row.generated >= row.target:
+                finish = FINISH_STOP
+            if row.generated >= row.request.max_new_tokens:
+                finish = FINISH_LENGTH
+            out.append(Emitted(row.request.key, [int(tok)], [logprob], finish))
+            if finish is None:
+                keep.append(row)
+        self.rows = keep
+        return out
+
+    def _pace(self, seconds: float) -> None:
+        """Sleep so that consecutive steps start ``seconds`` apart (worker overhead included)."""
+        now = time.monotonic()
+        start = max(now, self._next_step_at)
+        self._next_step_at = start + seconds
+        if self._next_step_at > now:
+            time.sleep(self._next_step_at - now)
+
+    def _target(self, req: Request) -> int:
+        if req.target_length is not None:
+            return max(1, int(req.target_length))
+        if self.lengths is not None:
+            return int(self.lengths.sample(1, self.rng)[0])
+        return req.max_new_tokens
+
+    def _abort_running(self, key: str) -> bool:
+        n = len(self.rows)
+        self.rows = [r for r in self.rows if r.request.key != key]
+        return len(self.rows) < n
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Verification happened upstream (the follower); a simulated policy only changes version."""
+        self.version = version
+
+    def describe(self) -> dict[str, Any]:
+        return super().describe() | {"time_scale": self.time_scale}

@@ -1,0 +1,176 @@
+"""The weight follower: a background thread that tracks ``{prefix}.weights`` and fetches new versions.
+
+Owns a generator's view of the policy versions. What must hold:
+
+* Only announcements of this run count, and versions only move forward; the newest announced
+  version is fetched (intermediate ones are skipped), its manifest and every file verified
+  by sha256 (``srl.weights.load_manifest`` / ``fetch_tensors``) in this thread, off the decode
+  loop. Nothing is unpickled.
+* A version that fails (bad hash, missing file, a manifest that does not match, or tensors
+  the engine rejects) is **refused**: one log line, counted, reported to the worker as a
+  ``weights_refused`` event, and the old weights stay in use. A refused version no longer
+  counts as ``latest`` for the staleness rule, so a bad upload cannot stall generation.
+* The worker takes a verified version with :meth:`take` and swaps it between decode steps.
+* :meth:`sync` gives read-your-writes: it returns once the thread has read every
+  announcement appended before the call, so a prompt task published after an announcement
+  (the sync barrier) is never started with the weights before it.
+* An unexpected exception in the thread is handed to the worker (:meth:`check` re-raises).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+from schemas.records import SchemaError, WeightsAnnouncement, decode_as
+from srl.errors import SrlError, StoreError, WeightsError
+from srl.kafka import consumer_settings
+from srl.weights import fetch_tensors, load_manifest
+
+if TYPE_CHECKING:
+    import torch
+
+    from srl.config import CommonConfig
+    from srl.store import ObjectStore
+    from srl.topics import Layout
+
+log = logging.getLogger("srl.follower")
+
+
+@dataclass
+class Ready:
+    version: int
+    tensors: dict[str, torch.Tensor]
+    fetch_s: float
+
+
+class WeightFollower:
+    def __init__(
+        self, cfg: CommonConfig, layout: Layout, store: ObjectStore, current: int = 0
+    ) -> None:
+        self.cfg, self.layout, self.store = cfg, layout, store
+        self.loaded = current  # version the engine runs (set by the worker after a swap)
+        self.announced: dict[int, WeightsAnnouncement] = {}
+        self.refused: dict[int, str] = {}
+        self.refusals: list[tuple[int, str]] = []  # not yet reported by the worker
+        self._ready: Ready | None = None
+        self._fetched = current  # newest version fetched or being fetched
+        self._position = 0  # next weights-topic offset to read
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="weight-follower", daemon=True)
+        settings = consumer_settings(
+            cfg, "srl-weights-follower", "weights-follower"
+        )  # assigned, never joins
+        self._consumer = Consumer(settings)
+        self._probe = Consumer(settings)  # watermarks, from the worker's thread only
+
+    # -- worker side ---------------------------------------------------------------------
+    def start(self) -> WeightFollower:
+        self._consumer.assign([TopicPartition(self.layout.weights, 0, OFFSET_BEGINNING)])
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        self._probe.close()
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def latest(self) -> int:
+        """Newest announced version that was not refused (or the loaded one)."""
+        with self._cond:
+            ok = [v for v in self.announced if v not in self.refused]
+        return max([self.loaded, *ok])
+
+    def take(self) -> Ready | None:
+        with self._cond:
+            ready, self._ready = self._ready, None
+        return ready
+
+    def swapped(self, version: int) -> None:
+        self.loaded = max(self.loaded, version)
+
+    def refuse(self, version: int, reason: str) -> None:
+        with self._cond:
+            self.refused[version] = reason
+            self.refusals.append((version, reason))
+        log.warning("weights v%d refused: %s", version, reason)
+
+    def drain_refusals(self) -> list[tuple[int, str]]:
+        with self._cond:
+            out, self.refusals = self.refusals, []
+        return out
+
+    def sync(self, timeout_s: float = 10.0) -> None:
+        """Wait until every announcement appended before this call has been read."""
+        _low, high = self._probe.get_watermark_offsets(
+            TopicPartition(self.layout.weights, 0), timeout=timeout_s, cached=False
+        )
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._position < high:
+                self.check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SrlError(
+                        f"weights follower did not catch up with {self.layout.weights} in {timeout_s:g}s"
+                    )
+                self._cond.wait(min(left, 0.1))
+
+    # -- thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                msg = self._consumer.poll(0.2)
+                if msg is not None and not msg.error():
+                    self._on_message(msg)
+                self._fetch_newest()
+        except BaseException as e:  # handed to the worker's loop
+            self._error = e
+        finally:
+            self._consumer.close()
+
+    def _on_message(self, msg: Any) -> None:
+        try:
+            ann = decode_as(msg.value() or b"", WeightsAnnouncement)
+        except SchemaError as e:
+            log.warning("weights topic offset %d: unreadable announcement (%s)", msg.offset(), e)
+            ann = None
+        with self._cond:
+            if ann is not None and ann.run == self.cfg.run and ann.version > self.loaded:
+                self.announced.setdefault(ann.version, ann)
+            self._position = (msg.offset() or 0) + 1
+            self._cond.notify_all()
+
+    def _fetch_newest(self) -> None:
+        with self._cond:
+            candidates = [v for v in self.announced if v not in self.refused and v > self._fetched]
+            if not candidates:
+                return
+            version = max(candidates)
+            ann = self.announced[version]
+            self._fetched = version
+        t0 = time.perf_counter()
+        try:
+            tensors = fetch_tensors(self.store, load_manifest(self.store, ann))
+        except (WeightsError, StoreError) as e:
+            self.refuse(version, str(e))
+            with self._cond:
+                self._cond.notify_all()
+            return
+        with self._cond:
+            if self._ready is None or self._ready.version < version:
+                self._ready = Ready(version, tensors, time.perf_counter() - t0)
+            self._cond.notify_all()

@@ -1,0 +1,115 @@
+"""Trajectory ids, and reading a trajectory's published prefix back from the trajectories topic.
+
+Owns how a worker finds out what already exists of a trajectory before it generates it:
+
+* A fresh task's trajectory ids are derived from ``(task_id, sample_index)``
+  (:func:`trajectory_id_for`), so whichever worker takes a redelivered task writes the same
+  trajectory, continuing the same seq numbering instead of starting a second copy.
+* :func:`read_prefixes` reads the partitions those trajectories live on, from the task's
+  creation time (minus a clock-skew slack, located with ``offsets_for_times``) to the high
+  watermark, and returns for each trajectory the chunks found from its first expected seq:
+  *complete* (contiguous through ``is_last``: nothing to do), a *prefix* to resume (prefill and
+  continue at the next seq), or nothing (generate from the start). A gap in the seq numbers
+  cannot come from an idempotent producer; it is reported so the task goes to the DLQ.
+
+Called by the worker for tasks that may have been started by a previous owner of their
+partition (a crashed or stopped worker), and by anything that builds ``ResumePrefix`` tasks
+(e.g. moving stragglers to the long-tail pool).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from confluent_kafka import Consumer, TopicPartition
+
+from schemas.records import SchemaError, TrajectoryChunk, decode_as
+from srl.config import CommonConfig
+from srl.kafka import consumer_settings
+from srl.topics import Layout
+
+_NAMESPACE = uuid.UUID("6f1d2a8e-3c1b-4f7a-9d8e-5a4b3c2d1e0f")
+
+
+def trajectory_id_for(task_id: str, sample_index: int) -> str:
+    """The id of sample ``sample_index`` of task ``task_id`` (uuid5 hex: stable across redeliveries)."""
+    return uuid.uuid5(_NAMESPACE, f"{task_id}/{sample_index}").hex
+
+
+@dataclass
+class Found:
+    """What the topic holds of one trajectory from its first expected seq on."""
+
+    chunks: dict[int, TrajectoryChunk] = field(default_factory=dict)  # seq -> first copy
+
+    def contiguous(self, first_seq: int) -> list[TrajectoryChunk]:
+        out, seq = [], first_seq
+        while seq in self.chunks:
+            out.append(self.chunks[seq])
+            if self.chunks[seq].is_last:
+                break
+            seq += 1
+        return out
+
+    def state(self, first_seq: int) -> str:
+        """'none', 'prefix', 'complete' or 'gap'."""
+        run = self.contiguous(first_seq)
+        if run and run[-1].is_last:
+            return "complete"
+        if len(run) < len([s for s in self.chunks if s >= first_seq]):
+            return "gap"
+        return "prefix" if run else "none"
+
+
+def read_prefixes(
+    cfg: CommonConfig, layout: Layout, wanted: dict[str, tuple[int, int]], since_ms: int,
+    timeout_s: float = 30.0,
+) -> dict[str, Found]:  # fmt: skip
+    """Chunks of ``wanted`` trajectories (``{trajectory_id: (partition, first_seq)}``) written since ``since_ms``."""
+    found = {tid: Found() for tid in wanted}
+    partitions = sorted({p for p, _ in wanted.values()})
+    if not partitions:
+        return found
+    consumer = Consumer(consumer_settings(cfg, "srl-recovery", "recovery"))  # assigned, never joins
+    try:
+        starts = consumer.offsets_for_times(
+            [TopicPartition(layout.trajectories, p, since_ms) for p in partitions],
+            timeout=timeout_s,
+        )
+        ends: dict[int, int] = {}
+        assign = []
+        for tp in starts:
+            _low, high = consumer.get_watermark_offsets(tp, timeout=timeout_s, cached=False)
+            if 0 <= tp.offset < high:
+                ends[tp.partition] = high
+                assign.append(TopicPartition(layout.trajectories, tp.partition, tp.offset))
+        if not assign:
+            return found
+        consumer.assign(assign)
+        deadline = time.monotonic() + timeout_s
+        while ends and time.monotonic() < deadline:
+            msg = consumer.poll(0.2)
+            if msg is None or msg.error():
+                continue
+            part, offset = msg.partition() or 0, msg.offset() or 0
+            if offset >= ends.get(part, 0) - 1:
+                ends.pop(part, None)
+            key = (msg.key() or b"").decode(errors="replace")
+            if key not in found:
+                continue
+            with contextlib.suppress(SchemaError):  # the trainer dead-letters bad chunks; skip here
+                chunk = decode_as(msg.value() or b"", TrajectoryChunk)
+                if chunk.seq >= wanted[key][1]:
+                    found[key].chunks.setdefault(chunk.seq, chunk)
+        if ends:
+            from srl.errors import SrlError
+
+            raise SrlError(
+                f"reading trajectories back timed out after {timeout_s:g}s on partitions {sorted(ends)}"
+            )
+    finally:
+        consumer.close()
+    return found

@@ -1,0 +1,94 @@
+"""Bookkeeping of prompt tasks in flight: which samples are done, which offsets may be committed.
+
+Owns the rule "a prompt task's offset is committed only after every chunk of all its samples
+is acknowledged by the broker", per partition and in offset order:
+
+* :class:`TaskState` counts, for one consumed task, the samples still generating and the
+  chunks produced but not yet acknowledged; it is finished when both are zero;
+* :class:`OffsetTracker` holds, per prompt-topic partition, the consumed offsets in order; the
+  committable position is one past the longest finished prefix, so a task finished early
+  never lets the commit pass an older one still running (that one would be lost on a crash).
+
+Pure logic; the worker feeds it delivery reports and consumer positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schemas.records import PromptTask
+
+TopicPart = tuple[str, int]
+
+
+@dataclass
+class SamplePlan:
+    """One trajectory of a task, as it will be started: from scratch or after a prefix."""
+
+    trajectory_id: str
+    sample_index: int
+    prefix: list[int] = field(default_factory=list)  # completion tokens already published
+    next_seq: int = 0
+    started_ms: int | None = None  # the prefix's, when resuming
+
+
+@dataclass
+class TaskState:
+    task: PromptTask
+    tp: TopicPart
+    offset: int
+    prompt_ids: list[int] = field(default_factory=list)
+    target_length: int | None = None  # metadata.sim_length (oracle length for the sim engine)
+    todo: list[SamplePlan] = field(default_factory=list)  # not yet handed to the engine
+    generating: set[str] = field(default_factory=set)  # trajectory ids not yet finished
+    unacked: int = 0  # chunks produced, delivery not yet reported
+    failed: str | None = None  # first delivery error, if any
+
+    @property
+    def finished(self) -> bool:
+        return not self.generating and self.unacked == 0 and self.failed is None
+
+
+class OffsetTracker:
+    def __init__(self) -> None:
+        self._open: dict[TopicPart, dict[int, bool]] = {}  # offset -> finished, in offset order
+        self._next: dict[TopicPart, int] = {}  # committable position per partition
+        self._last: dict[TopicPart, int] = {}  # last offset consumed per partition
+
+    def add(self, tp: TopicPart, offset: int) -> None:
+        if offset <= self._last.get(tp, -1):
+            raise ValueError(f"{tp}: offset {offset} is not after the last one consumed")
+        self._last[tp] = offset
+        self._open.setdefault(tp, {})[offset] = False
+
+    def finish(self, tp: TopicPart, offset: int) -> bool:
+        """Mark a consumed offset finished; True the first time (False if unknown or already)."""
+        offsets = self._open.get(tp)
+        if offsets is None or offsets.get(offset, True):
+            return False
+        offsets[offset] = True
+        return True
+
+    def committable(self) -> dict[TopicPart, int]:
+        """Positions that moved since the last call: one past each partition's finished prefix."""
+        moved: dict[TopicPart, int] = {}
+        for tp, offsets in self._open.items():
+            last = None
+            for offset, done in list(offsets.items()):
+                if not done:
+                    break
+                del offsets[offset]
+                last = offset
+            if last is not None:
+                self._next[tp] = moved[tp] = last + 1
+        return moved
+
+    def forget(self, tps: list[TopicPart]) -> None:
+        """Drop partitions this worker no longer owns (their unfinished tasks are redelivered)."""
+        for tp in tps:
+            self._open.pop(tp, None)
+            self._next.pop(tp, None)
+            self._last.pop(tp, None)
+
+    def in_flight(self) -> int:
+        return sum(len(v) for v in self._open.values())

@@ -1,0 +1,531 @@
+"""The generator worker: prompt tasks in, token chunks out, weights followed in the background.
+
+Owns ``srl-producer generate``. One loop, one thread (plus the weight follower's), each
+iteration in this order:
+
+1. re-raise a failure of the follower thread or of a chunk delivery (a failed chunk is fatal:
+   the worker stops without committing that task, so it is redelivered);
+2. **swap weights** if the follower has a verified version: publish every open partial chunk
+   first (a chunk never mixes versions), load, emit ``weights_loaded``; a version the engine
+   rejects is refused (``weights_refused``) and the old weights stay;
+3. **intake**: consume prompt tasks while fewer than ``max_batch`` samples wait and the
+   trainer's backlog is under its bound (otherwise the partitions are paused, so the group
+   membership stays alive); a task that may have been started by a previous owner of its
+   partition (offset below the high watermark seen at assignment) is first read back
+   (``producers.recovery``): complete samples are skipped, partial ones resumed from their
+   published prefix with the same trajectory id and the next seq;
+4. **admit** waiting samples, longest-predicted first, into the engine's free slots — but only
+   while ``loaded version >= latest - max_staleness``, after reading every weights
+   announcement made before the task arrived (``WeightFollower.sync``);
+5. **one decode step**; its outputs go through the chunker into the producer, key =
+   trajectory id, partition = ``Layout.partition_for(bucket, trajectory_id)``;
+6. **commit**: a task is finished when all its samples ended and every chunk was acknowledged;
+   offsets are committed per partition up to the first unfinished task (``OffsetTracker``);
+7. every ``stats_interval_s``: a ``gen_stats`` event and the counters.
+
+Revocation of a partition and SIGTERM hand off unfinished work: open partial chunks are
+published, the producer is flushed, finished tasks are committed and unfinished ones are
+left uncommitted, so the next owner resumes them from their prefix. SIGTERM first lets
+running sequences finish for up to ``drain_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import orjson
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+from producers.chunker import Chunker, TrajectoryStart
+from producers.config import GenerateConfig
+from producers.engines.base import Emitted, Engine, Request, RequestError
+from producers.tasks import OffsetTracker, SamplePlan, TaskState, TopicPart
+from schemas.records import (
+    PromptTask,
+    SchemaError,
+    TrajectoryChunk,
+    decode_as,
+    encode,
+    now_ms,
+    pack_tokens,
+    unpack_tokens,
+)
+from srl.errors import ConfigError, SrlError, WeightsError
+
+log = logging.getLogger("srl.generate")
+
+
+class BadTask(ValueError):
+    """A prompt task no engine can run (goes to the DLQ)."""
+
+
+@dataclass
+class GenSummary:
+    worker_id: str
+    engine: str
+    simulated: bool
+    tasks: int = 0  # tasks finished (all samples acknowledged)
+    trajectories: int = 0
+    tokens: int = 0
+    chunks: int = 0
+    resumed: int = 0  # samples continued from a prefix read back from the topic
+    skipped_complete: int = 0  # redelivered samples found already complete
+    handed_off: int = 0  # trajectories left to another worker (revocation, shutdown)
+    dead_letters: int = 0
+    weights_loaded: int = 0
+    weights_refused: int = 0
+    policy_version: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class GeneratorWorker:
+    def __init__(self, cfg: GenerateConfig, engine: Engine) -> None:
+        from srl.topics import Layout
+
+        self.cfg = cfg
+        self.layout = Layout.from_config(cfg)
+        self.engine = engine
+        self.buckets = list(cfg.buckets) or self.layout.buckets
+        for b in self.buckets:
+            try:
+                self.layout.bucket_index(b)
+            except ValueError as e:
+                raise ConfigError(f"buckets: {e}") from None
+        self.summary = GenSummary(cfg.worker_name, engine.name, engine.simulated)
+        self.chunker = Chunker(cfg.chunk_tokens, cfg.worker_name)
+        self.tracker = OffsetTracker()
+        self.live: dict[tuple[TopicPart, int], TaskState] = {}  # consumed, not finished
+        self.pending: list[TaskState] = []  # tasks with samples not yet in the engine
+        self.by_tid: dict[str, TaskState] = {}  # trajectories in the engine
+        self.assigned_high: dict[TopicPart, int] = {}
+        self.paused = False
+        self.backlog: int | None = None
+        self.stopping = False
+        self._delivery_error: str | None = None
+        self._last_commit = self._last_stats = self._last_backlog = time.monotonic()
+        self._stats_base = (0, 0)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> GenSummary:
+        from producers.backlog import GroupLag
+        from producers.follower import WeightFollower
+        from srl.kafka import Producer, create_topics, make_consumer
+        from srl.metrics import Metrics
+        from srl.store import open_store
+
+        create_topics(self.cfg)
+        with contextlib.ExitStack() as stack:
+            self.producer = stack.enter_context(Producer(self.cfg, "generator"))
+            self.metrics = Metrics(self.producer, self.layout, self.cfg.run, self.summary.worker_id)
+            self.follower = WeightFollower(
+                self.cfg, self.layout, open_store(self.cfg.store)
+            ).start()
+            stack.callback(self.follower.stop)
+            self.lag = GroupLag(self.cfg, [self.cfg.trainer_group], [self.layout.trajectories])
+            stack.callback(self.lag.close)
+            self.consumer = make_consumer(self.cfg, self.cfg.consumer_group, "generator")
+            stack.callback(self.consumer.close)
+            self.consumer.subscribe([self.layout.prompts(b) for b in self.buckets], on_assign=self._on_assign,
+                                    on_revoke=self._on_revoke, on_lost=self._on_lost)  # fmt: skip
+            idle_since = time.monotonic()
+            while not stop.is_set():
+                self._iterate()
+                if self.live or self.engine.has_work:
+                    idle_since = time.monotonic()
+                elif self.cfg.idle_exit_s and time.monotonic() - idle_since > self.cfg.idle_exit_s:
+                    log.info("idle for %.0fs: exiting", self.cfg.idle_exit_s)
+                    break
+            self._drain()
+        return self.summary
+
+    def _iterate(self) -> None:
+        self.follower.check()
+        if self._delivery_error is not None:
+            raise SrlError(
+                f"chunk delivery failed ({self._delivery_error}); stopping without committing the task"
+            )
+        self._swap()
+        self._check_backlog()
+        if self._intake():
+            self.follower.sync()
+        self._admit()
+        self._publish(self.engine.step())
+        self.producer.poll(0)
+        self._commit()
+        self._stats()
+
+    def _drain(self) -> None:
+        """Stop intake, let running sequences finish (bounded), hand off the rest, commit."""
+        self.stopping = True
+        self._set_paused(True)
+        for st in self.pending:
+            st.todo.clear()  # never started: the task stays uncommitted and is redelivered
+        self.pending.clear()
+        for r in list(self.engine.waiting):
+            self.engine.abort(r.key)
+            self.chunker.drop(r.key)
+            self.by_tid.pop(r.key, None)
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
+        while self.engine.has_work and time.monotonic() < deadline:
+            self._publish(self.engine.step())
+            self.producer.poll(0)
+        self._handoff(list(self.live.values()))
+        self.producer.flush()
+        self._commit(force=True)
+        self._stats(force=True)
+        self.producer.flush()
+
+    # -- weights and backlog ---------------------------------------------------------------
+    def _swap(self) -> None:
+        for version, reason in self.follower.drain_refusals():
+            self.summary.weights_refused += 1
+            self.metrics.emit("weights_refused", {"version": version},
+                              {"worker_id": self.summary.worker_id, "reason": reason[:500]})  # fmt: skip
+        ready = self.follower.take()
+        if ready is None or ready.version <= self.engine.version:
+            return
+        t0 = time.perf_counter()
+        for chunk in self.chunker.flush_all():
+            self._produce(chunk, self.by_tid[chunk.trajectory_id])
+        try:
+            self.engine.load_weights(ready.tensors, ready.version)
+        except WeightsError as e:
+            self.follower.refuse(ready.version, str(e))
+            return
+        pause_ms = (time.perf_counter() - t0) * 1000
+        self.follower.swapped(ready.version)
+        self.summary.weights_loaded += 1
+        self.summary.policy_version = ready.version
+        self.metrics.emit("weights_loaded", {"version": ready.version, "load_s": ready.fetch_s + pause_ms / 1000,
+                                             "pause_ms": pause_ms}, {"worker_id": self.summary.worker_id})  # fmt: skip
+        log.info(
+            "weights v%d loaded (fetch %.2fs, pause %.0f ms)",
+            ready.version,
+            ready.fetch_s,
+            pause_ms,
+        )
+
+    def _check_backlog(self) -> None:
+        if self.cfg.max_backlog_chunks is None or time.monotonic() - self._last_backlog < 1.0:
+            return
+        self._last_backlog = time.monotonic()
+        self.backlog = self.lag.lag()
+
+    @property
+    def backlog_exceeded(self) -> bool:
+        bound = self.cfg.max_backlog_chunks
+        return bound is not None and self.backlog is not None and self.backlog > bound
+
+    # -- intake ----------------------------------------------------------------------------
+    def _intake(self) -> bool:
+        """Consume tasks when there is room; True if any was accepted."""
+        waiting = sum(len(st.todo) for st in self.pending)
+        want = not self.stopping and not self.backlog_exceeded and waiting < self.cfg.max_batch
+        self._set_paused(not want)
+        timeout = 0.0 if self.engine.has_work else 0.05
+        msgs = self.consumer.consume(
+            num_messages=self.cfg.max_batch if want else 1, timeout=timeout
+        )
+        fresh = []
+        for msg in msgs:
+            if (err := msg.error()) is not None:
+                if err.code() != KafkaError._PARTITION_EOF:
+                    log.warning("prompt topic: %s", err.str())
+                continue
+            st = self._accept(msg)
+            if st is not None:
+                fresh.append(st)
+        maybe_started = [st for st in fresh if st.offset < self.assigned_high.get(st.tp, -1)]
+        if maybe_started:
+            self._recover(maybe_started)
+        for st in fresh:
+            if st.todo:
+                self.pending.append(st)
+            self._maybe_finished(st)
+        return bool(fresh)
+
+    def _accept(self, msg: Any) -> TaskState | None:
+        tp, offset = (msg.topic(), msg.partition()), msg.offset()
+        try:
+            self.tracker.add(tp, offset)
+        except ValueError:  # the client rewound to a task this worker already holds
+            log.debug("%s@%d: already in flight here", tp, offset)
+            return None
+        try:
+            task = decode_as(msg.value() or b"", PromptTask)
+            st = self._plan(task, tp, offset)
+        except (SchemaError, BadTask, RequestError) as e:
+            self._dead_letter(msg.value(), msg.key(), str(e), tp, offset)
+            return None
+        self.live[(tp, offset)] = st
+        return st
+
+    def _plan(self, task: PromptTask, tp: TopicPart, offset: int) -> TaskState:
+        samples = task.samples()
+        if task.group_size < 1 or any(not 0 <= s < task.group_size for s in samples):
+            raise BadTask(
+                f"task {task.task_id}: sample indices {samples} outside group of {task.group_size}"
+            )
+        meta: Any = {}
+        if task.metadata:
+            try:
+                meta = orjson.loads(task.metadata)
+            except orjson.JSONDecodeError:
+                meta = None
+            if not isinstance(meta, dict):
+                raise BadTask(f"task {task.task_id}: metadata is not a JSON object")
+        sim_length = meta.get("sim_length")
+        target = int(sim_length) if isinstance(sim_length, int | float) else None
+        prompt_ids = (
+            unpack_tokens(task.prompt_tokens).tolist()
+            if task.prompt_tokens
+            else self.engine.tokenize(task.prompt)
+        )
+        if task.resume is not None:
+            r = task.resume
+            plans = [
+                SamplePlan(
+                    r.trajectory_id, r.sample_index, unpack_tokens(r.tokens).tolist(), r.next_seq
+                )
+            ]
+        else:
+            from producers.recovery import trajectory_id_for
+
+            plans = [SamplePlan(trajectory_id_for(task.task_id, s), s) for s in samples]
+        for p in plans:
+            self.engine.validate(self._request(task, prompt_ids, target, p))
+        return TaskState(
+            task, tp, offset, prompt_ids, target, plans, {p.trajectory_id for p in plans}
+        )
+
+    def _recover(self, states: list[TaskState]) -> None:
+        """Read back what a previous owner published of these tasks' trajectories."""
+        from producers.recovery import read_prefixes
+
+        wanted = {p.trajectory_id: (self.layout.partition_for(st.task.bucket, p.trajectory_id), p.next_seq)
+                  for st in states for p in st.todo}  # fmt: skip
+        since = min(st.task.created_ms for st in states) - int(self.cfg.recovery_slack_s * 1000)
+        found = read_prefixes(self.cfg, self.layout, wanted, since)
+        for st in states:
+            todo = []
+            for p in st.todo:
+                f = found[p.trajectory_id]
+                state = f.state(p.next_seq)
+                if state == "gap":
+                    st.todo = []
+                    self._kill_task(
+                        st, f"trajectory {p.trajectory_id} has a gap in its seq numbers"
+                    )
+                    break
+                if state == "complete":
+                    st.generating.discard(p.trajectory_id)
+                    self.summary.skipped_complete += 1
+                    continue
+                if state == "prefix":
+                    run = f.contiguous(p.next_seq)
+                    p.prefix = p.prefix + [t for c in run for t in c.token_ids().tolist()]
+                    p.next_seq, p.started_ms = run[-1].seq + 1, run[0].started_ms
+                    self.summary.resumed += 1
+                todo.append(p)
+            else:
+                st.todo = todo
+
+    # -- admission and output --------------------------------------------------------------
+    def _admit(self) -> None:
+        if not self.pending or self.stopping:
+            return
+        if self.engine.version < self.follower.latest - self.cfg.max_staleness:
+            return  # newer weights are on their way; start nothing with these
+        room = self.cfg.max_batch - self.engine.running - len(self.engine.waiting)
+        self.pending.sort(key=lambda s: -(s.task.predicted_length or 0))
+        while room > 0 and self.pending:
+            st = self.pending[0]
+            plan = st.todo.pop(0)
+            if not st.todo:
+                self.pending.pop(0)
+            t = st.task
+            self.engine.add(self._request(t, st.prompt_ids, st.target_length, plan))
+            self.chunker.open(TrajectoryStart(
+                plan.trajectory_id, t.prompt_id, t.task_id, plan.sample_index, t.group_size, t.bucket,
+                t.predicted_length, plan.next_seq, len(plan.prefix), pack_tokens(st.prompt_ids), t.metadata,
+                plan.started_ms or now_ms(),
+            ))  # fmt: skip
+            self.by_tid[plan.trajectory_id] = st
+            room -= 1
+
+    @staticmethod
+    def _request(
+        task: PromptTask, prompt_ids: list[int], target: int | None, plan: SamplePlan
+    ) -> Request:
+        return Request(plan.trajectory_id, prompt_ids, task.max_new_tokens, task.temperature, task.top_p,
+                       plan.prefix, float(task.predicted_length or 0), target)  # fmt: skip
+
+    def _publish(self, outputs: list[Emitted]) -> None:
+        for e in outputs:
+            st = self.by_tid.get(e.key)
+            if st is None:
+                continue
+            for chunk in self.chunker.add(
+                e.key, e.tokens, e.logprobs, self.engine.version, e.finish_reason
+            ):
+                self._produce(chunk, st)
+            self.summary.tokens += len(e.tokens)
+            if e.finish_reason is not None:
+                del self.by_tid[e.key]
+                st.generating.discard(e.key)
+                self.summary.trajectories += 1
+                self._maybe_finished(st)
+
+    def _produce(self, chunk: TrajectoryChunk, st: TaskState) -> None:
+        st.unacked += 1
+
+        def delivered(err: KafkaError | None, _msg: Any) -> None:
+            st.unacked -= 1
+            if err is not None:
+                st.failed = st.failed or err.str()
+                self._delivery_error = self._delivery_error or err.str()
+            self._maybe_finished(st)
+
+        self.producer.produce(self.layout.trajectories, encode(chunk), key=chunk.trajectory_id,
+                              partition=self.layout.partition_for(chunk.bucket, chunk.trajectory_id),
+                              on_delivery=delivered)  # fmt: skip
+        self.summary.chunks += 1
+
+    def _maybe_finished(self, st: TaskState) -> None:
+        if st.finished and self.tracker.finish(st.tp, st.offset):
+            self.live.pop((st.tp, st.offset), None)
+            self.summary.tasks += 1
+
+    # -- failure paths -----------------------------------------------------------------------
+    def _dead_letter(
+        self, value: bytes | None, key: Any, reason: str, tp: TopicPart, offset: int
+    ) -> None:
+        from srl.metrics import dead_letter
+
+        dead_letter(
+            self.producer,
+            self.layout,
+            value,
+            key,
+            reason,
+            f"{tp[0]}/{tp[1]}@{offset}",
+            self.metrics,
+        )
+        self.summary.dead_letters += 1
+        self.tracker.finish(tp, offset)
+
+    def _kill_task(self, st: TaskState, reason: str) -> None:
+        for tid in list(st.generating):
+            self.engine.abort(tid)
+            self.chunker.drop(tid)
+            self.by_tid.pop(tid, None)
+        st.generating.clear()
+        self.live.pop((st.tp, st.offset), None)
+        self._dead_letter(encode(st.task), st.task.prompt_id, reason, st.tp, st.offset)
+
+    def _handoff(self, states: list[TaskState]) -> None:
+        """Leave unfinished trajectories to the partition's next owner: publish their open chunks."""
+        for st in states:
+            for tid in list(st.generating):
+                if tid in self.by_tid:
+                    self.engine.abort(tid)
+                    if (chunk := self.chunker.flush(tid)) is not None:
+                        self._produce(chunk, st)
+                    self.chunker.drop(tid)
+                    del self.by_tid[tid]
+                    self.summary.handed_off += 1
+            st.todo.clear()
+        self.pending = [st for st in self.pending if st.todo]
+
+    # -- consumer group --------------------------------------------------------------------
+    def _set_paused(self, paused: bool) -> None:
+        if paused != self.paused:
+            parts = self.consumer.assignment()
+            (self.consumer.pause if paused else self.consumer.resume)(parts)
+            self.paused = paused
+
+    def _on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            _low, high = consumer.get_watermark_offsets(
+                tp, timeout=self.cfg.connect_timeout_s, cached=False
+            )
+            self.assigned_high[(tp.topic, tp.partition)] = high
+        if self.paused and partitions:
+            consumer.pause(partitions)
+
+    def _on_revoke(
+        self, consumer: Any, partitions: list[TopicPartition], lost: bool = False
+    ) -> None:
+        tps = {(tp.topic, tp.partition) for tp in partitions}
+        self._handoff([st for st in self.live.values() if st.tp in tps])
+        try:
+            self.producer.flush()
+        except SrlError as e:  # the tasks stay uncommitted; the next owner reads back what arrived
+            log.warning("handing off %s: %s", sorted(tps), e)
+            lost = True
+        if not lost:
+            self._commit(force=True)
+        for key in [k for k in self.live if k[0] in tps]:
+            del self.live[key]
+        self.tracker.forget(list(tps))
+        for tp in tps:
+            self.assigned_high.pop(tp, None)
+
+    def _on_lost(self, consumer: Any, partitions: list[TopicPartition]) -> None:
+        self._on_revoke(consumer, partitions, lost=True)
+
+    def _commit(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self._last_commit < self.cfg.commit_interval_s:
+            return
+        self._last_commit = time.monotonic()
+        moved = self.tracker.committable()
+        if not moved:
+            return
+        offsets = [TopicPartition(t, p, off) for (t, p), off in moved.items()]
+        try:
+            if force:
+                self.consumer.commit(offsets=offsets, asynchronous=False)
+            else:
+                self.consumer.commit(offsets=offsets, asynchronous=True)
+        except (
+            KafkaException
+        ) as e:  # e.g. partitions revoked meanwhile: the next owner redoes the work
+            log.warning("commit failed: %s", e)
+
+    def _stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_stats < self.cfg.stats_interval_s:
+            return
+        dt = max(now - self._last_stats, 1e-9)
+        tokens, trajs = (
+            self.summary.tokens - self._stats_base[0],
+            self.summary.trajectories - self._stats_base[1],
+        )
+        self._last_stats, self._stats_base = now, (self.summary.tokens, self.summary.trajectories)
+        if self.cfg.max_backlog_chunks is None:
+            self.backlog = self.lag.lag()
+        values = {"tokens": tokens, "tokens_per_s": tokens / dt, "trajectories": trajs,
+                  "running": self.engine.running, "policy_version": self.engine.version,
+                  "paused": float(self.paused), "backlog": float(self.backlog or 0)}  # fmt: skip
+        labels = {"pool": self.cfg.pool, "engine": self.engine.name, "worker_id": self.summary.worker_id,
+                  "simulated": "true" if self.engine.simulated else "false"}  # fmt: skip
+        self.metrics.emit("gen_stats", values, labels)
+        counts = {k: float(v) for k, v in self.summary.to_dict().items() if type(v) is int}
+        self.metrics.emit("counter", counts, {"worker_id": self.summary.worker_id})
+
+
+def run_generator(
+    cfg: GenerateConfig, stop: threading.Event | None = None, engine: Engine | None = None
+) -> GenSummary:
+    """Build the engine (unless given) and run one worker until ``stop`` is set or it goes idle."""
+    from producers.engines import make_engine
+
+    engine = engine or make_engine(cfg)
+    return GeneratorWorker(cfg, engine).run(stop or threading.Event())

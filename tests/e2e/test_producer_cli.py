@@ -1,0 +1,217 @@
+"""``srl-producer dispatch`` and ``generate`` as real subprocesses: SIGKILL, SIGTERM, bad input."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from srl.config import CommonConfig, load_config
+from tests.conftest import bin_path
+from tests.integration.test_generation import Trajectories, check_exactly_once
+
+
+def run(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [bin_path(args[0]), *args[1:]], capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+@contextmanager
+def worker(
+    env: dict[str, str], model: Path, wid: str, log: Path, *extra: str
+) -> Iterator[subprocess.Popen[str]]:
+    """A ``srl-producer generate`` process; killed on exit if the test did not stop it."""
+    args = [bin_path("srl-producer"), "-v", "generate", "--model", str(model), "--worker-id", wid,
+            "--threads", "1", "--max-batch", "2", "--chunk-tokens", "8", "--buckets", "le1024", *extra]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+def balanced_prompts(path: Path, n: int) -> list[str]:
+    """n prompt ids, half on each of the 2 prompt partitions (librdkafka hashes keys with CRC32)."""
+    ids, per = [], {0: 0, 1: 0}
+    i = 0
+    while len(ids) < n:
+        pid = f"q{i}"
+        part = zlib.crc32(pid.encode()) % 2
+        if per[part] < n // 2:
+            ids.append(pid)
+            per[part] += 1
+        i += 1
+    path.write_text(
+        "".join(
+            orjson.dumps({"prompt_id": p, "prompt": f"question {p}?"}).decode() + "\n" for p in ids
+        )
+    )
+    return ids
+
+
+def cfg_from_env(env: dict[str, str]) -> CommonConfig:
+    return load_config(CommonConfig, env={k: v for k, v in env.items() if k.startswith("SRL_")})
+
+
+def wait_running(*logs: Path, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all("generator" in p.read_text() for p in logs):
+        assert time.monotonic() < deadline, [p.read_text()[-2000:] for p in logs]
+        time.sleep(0.2)
+
+
+def until(t: Trajectories, what: Any, procs: dict[str, subprocess.Popen[str]], logs: dict[str, Path],
+          timeout_s: float) -> None:  # fmt: skip
+    """``t.wait`` that fails at once, with the log, if a worker process exits."""
+
+    def check(t: Trajectories) -> bool:
+        for name, p in procs.items():
+            assert p.poll() is None, (
+                f"{name} exited {p.returncode}: {logs[name].read_text()[-3000:]}"
+            )
+        return bool(what(t))
+
+    t.wait(check, timeout_s=timeout_s)
+
+
+def incomplete_of(t: Trajectories, wid: str) -> list[str]:
+    """Trajectories of worker ``wid`` with at least two chunks published and no last chunk yet."""
+    out = []
+    for tid in t.chunks:
+        cs = t.ordered(tid)
+        if (
+            cs[0].worker_id == wid
+            and len(cs) >= 2
+            and not cs[-1].is_last
+            and sum(c.n_tokens for c in cs) < 250
+        ):
+            out.append(tid)
+    return out
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_worker_mid_trajectory_is_resumed_by_another(
+    cli_env: dict[str, str], tiny_model: Path, tmp_path: Path
+) -> None:
+    """SIGKILL one of two workers; a supervisor-style restart joins; the dead one's work is resumed.
+
+    Apache Kafka evicts the dead member after session.timeout.ms by itself; the embedded broker
+    only evicts it in the next rebalance (the restart joining), after max.poll.interval.ms,
+    which these workers set to 15 s (docs/producers.md, "Crashes").
+    """
+    ids = balanced_prompts(tmp_path / "p.jsonl", 6)
+    cfg = cfg_from_env(cli_env)
+    assert run("srl", "topics", "create", env=cli_env).returncode == 0
+    t = Trajectories(cfg)
+    fast = ("-X", "max.poll.interval.ms=15000")
+    logs = {w: tmp_path / f"{w}.log" for w in ("wa", "wb", "wc")}
+    with (
+        worker(cli_env, tiny_model, "wa", logs["wa"], *fast) as wa,
+        worker(cli_env, tiny_model, "wb", logs["wb"], *fast) as wb,
+    ):
+        wait_running(logs["wa"], logs["wb"])
+        time.sleep(3)  # both members of the group
+        out = run("srl-producer", "dispatch", "--prompts", str(tmp_path / "p.jsonl"), "--group-size", "4",
+                  "--max-new-tokens", "400", env=cli_env)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        until(t, lambda t: len(incomplete_of(t, "wa")) >= 2, {"wa": wa, "wb": wb}, logs, 60)
+        wa.send_signal(signal.SIGKILL)
+        assert wa.wait(timeout=10) == -signal.SIGKILL
+        killed_mid = set(incomplete_of(t, "wa"))
+        with worker(cli_env, tiny_model, "wc", logs["wc"], *fast) as wc:
+            until(t, lambda t: len(t.complete()) == 24, {"wb": wb, "wc": wc}, logs, 150)
+            for w in (wb, wc):
+                w.send_signal(signal.SIGTERM)
+            for w, name in ((wb, "wb"), (wc, "wc")):
+                assert w.wait(timeout=60) == 0, logs[name].read_text()[-3000:]
+    done = check_exactly_once(t, {(p, s) for p in ids for s in range(4)})
+    assert t.duplicates == 0
+    resumed = [cs for cs in done.values() if cs[0].trajectory_id in killed_mid]
+    assert resumed, "the killed worker's unfinished trajectories were not completed"
+    for (
+        cs
+    ) in resumed:  # another worker continued the numbering right after the killed one's last chunk
+        workers_in_order = [c.worker_id for c in cs]
+        switch = next(i for i, w in enumerate(workers_in_order) if w != "wa")
+        assert set(workers_in_order[:switch]) == {"wa"} and len(set(workers_in_order[switch:])) == 1
+        assert workers_in_order[-1] in ("wb", "wc")
+    summaries = logs["wb"].read_text() + logs["wc"].read_text()
+    assert re.search(r"resumed [1-9]", summaries), summaries[-3000:]
+
+
+@pytest.mark.slow
+def test_sigterm_hands_off_in_flight_work_and_exits_cleanly(
+    cli_env: dict[str, str], tiny_model: Path, tmp_path: Path
+) -> None:
+    ids = balanced_prompts(tmp_path / "p.jsonl", 4)
+    cfg = cfg_from_env(cli_env)
+    assert run("srl", "topics", "create", env=cli_env).returncode == 0
+    out = run("srl-producer", "dispatch", "--prompts", str(tmp_path / "p.jsonl"), "--group-size", "4",
+              "--max-new-tokens", "400", env=cli_env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    t = Trajectories(cfg)
+    with worker(cli_env, tiny_model, "w1", tmp_path / "w1.log", "--drain-timeout", "0") as w1:
+        until(
+            t,
+            lambda t: len(incomplete_of(t, "w1")) >= 1,
+            {"w1": w1},
+            {"w1": tmp_path / "w1.log"},
+            60,
+        )
+        w1.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        assert w1.wait(timeout=30) == 0, (tmp_path / "w1.log").read_text()[-3000:]
+        assert time.monotonic() - t0 < 20
+    log1 = (tmp_path / "w1.log").read_text()
+    assert "handed off" in log1 and "handed off 0," not in log1, log1[-2000:]
+    with worker(cli_env, tiny_model, "w2", tmp_path / "w2.log", "--idle-exit", "3") as w2:
+        assert w2.wait(timeout=120) == 0, (tmp_path / "w2.log").read_text()[-3000:]
+    t.wait(lambda t: len(t.complete()) == 16, timeout_s=30)
+    done = check_exactly_once(t, {(p, s) for p in ids for s in range(4)})
+    assert t.duplicates == 0
+    assert any({c.worker_id for c in cs} == {"w1", "w2"} for cs in done.values()), (
+        "nothing was resumed"
+    )
+
+
+def test_bad_input_is_one_line_and_a_nonzero_exit(cli_env: dict[str, str], tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_id": "a", "prompt": "x"}\nnot json\n')
+    out = run("srl-producer", "dispatch", "--prompts", str(bad), env=cli_env)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
+    assert f"{bad}:2: not JSON" in out.stderr
+    out = run("srl-producer", "dispatch", env=cli_env)
+    assert out.returncode == 2 and "exactly one prompt source" in out.stderr
+    out = run("srl-producer", "generate", env=cli_env)
+    assert out.returncode == 2 and "engine hf needs --model DIR" in out.stderr
+    out = run("srl-producer", "generate", "--engine", "sim", "--buckets", "le7", env=cli_env)
+    assert out.returncode == 2 and "unknown bucket 'le7'" in out.stderr, out.stderr
+    out = run("srl-producer", "generate", "--engine", "sim", "--max-batch", "0", env=cli_env)
+    assert out.returncode == 2 and "max_batch" in out.stderr
+
+
+def test_sim_generate_says_it_is_simulated(cli_env: dict[str, str], tmp_path: Path) -> None:
+    hist = "/work/shared/data/streamrl_output_length_hist.csv"
+    env = cli_env
+    out = run("srl-producer", "dispatch", "--task", "sim", "--lengths", hist, "--scale", "0.005",
+              "--num-prompts", "3", "--group-size", "2", "--predictor", "oracle", env=env)  # fmt: skip
+    assert out.returncode == 0 and "SIMULATED" in out.stderr, out.stderr
+    out = run("srl-producer", "generate", "--engine", "sim", "--time-scale", "0", "--idle-exit", "2", "--json",
+              env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "SIMULATED" in out.stderr
+    summary = orjson.loads(out.stdout)
+    assert summary["simulated"] and summary["trajectories"] == 6 and summary["tasks"] == 3

@@ -1,0 +1,88 @@
+"""Dispatcher planning, prompt sources and the length predictors (no Kafka)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from producers.config import DispatchConfig
+from producers.dispatcher import plan_window, windows
+from producers.sources import SourcePrompt, load_source, make_predictor, read_jsonl, sim_prompts
+from producers.workload import LengthHistogram
+from ranker.predictor import BaselinePredictor, LengthPredictor, OraclePredictor
+from srl.config import load_config
+from srl.errors import ConfigError
+from srl.topics import Layout
+
+HIST = "/work/shared/data/streamrl_output_length_hist.csv"
+
+
+def cfg(**kw) -> DispatchConfig:  # type: ignore[no-untyped-def]
+    return load_config(DispatchConfig, cli={"task": "sim", "lengths": HIST, **kw}, env={})
+
+
+def test_tasks_are_bucketed_by_prediction_and_longest_first_within_a_bucket() -> None:
+    layout = Layout(bucket_bounds=(100, 1000))
+    prompts = [SourcePrompt(f"p{i}", f"text {i}", {"i": i} if i % 2 else {}) for i in range(6)]
+    preds = np.array([50, 2000, 90, 500, 10, 700])
+    tasks = plan_window(
+        prompts, preds, layout, cfg(group_size=3, temperature=0.5), ranker_version=7
+    )
+    assert [(t.bucket, t.prompt_id) for t in tasks] == [
+        ("le100", "p2"), ("le100", "p0"), ("le100", "p4"), ("le1000", "p5"), ("le1000", "p3"), ("gt1000", "p1"),
+    ]  # fmt: skip
+    t = next(t for t in tasks if t.prompt_id == "p3")
+    assert (t.group_size, t.predicted_length, t.ranker_version, t.temperature) == (3, 500, 7, 0.5)
+    assert orjson.loads(t.metadata or "") == {"i": 3}
+    assert next(t for t in tasks if t.prompt_id == "p0").metadata is None
+    assert len({t.task_id for t in tasks}) == 6
+
+
+def test_windows_cover_the_source_in_order() -> None:
+    assert [len(w) for w in windows(range(7), 3)] == [3, 3, 1]  # type: ignore[arg-type]
+
+
+def test_jsonl_source_and_its_errors(tmp_path: Path) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text(
+        '{"prompt_id": "a", "prompt": "2+2=", "metadata": {"answer": "4"}}\n\n{"prompt_id": "b", "prompt": "x"}\n'
+    )
+    assert read_jsonl(f) == [SourcePrompt("a", "2+2=", {"answer": "4"}), SourcePrompt("b", "x", {})]
+    for line, why in [("not json", "p.jsonl:1: not JSON"), ('{"prompt": "x"}', "prompt_id must be"),
+                      ('{"prompt_id": "a", "prompt": 3}', "prompt must be a string"),
+                      ('{"prompt_id": "a", "prompt": "x", "metadata": [1]}', "metadata must be a JSON object"),
+                      ('{"prompt_id": "a", "prompt": "x"}\n{"prompt_id": "a", "prompt": "y"}', "p.jsonl:2: duplicate")]:  # fmt: skip
+        f.write_text(line + "\n")
+        with pytest.raises(ConfigError, match=why):
+            read_jsonl(f)
+
+
+def test_sim_source_carries_oracle_lengths_for_the_oracle_predictor() -> None:
+    c = cfg(num_prompts=50, length_scale=0.25, predictor="oracle")
+    prompts = load_source(c)
+    assert len(prompts) == 50 and all(70 <= p.metadata["sim_length"] <= 5000 for p in prompts)
+    predictor = make_predictor(c, prompts)
+    assert isinstance(predictor, LengthPredictor) and predictor.version is None
+    assert predictor.predict([p.text for p in prompts]).tolist() == [
+        p.metadata["sim_length"] for p in prompts
+    ]
+    assert sim_prompts(3, LengthHistogram.load(HIST), seed=1) == sim_prompts(
+        3, LengthHistogram.load(HIST), seed=1
+    )
+
+
+def test_predictors() -> None:
+    assert BaselinePredictor(64).predict(["a", "b"]).tolist() == [64, 64]
+    assert OraclePredictor({"a": 5}, 9).predict(["a", "b"]).tolist() == [5, 9]
+    with pytest.raises(ConfigError, match="no prompt carries"):
+        make_predictor(cfg(predictor="oracle"), [SourcePrompt("a", "x")])
+
+
+def test_dispatch_config_needs_exactly_one_source() -> None:
+    with pytest.raises(ConfigError, match="exactly one prompt source"):
+        load_config(DispatchConfig, cli={}, env={})
+    with pytest.raises(ConfigError, match="needs --lengths"):
+        load_config(DispatchConfig, cli={"task": "sim"}, env={})
