@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Literal, TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import orjson
@@ -86,14 +86,10 @@ def sim_prompts(n: int, lengths: LengthHistogram, seed: int = 0) -> list[SourceP
             for i, length in enumerate(drawn)]  # fmt: skip
 
 
-def demo_prompts(n: int, split: str, seed: int) -> list[PromptLike]:
+def demo_prompts(n: int, split: Literal["train", "eval"], seed: int) -> list[PromptLike]:
     """The demo's synthetic task (``srl.task``)."""
-    try:
-        from srl.task import demo_prompts as task_prompts
-    except ImportError:
-        raise ConfigError(
-            "--task demo: the built-in task (srl.task) is not part of this build"
-        ) from None
+    from srl.task import demo_prompts as task_prompts
+
     return list(task_prompts(n, split, seed))
 
 

@@ -83,12 +83,26 @@ class OffsetTracker:
                 self._next[tp] = moved[tp] = last + 1
         return moved
 
-    def forget(self, tps: list[TopicPart]) -> None:
-        """Drop partitions this worker no longer owns (their unfinished tasks are redelivered)."""
+    def positions(self) -> dict[TopicPart, int]:
+        """Every committable position this worker owns (recommitting one is harmless)."""
+        return dict(self._next)
+
+    def forget(self, tps: list[TopicPart], keep_positions: bool = False) -> None:
+        """Drop partitions this worker no longer owns (their unfinished tasks are redelivered).
+
+        ``keep_positions``: their commit failed (a rebalance, a lost assignment); keep the finished
+        positions so they are committed if the partition comes back (:meth:`retain`).
+        """
         for tp in tps:
             self._open.pop(tp, None)
-            self._next.pop(tp, None)
             self._last.pop(tp, None)
+            if not keep_positions:
+                self._next.pop(tp, None)
+
+    def retain(self, owned: set[TopicPart]) -> None:
+        """After an assignment: keep kept positions only for partitions owned again."""
+        for tp in [tp for tp in self._next if tp not in owned and tp not in self._open]:
+            del self._next[tp]
 
     def in_flight(self) -> int:
         return sum(len(v) for v in self._open.values())

@@ -178,7 +178,12 @@ class GeneratorWorker:
             self.producer.poll(0)
         self._handoff(list(self.live.values()))
         self.producer.flush()
-        self._commit(force=True)
+        for _ in range(10):  # a pool stopping together rebalances under our final commit
+            if self._commit(force=True):
+                break
+            self.consumer.poll(0.5)  # serve the rebalance (paused: no new tasks are fetched)
+        else:
+            log.warning("final commit failed; the next owner redoes the unacknowledged tasks")
         self._stats(force=True)
         self.producer.flush()
 
@@ -457,6 +462,7 @@ class GeneratorWorker:
                 tp, timeout=self.cfg.connect_timeout_s, cached=False
             )
             self.assigned_high[(tp.topic, tp.partition)] = high
+        self.tracker.retain({(tp.topic, tp.partition) for tp in partitions})
         if self.paused and partitions:
             consumer.pause(partitions)
 
@@ -470,25 +476,29 @@ class GeneratorWorker:
         except SrlError as e:  # the tasks stay uncommitted; the next owner reads back what arrived
             log.warning("handing off %s: %s", sorted(tps), e)
             lost = True
-        if not lost:
-            self._commit(force=True)
+        committed = not lost and self._commit(force=True)
         for key in [k for k in self.live if k[0] in tps]:
             del self.live[key]
-        self.tracker.forget(list(tps))
+        self.tracker.forget(list(tps), keep_positions=not committed)
         for tp in tps:
             self.assigned_high.pop(tp, None)
 
     def _on_lost(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         self._on_revoke(consumer, partitions, lost=True)
 
-    def _commit(self, force: bool = False) -> None:
+    def _commit(self, force: bool = False) -> bool:
+        """Commit finished tasks' positions; False when a synchronous (forced) commit failed."""
         if not force and time.monotonic() - self._last_commit < self.cfg.commit_interval_s:
-            return
+            return True
         self._last_commit = time.monotonic()
         moved = self.tracker.committable()
-        if not moved:
-            return
-        offsets = [TopicPartition(t, p, off) for (t, p), off in moved.items()]
+        if not moved and not force:
+            return True
+        # every owned position, not only the moved ones: an async commit that failed in a
+        # rebalance (ILLEGAL_GENERATION) is otherwise never sent again
+        offsets = [TopicPartition(t, p, off) for (t, p), off in self.tracker.positions().items()]
+        if not offsets:
+            return True
         try:
             if force:
                 self.consumer.commit(offsets=offsets, asynchronous=False)
@@ -496,8 +506,10 @@ class GeneratorWorker:
                 self.consumer.commit(offsets=offsets, asynchronous=True)
         except (
             KafkaException
-        ) as e:  # e.g. partitions revoked meanwhile: the next owner redoes the work
-            log.warning("commit failed: %s", e)
+        ) as e:  # e.g. a rebalance meanwhile: retried, or redone by the next owner
+            log.info("commit failed: %s", e)
+            return False
+        return True
 
     def _stats(self, force: bool = False) -> None:
         now = time.monotonic()

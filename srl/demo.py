@@ -402,6 +402,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     _fresh(out)
 
+    # the warm start is shared by every run seed (seed 0): runs differ only in RL
     model_dir = Path(cfg.model) if cfg.model else warmstart.ensure_model(seed=0)
     if not (model_dir / "config.json").exists():
         raise DemoError(f"--model {model_dir}: not a Hugging Face model directory (no config.json)")

@@ -34,6 +34,7 @@ from typing import Any, Literal
 from srl.errors import SrlError
 
 TASK_NAME = "strops"
+TASK_VERSION = 1  # bump when prompts, answers or the demonstrator change (warm-start cache key)
 DIGITS = "0123456789"
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -56,7 +57,9 @@ EVAL_PERCENT = 10  # share of the prompt space that is held out for evaluation
 # The warm start imitates an imperfect demonstrator: on these ops it gives this plausible
 # wrong answer with this probability (see docs/demo-task.md, "Warm start").
 TEACHER_MISTAKES: dict[str, Callable[[str], str]] = {
+    "asc": lambda s: "".join(sorted(s, reverse=True)),  # sorts descending
     "desc": lambda s: "".join(sorted(s)),  # sorts ascending
+    "dup": lambda s: s,  # copies instead of doubling
     "up": lambda s: s,  # copies instead of upper-casing
 }
 TEACHER_ERROR = 0.6

@@ -84,6 +84,13 @@ def apache_kafka_container() -> Iterator[str]:
         yield f"127.0.0.1:{port}"
 
 
+def embedded_broker_in_use() -> bool:
+    """True when the session's broker is the embedded noida-db (no external broker, no container)."""
+    return not os.environ.get("SRL_BOOTSTRAP_SERVERS") and not (
+        os.environ.get("SRL_TEST_CONTAINER") == "1" and docker_available()
+    )
+
+
 @pytest.fixture(scope="session")
 def bootstrap() -> Iterator[str]:
     """host:port of a real broker for the whole session."""

@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from srl.config import CommonConfig, load_config
-from tests.conftest import bin_path
+from tests.conftest import bin_path, embedded_broker_in_use
 from tests.integration.test_generation import Trajectories, check_exactly_once
 
 
@@ -108,10 +108,16 @@ def test_sigkill_of_a_worker_mid_trajectory_is_resumed_by_another(
 ) -> None:
     """SIGKILL one of two workers; a supervisor-style restart joins; the dead one's work is resumed.
 
-    Apache Kafka evicts the dead member after session.timeout.ms by itself; the embedded broker
-    only evicts it in the next rebalance (the restart joining), after max.poll.interval.ms,
-    which these workers set to 15 s (docs/producers.md, "Crashes").
+    Apache Kafka evicts the dead member after session.timeout.ms by itself. The embedded
+    noida-db 0.2.3 does not: a group whose member was SIGKILLed can stay in
+    CompletingRebalance for good (seen here: the dead member listed, no assignment, >60 s),
+    so this test needs a real Kafka (SRL_TEST_CONTAINER=1 or SRL_BOOTSTRAP_SERVERS); see
+    docs/broker.md, "Known gaps".
     """
+    if embedded_broker_in_use():
+        pytest.skip(
+            "noida-db never evicts a SIGKILLed group member (docs/broker.md); needs Apache Kafka"
+        )
     ids = balanced_prompts(tmp_path / "p.jsonl", 6)
     cfg = cfg_from_env(cli_env)
     assert run("srl", "topics", "create", env=cli_env).returncode == 0
