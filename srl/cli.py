@@ -289,7 +289,7 @@ def smoke(trajectories: int, **kw: Any) -> None:
 
 
 @cli.command()
-@click.option("--steps", type=click.IntRange(1, 100_000), help="Optimizer steps. Default 40.")
+@click.option("--steps", type=click.IntRange(1, 100_000), help="Optimizer steps. Default 60.")
 @click.option(
     "--out", type=click.Path(file_okay=False), help="Report directory. Default runs/demo."
 )

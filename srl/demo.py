@@ -64,7 +64,7 @@ class DemoConfig(CommonConfig):
 
     section = "demo"
 
-    steps: int = Field(40, ge=1, le=100_000, description="Optimizer steps to train.")
+    steps: int = Field(60, ge=1, le=100_000, description="Optimizer steps to train.")
     out: str = Field(
         "runs/demo", description="Directory for the report, logs, store and broker data."
     )
@@ -76,7 +76,7 @@ class DemoConfig(CommonConfig):
         None, description="HF model directory (policy v0); null: the cached `srl init-model` model."
     )
     group_size: int = Field(8, ge=2, le=256, description="Samples per prompt (GRPO group).")
-    groups_per_step: int = Field(4, ge=1, le=4096, description="Groups per optimizer step.")
+    groups_per_step: int = Field(8, ge=1, le=4096, description="Groups per optimizer step.")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
     max_new_tokens: int = Field(72, ge=1, description="Max generated tokens per sample.")

@@ -45,7 +45,7 @@ VERSION = 1  # bump when the recipe below changes: it is part of the cache key
 
 @dataclass(frozen=True)
 class SftSettings:
-    steps: int = 1500
+    steps: int = 700
     batch: int = 64
     lr: float = 3e-3
     warmup: int = 50
