@@ -238,4 +238,66 @@ def generate(as_json: bool, buckets: str | None, **kw: Any) -> None:
                    f"{s.dead_letters}, weights loaded {s.weights_loaded} refused {s.weights_refused}, policy v{s.policy_version}")  # fmt: skip
 
 
+@cli.command()
+@common_options
+@click.option(
+    "--engine", type=click.Choice(["hf", "sim", "vllm"]), help="Generation backend. Default hf."
+)
+@click.option(
+    "--model",
+    type=click.Path(file_okay=False),
+    help="HF model directory. Default: a fresh tiny model.",
+)
+@click.option("--device", help="torch device (cpu, cuda …). Default cpu.")
+@click.option("--threads", type=int, help="torch CPU threads.")
+@click.option("--max-batch", type=int, default=16, show_default=True, help="The large batch.")
+@click.option("--chunk-tokens", type=int, help="Tokens per published chunk. Default 32.")
+@click.option(
+    "--requests", "requests_n", type=int, default=32, show_default=True, help="Sequences per run."
+)
+@click.option(
+    "--max-new-tokens", type=int, default=64, show_default=True, help="Tokens per sequence."
+)
+@click.option(
+    "--repeats", type=int, default=2, show_default=True, help="Runs per case (best counts)."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def bench(as_json: bool, requests_n: int, max_new_tokens: int, repeats: int, **kw: Any) -> None:
+    """Engine tokens/s at batch 1 and at --max-batch, and the cost of publishing chunks.
+
+    Starts the embedded broker for the publishing case unless --bootstrap is given.
+    """
+    import tempfile
+    from pathlib import Path
+
+    from producers.bench import run_bench
+    from producers.config import GenerateConfig
+
+    own = {k: kw.pop(k) for k in list(kw)
+           if k not in ("config", "bootstrap", "topic_prefix", "run", "store", "kafka_setting")}  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        if own.get("model") is None and own.get("engine") in (None, "hf"):
+            from srl.tinymodel import build_tiny_model
+
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="srl-bench-"))
+            own["model"] = str(build_tiny_model(Path(tmp) / "tiny"))
+        if kw.get("bootstrap") is None:
+            from srl.broker import EmbeddedBroker
+
+            kw["bootstrap"] = stack.enter_context(EmbeddedBroker()).bootstrap
+        cfg = config_from(GenerateConfig, kw, **own)
+        with _kafka_errors():
+            out = run_bench(cfg, requests_n, max_new_tokens, repeats)
+    if as_json:
+        echo_json(out)
+        return
+    for name, r in out["cases"].items():
+        click.echo(
+            f"{name:>16}: {r['tokens_per_s']:>9,.1f} tokens/s ({r['tokens']} tokens in {r['seconds']} s)"
+        )
+    click.echo(
+        f"batching speed-up x{out['batch_speedup']}; chunk publishing overhead {out['publish_overhead']:.1%}"
+    )
+
+
 main = run_main(cli, "srl-producer")
