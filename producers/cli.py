@@ -88,7 +88,7 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--top-p", type=float, help="Nucleus sampling mass. Default 1.")
 @click.option(
     "--predictor",
-    type=click.Choice(["baseline", "oracle"]),
+    type=click.Choice(["baseline", "oracle", "ranker"]),
     help="Length predictor. Default baseline.",
 )
 @click.option("--window", type=int, help="Prompts ordered together before publishing. Default 64.")

@@ -49,9 +49,19 @@ class DispatchConfig(CommonConfig):
     )
     temperature: float = Field(1.0, ge=0, le=100, description="Sampling temperature; 0 = greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    predictor: Literal["baseline", "oracle"] = Field(
+    predictor: Literal["baseline", "oracle", "ranker"] = Field(
         "baseline",
-        description="Length predictor: baseline (one length for all) or oracle (metadata.sim_length).",
+        description="Length predictor: baseline (one length for all), oracle (metadata.sim_length) or ranker (the run's latest published ranker version, docs/ranker.md; baseline until one exists).",
+    )
+    alpha: float = Field(
+        0.2,
+        gt=0,
+        lt=1,
+        description="predictor ranker: the top alpha of each window (by predicted length) goes to the long-tail bucket (StreamRL Algorithm 2).",
+    )
+    longtail_bucket: str | None = Field(
+        None,
+        description="predictor ranker: the long-tail pool's bucket; the other buckets are the regular pool's. null: the last bucket.",
     )
     baseline_length: int | None = Field(
         None, ge=1, description="The baseline predictor's length; null: max_new_tokens."

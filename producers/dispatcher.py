@@ -57,12 +57,21 @@ def plan_window(
         raise SrlError(
             f"length predictor returned {len(predictions)} predictions for {len(prompts)} prompts"
         )
+    lengths = [max(1, int(round(float(pred)))) for pred in predictions]
+    if cfg.predictor == "ranker":  # Algorithm 2: the top alpha of the window is the long tail
+        from ranker.dispatch import assign_buckets
+
+        longtail = cfg.longtail_bucket or layout.buckets[-1]
+        layout.bucket_index(longtail)  # one-line error for an unknown bucket
+        regular = [b for b in layout.buckets if b != longtail]
+        buckets = assign_buckets(lengths, cfg.alpha, longtail, layout.bucket_for, regular)
+    else:
+        buckets = [layout.bucket_for(n) for n in lengths]
     tasks = []
-    for p, pred in zip(prompts, predictions, strict=True):
-        length = max(1, int(round(float(pred))))
+    for p, length, bucket in zip(prompts, lengths, buckets, strict=True):
         tasks.append(PromptTask(
             task_id=uuid.uuid4().hex, prompt_id=p.prompt_id, prompt=p.text, group_size=cfg.group_size,
-            max_new_tokens=cfg.max_new_tokens, bucket=layout.bucket_for(length), temperature=cfg.temperature,
+            max_new_tokens=cfg.max_new_tokens, bucket=bucket, temperature=cfg.temperature,
             top_p=cfg.top_p, predicted_length=length, ranker_version=ranker_version,
             metadata=orjson.dumps(p.metadata).decode() if p.metadata else None,
         ))  # fmt: skip

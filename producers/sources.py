@@ -111,6 +111,11 @@ def make_predictor(cfg: DispatchConfig, prompts: list[PromptLike]) -> LengthPred
     default = cfg.baseline_length or cfg.max_new_tokens
     if cfg.predictor == "baseline":
         return BaselinePredictor(default)
+    if cfg.predictor == "ranker":
+        from ranker.dispatch import RankerPredictor
+        from srl.store import open_store
+
+        return RankerPredictor(open_store(cfg.store), cfg.run, BaselinePredictor(default))
     known = {
         p.text: int(p.metadata["sim_length"])
         for p in prompts

@@ -225,6 +225,8 @@ class Plan:
                 "window": c.groups_per_step,
                 "max_pending": None if barrier else 2 * c.groups_per_step,
                 "pools": ["regular", "longtail"],
+                "predictor": "ranker",
+                "longtail_bucket": LONGTAIL_BUCKETS[0],
             },
             "generate": {
                 "engine": "hf",
@@ -433,6 +435,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
 
         wait_for_broker(live)
         create_topics(live)
+        _bootstrap_ranker(plan)
         # the roles read OUT/srl.toml only: SRL_* variables would override it
         env = {
             k: v for k, v in os.environ.items() if not k.startswith("SRL_") or k == "SRL_VERBOSE"
@@ -464,6 +467,19 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
     if status != "ok":
         raise DemoError(f"{status}; partial report in {out / 'report.json'}")
     return report
+
+
+def _bootstrap_ranker(plan: Plan) -> None:
+    """Publish ranker v1 for the run, fitted on training prompts of the demo task, so the
+    dispatcher sends the predicted-longest 20 % of each window to the long-tail pool."""
+    from ranker.config import RankerConfig
+    from ranker.evaluate import train_on_demo
+    from srl.config import load_config
+
+    rcfg = load_config(RankerConfig, cli={"store": plan.store_url, "run": plan.run}, env={})
+    t0 = time.monotonic()
+    r = train_on_demo(rcfg, 2000, plan.cfg.seed)
+    click_echo(f"length ranker v{r.version} fitted on 2000 training prompts ({time.monotonic() - t0:.1f} s)")
 
 
 def click_echo(msg: str) -> None:

@@ -41,6 +41,21 @@ def test_tasks_are_bucketed_by_prediction_and_longest_first_within_a_bucket() ->
     assert len({t.task_id for t in tasks}) == 6
 
 
+def test_ranker_dispatch_sends_the_top_alpha_to_the_long_tail_bucket() -> None:
+    layout = Layout(bucket_bounds=(16, 32))
+    prompts = [SourcePrompt(f"p{i}", f"text {i}", {}) for i in range(10)]
+    preds = np.array([5, 40, 9, 12, 30, 7, 20, 3, 8, 60])  # 60 and 40 are the top 20 %
+    tasks = plan_window(prompts, preds, layout, cfg(predictor="ranker", alpha=0.2))
+    by_id = {t.prompt_id: t.bucket for t in tasks}
+    assert {p for p, b in by_id.items() if b == "gt32"} == {"p1", "p9"}
+    assert by_id["p4"] == "le32" and by_id["p6"] == "le32" and by_id["p0"] == "le16"
+    # a long prediction outside the top alpha stays on the regular pool's last bucket
+    tasks = plan_window(prompts, preds, layout, cfg(predictor="ranker", alpha=0.1))
+    assert {t.prompt_id: t.bucket for t in tasks}["p1"] == "le32"
+    with pytest.raises(ValueError, match="unknown bucket"):
+        plan_window(prompts, preds, layout, cfg(predictor="ranker", longtail_bucket="le99"))
+
+
 def test_windows_cover_the_source_in_order() -> None:
     assert [len(w) for w in windows(range(7), 3)] == [3, 3, 1]  # type: ignore[arg-type]
 
