@@ -81,6 +81,11 @@ class DemoConfig(CommonConfig):
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
     max_new_tokens: int = Field(72, ge=1, description="Max generated tokens per sample.")
     eval_prompts: int = Field(256, ge=1, description="Held-out prompts for eval accuracy.")
+    eval_every: int = Field(
+        20,
+        ge=0,
+        description="Also evaluate every N-th published version (accuracy over time); 0: final only.",
+    )
     chunk_tokens: int = Field(16, ge=1, description="Tokens per published chunk.")
     regular_max_batch: int = Field(32, ge=1, description="Regular pool's decode batch.")
     longtail_max_batch: int = Field(8, ge=1, description="Long-tail pool's decode batch.")
@@ -479,7 +484,9 @@ def _bootstrap_ranker(plan: Plan) -> None:
     rcfg = load_config(RankerConfig, cli={"store": plan.store_url, "run": plan.run}, env={})
     t0 = time.monotonic()
     r = train_on_demo(rcfg, 2000, plan.cfg.seed)
-    click_echo(f"length ranker v{r.version} fitted on 2000 training prompts ({time.monotonic() - t0:.1f} s)")
+    click_echo(
+        f"length ranker v{r.version} fitted on 2000 training prompts ({time.monotonic() - t0:.1f} s)"
+    )
 
 
 def click_echo(msg: str) -> None:

@@ -185,15 +185,20 @@ def metric_events(cfg: CommonConfig, run: str) -> list[Any]:
 
 
 # -- the final policy ------------------------------------------------------------------------
-def final_policy(cfg: CommonConfig, run: str, model_dir: Path, out_dir: Path) -> tuple[Path, int]:
-    """The last published version as a HF model directory (v0 = ``model_dir`` itself)."""
+def final_policy(
+    cfg: CommonConfig, run: str, model_dir: Path, out_dir: Path, version: int | None = None
+) -> tuple[Path, int]:
+    """A published version (default: the last) as a HF model directory (v0: ``model_dir``)."""
     from srl.store import open_store
     from srl.topics import Layout
-    from srl.weights import latest_announcement, load_manifest, materialize
+    from srl.weights import load_manifest, materialize, read_announcements
 
-    ann = latest_announcement(cfg, Layout.from_config(cfg), run)
-    if ann is None:
+    anns = [a for a in read_announcements(cfg, Layout.from_config(cfg)) if a.run == run]
+    if version is not None:
+        anns = [a for a in anns if a.version == version]
+    if not anns:
         return model_dir, 0
+    ann = max(anns, key=lambda a: a.version)
     store = open_store(cfg.store)
     manifest = load_manifest(store, ann)
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -247,6 +252,21 @@ def build(
 
     order = sorted(steps)
     t0 = min((e.ts_ms for e in events), default=0)
+    # held-out accuracy over wall-clock: every eval_every-th published version, evaluated now
+    published = {int(e.values["version"]): e.ts_ms for e in events if e.kind == "weights_published"}
+    curve = [{"version": 0, "t_s": 0.0, "accuracy": before.accuracy}]
+    every = plan.cfg.eval_every
+    for v in sorted(published):
+        if every and v % every == 0 and v != version:
+            d, _ = final_policy(cfg, plan.run, plan.model_dir, plan.out / "eval-model", v)
+            acc = warmstart.evaluate(d, eval_set).accuracy
+            curve.append(
+                {"version": v, "t_s": round((published[v] - t0) / 1000, 2), "accuracy": acc}
+            )
+    if version:
+        t_final = round((published.get(version, t0) - t0) / 1000, 2)
+        curve.append({"version": version, "t_s": t_final, "accuracy": after.accuracy})
+    shutil.rmtree(plan.out / "eval-model", ignore_errors=True)
     rewards = [steps[s].values.get("reward_mean") for s in order]
     tenth = max(1, math.ceil(len(order) / 10))
     counts = {o: sum(1 for v in audit.outcomes.values() if v == o) for o in SAMPLE_OUTCOMES}
@@ -297,6 +317,7 @@ def build(
         "staleness_hist": {str(k): staleness.count(k) for k in sorted(set(staleness))},
         "ready_latency_ms_p50": _r(_pct(latency, 50), 1),
         "ready_latency_ms_p99": _r(_pct(latency, 99), 1),
+        "eval_curve": curve,
         "model": str(plan.model_dir),
         "final_model": str(final_dir),
         "run": plan.run,
@@ -367,12 +388,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
         xlabel="ms",
         ylabel="trajectories",
     )
-    ax[1, 2].bar(
-        ["before", "after"],
-        [report["eval_accuracy_before"], report["eval_accuracy_after"]],
-        color=["C7", "C2"],
-    )
-    ax[1, 2].set(title=f"held-out accuracy (greedy, {report['eval_prompts']} prompts)", ylim=(0, 1))
+    curve = report.get("eval_curve") or [{"t_s": 0.0, "accuracy": report["eval_accuracy_before"]}]
+    ax[1, 2].plot([c["t_s"] for c in curve], [c["accuracy"] for c in curve], "o-", color="C2")
+    ax[1, 2].set(title=f"held-out accuracy (greedy, {report['eval_prompts']} prompts)",
+                 xlabel="seconds since start (version published)", ylabel="accuracy", ylim=(0, 1))  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
