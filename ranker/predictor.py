@@ -24,7 +24,10 @@ import numpy as np
 
 @runtime_checkable
 class LengthPredictor(Protocol):
-    version: int | None
+    @property
+    def version(self) -> int | None:
+        """Version of the model behind the predictions (None: not a versioned model)."""
+        ...
 
     def predict(self, prompts: Sequence[str]) -> np.ndarray:
         """Predicted output tokens per prompt, shape ``[len(prompts)]``."""
