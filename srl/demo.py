@@ -405,6 +405,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
     from srl import task, warmstart
 
     t_total = time.monotonic()
+    warmstart.quiet_transformers()
     out = Path(cfg.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     _fresh(out)

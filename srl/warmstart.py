@@ -81,11 +81,19 @@ def cached(out: Path, key: str) -> bool:
         return False
 
 
+def quiet_transformers() -> None:
+    """No per-file progress bars from transformers (ours says what is happening)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def ensure_model(
     seed: int = 0, out: Path | None = None, force: bool = False, progress: bool = True,
     sft: SftSettings | None = None,
 ) -> Path:  # fmt: skip
     """The warm-started model directory for ``seed`` (built the first time, then cached)."""
+    quiet_transformers()
     sft = sft or SftSettings()
     out = Path(out or default_dir(seed))
     key = cache_key(seed, sft)
