@@ -411,7 +411,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
     _fresh(out)
 
     # the warm start is shared by every run seed (seed 0): runs differ only in RL
-    model_dir = Path(cfg.model) if cfg.model else warmstart.ensure_model(seed=0)
+    model_dir = (Path(cfg.model) if cfg.model else warmstart.ensure_model(seed=0)).resolve()
     if not (model_dir / "config.json").exists():
         raise DemoError(f"--model {model_dir}: not a Hugging Face model directory (no config.json)")
     eval_set = task.demo_prompts(cfg.eval_prompts, "eval", seed=rep.EVAL_SEED)

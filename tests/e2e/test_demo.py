@@ -46,8 +46,12 @@ def _pids(out: Path) -> list[int]:
 
 
 def _demo(tmp_path: Path, cli_env: dict[str, str], tiny_model: Path, *args: str) -> list[str]:
+    """The demo run from ``tmp_path`` with --model relative to it (the roles run elsewhere)."""
+    link = tmp_path / "policy0"
+    if not link.exists():
+        link.symlink_to(tiny_model, target_is_directory=True)
     return [
-        bin_path("srl"), "-v", "demo", "--out", str(tmp_path / "demo"), "--model", str(tiny_model),
+        bin_path("srl"), "-v", "demo", "--out", str(tmp_path / "demo"), "--model", "policy0",
         "--steps", "3", *args,
     ]  # fmt: skip
 
