@@ -242,6 +242,9 @@ class Plan:
                 "seed": c.seed,
                 "stats_interval_s": 2.0,
                 "drain_timeout_s": 20.0,
+                # pause intake while the trainer lags by more than ~1.5 steps of chunks: what
+                # is generated further ahead would only go stale in the topic
+                "max_backlog_chunks": None if barrier else 3 * c.groups_per_step * c.group_size,
             },
             "train": {
                 "model": str(self.model_dir),
