@@ -356,6 +356,13 @@ def _add_ranker() -> None:
     cli.add_command(ranker)
 
 
+def _add_bench() -> None:
+    from srl.bench.cli import bench
+
+    cli.add_command(bench)
+
+
 _add_ranker()
+_add_bench()
 
 main = run_main(cli, "srl")

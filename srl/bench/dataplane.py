@@ -1,0 +1,229 @@
+"""``srl bench dataplane``: chunks through the real broker into the trainer's assembler.
+
+Owns the data-plane figures of docs/benchmarks.md. Three phases run in one invocation
+against the same broker, each on its own fresh topics and consumer group:
+
+* ``raw``: the encoded chunk records are made before the clock starts and sent as opaque
+  bytes; the consumer only counts messages (no codec, no assembly): the byte path's limit;
+* ``codec``: the same trajectories, encoded inside the timed loop by the disciplined
+  ``Producer``'s caller, decoded by the consumer and stitched by ``consumers.assembler``;
+* ``paced``: the codec phase again at ``pace`` (0.5) of the codec phase's measured token
+  rate, for the last-chunk-produced → trajectory-ready latency.
+
+Chunks come from the generator's own ``producers.chunker.Chunker`` (random token ids and
+log-probs); ``batch`` trajectories are in flight at once and emit their chunks interleaved,
+as a continuous-batching generator does. The producing side runs in a child process (as a
+generator does); the consuming side in this one. Throughput is tokens over the time from
+the first produce to the last message consumed (raw) or trajectory assembled (codec).
+Latency pairs the child's wall-clock time just before it encodes a trajectory's last chunk
+with this process's wall-clock time when ``Assembler.add`` returns the trajectory.
+Called by ``srl.bench.cli``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from consumers.assembler import Assembler
+from producers.chunker import Chunker, TrajectoryStart
+from schemas.records import TrajectoryChunk, decode_as, encode, pack_tokens
+from srl.config import CommonConfig
+from srl.errors import SrlError
+from srl.kafka import Producer, create_topics, make_consumer
+from srl.topics import Layout
+
+TIMEOUT_S = 300.0
+
+
+def make_trajectories(
+    n: int, mean_tokens: int, chunk_tokens: int, layout: Layout, seed: int = 0
+) -> list[list[TrajectoryChunk]]:
+    """``n`` trajectories (log-normal lengths around ``mean_tokens``), chunked by the real Chunker."""
+    rng = np.random.default_rng(seed)
+    sigma = 0.8
+    mu = np.log(mean_tokens) - sigma**2 / 2
+    lengths = np.clip(rng.lognormal(mu, sigma, n).astype(int), 1, 16 * mean_tokens)
+    chunker = Chunker(chunk_tokens, "bench-dataplane")
+    out = []
+    for i, length in enumerate(lengths):
+        tid = uuid.uuid4().hex
+        chunker.open(TrajectoryStart(
+            trajectory_id=tid, prompt_id=f"p{i // 4}", task_id="bench", sample_index=i % 4,
+            group_size=4, bucket=layout.bucket_for(int(length)),
+            prompt_tokens=pack_tokens(rng.integers(0, 150_000, 64)),
+        ))  # fmt: skip
+        tokens = rng.integers(0, 150_000, int(length)).tolist()
+        logprobs = (-rng.random(int(length)) * 5).tolist()
+        out.append(chunker.add(tid, tokens, logprobs, version=0, finish_reason="length"))
+    return out
+
+
+def interleave(trajs: list[list[TrajectoryChunk]], batch: int) -> Iterator[TrajectoryChunk]:
+    """Chunks in the order a generator with ``batch`` trajectories in flight emits them."""
+    pending = iter(trajs)
+    active: list[Iterator[TrajectoryChunk]] = []
+    for _ in range(batch):
+        t = next(pending, None)
+        if t is not None:
+            active.append(iter(t))
+    while active:
+        still = []
+        for it in active:
+            c = next(it, None)
+            if c is None:
+                t = next(pending, None)
+                if t is not None:
+                    still.append(iter(t))
+                continue
+            yield c
+            still.append(it)
+        active = still
+
+
+def _produce(
+    cfg: CommonConfig, spec: dict[str, Any], go: Any, ready: Any, start_ns: Any, out: Any
+) -> None:
+    """Child: make the chunks, wait for ``go``, produce them; send back last-chunk times."""
+    layout = Layout.from_config(cfg)
+    trajs = make_trajectories(
+        spec["n"], spec["mean_tokens"], spec["chunk_tokens"], layout, spec["seed"]
+    )
+    chunks = list(interleave(trajs, spec["batch"]))
+    raw = spec["mode"] == "raw"
+    payloads = [encode(c) for c in chunks] if raw else None
+    tokens_per_ns = spec["rate"] / 1e9 if spec["rate"] else 0.0
+    last_ns: dict[str, int] = {}
+    with Producer(cfg, "bench-dataplane") as producer:
+        ready.set()
+        go.wait()
+        t0 = time.time_ns()
+        start_ns.value = t0
+        sent = 0
+        for i, c in enumerate(chunks):
+            if tokens_per_ns:
+                due = t0 + int(sent / tokens_per_ns)
+                while (now := time.time_ns()) < due:
+                    time.sleep(min(0.002, (due - now) / 1e9))
+            if c.is_last:
+                last_ns[c.trajectory_id] = time.time_ns()
+            value = payloads[i] if payloads is not None else encode(c)
+            producer.produce(layout.trajectories, value, key=c.trajectory_id,
+                             partition=layout.partition_for(c.bucket, c.trajectory_id))  # fmt: skip
+            sent += c.n_tokens
+        producer.flush(60)
+    out.put(last_ns)
+
+
+def run_phase(cfg: CommonConfig, spec: dict[str, Any]) -> dict[str, Any]:
+    """One phase (``spec['mode']`` raw or codec, ``spec['rate']`` tokens/s or 0 for flat out)."""
+    cfg = cfg.model_copy(update={"topic_prefix": f"{cfg.topic_prefix}.bench{uuid.uuid4().hex[:6]}"})
+    layout = Layout.from_config(cfg)
+    create_topics(cfg)
+    probe = make_trajectories(
+        spec["n"], spec["mean_tokens"], spec["chunk_tokens"], layout, spec["seed"]
+    )
+    n_chunks = sum(len(t) for t in probe)
+    n_tokens = sum(c.n_tokens for t in probe for c in t)
+    n_bytes = sum(len(encode(c)) for t in probe for c in t)
+    del probe
+    consumer = make_consumer(cfg, f"bench-{uuid.uuid4().hex[:8]}", "bench-dataplane")
+    ctx = mp.get_context("spawn")
+    go, ready, start_ns, q = ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Queue()
+    child = ctx.Process(target=_produce, args=(cfg, spec, go, ready, start_ns, q), daemon=True)
+    try:
+        consumer.subscribe([layout.trajectories])
+        deadline = time.monotonic() + 30
+        while not consumer.assignment():  # join the group before the clock starts
+            consumer.poll(0.1)
+            if time.monotonic() > deadline:
+                raise SrlError("bench consumer got no partitions within 30 s")
+        child.start()
+        if not ready.wait(TIMEOUT_S):
+            raise SrlError("bench producer did not start")
+        go.set()
+        assembler = Assembler(set())
+        ready_ns: dict[str, int] = {}
+        got = 0
+        end_ns = 0
+        deadline = time.monotonic() + TIMEOUT_S
+        codec = spec["mode"] == "codec"
+        while got < n_chunks:
+            if time.monotonic() > deadline or not child.is_alive() and child.exitcode:
+                raise SrlError(f"bench {spec['mode']}: {got}/{n_chunks} chunks consumed")
+            for msg in consumer.consume(1000, 0.05):
+                if msg.error():
+                    continue
+                got += 1
+                if codec:
+                    traj = assembler.add(decode_as(msg.value() or b"", TrajectoryChunk))
+                    if traj is not None:
+                        ready_ns[traj.trajectory_id] = time.time_ns()
+            end_ns = time.time_ns()
+        last_ns = q.get(timeout=60)
+        child.join(30)
+    finally:
+        consumer.close()
+        if child.is_alive():
+            child.kill()
+            child.join()
+    wall = (end_ns - start_ns.value) / 1e9
+    res: dict[str, Any] = {
+        "mode": spec["mode"], "trajectories": spec["n"], "chunks": n_chunks, "tokens": n_tokens,
+        "bytes": n_bytes, "wall_s": round(wall, 4), "tokens_per_s": round(n_tokens / wall),
+        "trajectories_per_s": round(spec["n"] / wall, 1), "mb_per_s": round(n_bytes / wall / 1e6, 2),
+        "target_tokens_per_s": spec["rate"] or None,
+    }  # fmt: skip
+    if codec:
+        if len(ready_ns) != spec["n"] or assembler.duplicates:
+            raise SrlError(
+                f"assembled {len(ready_ns)}/{spec['n']}, duplicates {assembler.duplicates}"
+            )
+        lat = np.array([(ready_ns[t] - last_ns[t]) / 1e6 for t in ready_ns])
+        res |= {"ready_latency_ms_p50": round(float(np.percentile(lat, 50)), 2),
+                "ready_latency_ms_p99": round(float(np.percentile(lat, 99)), 2),
+                "ready_latency_ms_max": round(float(lat.max()), 2)}  # fmt: skip
+    return res
+
+
+def run(
+    cfg: CommonConfig, external: bool, trajectories: int = 2000, mean_tokens: int = 600,
+    chunk_tokens: int = 32, batch: int = 64, pace: float = 0.5, repeats: int = 1, seed: int = 0,
+) -> dict[str, Any]:  # fmt: skip
+    """All three phases; the best of ``repeats`` raw and codec runs (alternating) counts."""
+    spec = {"n": trajectories, "mean_tokens": mean_tokens, "chunk_tokens": chunk_tokens,
+            "batch": batch, "seed": seed, "rate": 0}  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        if not external:
+            from srl.broker import EmbeddedBroker
+
+            b = stack.enter_context(EmbeddedBroker())
+            cfg = cfg.model_copy(update={"bootstrap_servers": b.bootstrap})
+        raws, codecs = [], []
+        for _ in range(repeats):
+            raws.append(run_phase(cfg, spec | {"mode": "raw"}))
+            codecs.append(run_phase(cfg, spec | {"mode": "codec"}))
+        raw = max(raws, key=lambda r: r["tokens_per_s"])
+        codec = max(codecs, key=lambda r: r["tokens_per_s"])
+        paced = run_phase(cfg, spec | {"mode": "codec", "rate": int(codec["tokens_per_s"] * pace)})
+    return {
+        "tokens_per_s": codec["tokens_per_s"],
+        "trajectories_per_s": codec["trajectories_per_s"],
+        "raw_tokens_per_s": raw["tokens_per_s"],
+        "overhead": round(raw["tokens_per_s"] / codec["tokens_per_s"] - 1, 4),
+        "ready_latency_ms_p50": paced["ready_latency_ms_p50"],
+        "ready_latency_ms_p99": paced["ready_latency_ms_p99"],
+        "paced_fraction": pace,
+        "peak_ready_latency_ms_p50": codec["ready_latency_ms_p50"],
+        "peak_ready_latency_ms_p99": codec["ready_latency_ms_p99"],
+        "settings": {"trajectories": trajectories, "mean_tokens": mean_tokens,
+                     "chunk_tokens": chunk_tokens, "batch": batch, "repeats": repeats,
+                     "compression": cfg.compression, "linger_ms": cfg.linger_ms},
+        "phases": {"raw": raws, "codec": codecs, "paced": paced},
+    }  # fmt: skip

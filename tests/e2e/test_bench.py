@@ -1,0 +1,30 @@
+"""``srl bench``: the real CLI at small sizes; checks the JSON shape and its arithmetic, not speed."""
+
+from __future__ import annotations
+
+import orjson
+
+from tests.e2e.test_cli import run
+
+
+def test_bench_dataplane_json(cli_env: dict[str, str]) -> None:
+    out = run("srl", "bench", "dataplane", "--trajectories", "40", "--mean-tokens", "64",
+              "--batch", "8", "--json", env=cli_env, timeout=240)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    r = orjson.loads(out.stdout)
+    for key in ("tokens_per_s", "trajectories_per_s", "raw_tokens_per_s",
+                "ready_latency_ms_p50", "ready_latency_ms_p99"):  # fmt: skip
+        assert r[key] > 0, key
+    assert r["ready_latency_ms_p50"] <= r["ready_latency_ms_p99"]
+    assert abs(r["overhead"] - (r["raw_tokens_per_s"] / r["tokens_per_s"] - 1)) < 1e-3
+    raw, codec, paced = r["phases"]["raw"][0], r["phases"]["codec"][0], r["phases"]["paced"]
+    # the three phases move the same trajectories, chunks, tokens and bytes
+    for key in ("trajectories", "chunks", "tokens", "bytes"):
+        assert raw[key] == codec[key] == paced[key], key
+    assert codec["trajectories"] == 40 and codec["tokens"] > 40
+    assert r["tokens_per_s"] == codec["tokens_per_s"]
+    assert (
+        abs(codec["tokens_per_s"] - codec["tokens"] / codec["wall_s"])
+        <= 0.01 * codec["tokens_per_s"] + 1
+    )
+    assert paced["target_tokens_per_s"] == int(codec["tokens_per_s"] * 0.5)
