@@ -88,3 +88,51 @@ def dataplane(trajectories: int, mean_tokens: int, chunk_tokens: int, batch: int
         f"last chunk -> ready at {r['paced_fraction']:.0%} of peak: p50 "
         f"{r['ready_latency_ms_p50']} ms, p99 {r['ready_latency_ms_p99']} ms"
     )
+
+
+@bench.command("weights")
+@click.option(
+    "--sizes",
+    default="10M,100M,500M",
+    show_default=True,
+    help="Comma-separated model sizes: 1M, 10M, 100M, 500M.",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(1, 20),
+    default=2,
+    show_default=True,
+    help="Publications per size; the fastest counts.",
+)
+@click.option(
+    "--swaps",
+    type=click.IntRange(1, 1000),
+    default=20,
+    show_default=True,
+    help="Weight swaps between decode steps for swap_pause_ms (median).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")  # fmt: skip
+def weights(sizes: str, repeats: int, swaps: int, as_json: bool) -> None:
+    """Publish + fetch + verify + load against a plain file copy; a generator's swap pause."""
+    from srl.bench import weights as w
+    from srl.errors import ConfigError
+
+    names = [s.strip() for s in sizes.split(",") if s.strip()]
+    bad = [n for n in names if n not in w.SIZES]
+    if bad or not names:
+        raise ConfigError(
+            f"--sizes: unknown {', '.join(bad) or 'empty'}; choose from {', '.join(w.SIZES)}"
+        )
+    r = w.run(names, repeats, swaps)
+    if as_json:
+        echo_json(r)
+        return
+    for s in r["sizes"]:
+        click.echo(
+            f"{s['name']:>5} {s['params'] / 1e6:7.1f}M params {s['bytes'] / 1e6:8.1f} MB: "
+            f"publish+fetch+verify+load {s['publish_load_s']:.3f}s, plain copy {s['plain_copy_s']:.3f}s "
+            f"(ratio {s['ratio']})"
+        )
+    click.echo(
+        f"swap pause (demo model shape): median {r['swap_pause_ms']} ms, max {r['swap_pause_ms_max']} ms"
+    )

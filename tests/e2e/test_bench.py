@@ -28,3 +28,22 @@ def test_bench_dataplane_json(cli_env: dict[str, str]) -> None:
         <= 0.01 * codec["tokens_per_s"] + 1
     )
     assert paced["target_tokens_per_s"] == int(codec["tokens_per_s"] * 0.5)
+
+
+def test_bench_weights_json() -> None:
+    out = run("srl", "bench", "weights", "--sizes", "1M", "--swaps", "3", "--json", timeout=300)
+    assert out.returncode == 0, out.stderr
+    r = orjson.loads(out.stdout)
+    (s,) = r["sizes"]
+    assert s["params"] > 500_000 and s["bytes"] >= 2 * s["params"]  # bf16
+    for key in ("publish_s", "fetch_verify_s", "load_s", "plain_copy_s"):
+        assert s[key] > 0, key
+    total = s["publish_s"] + s["fetch_verify_s"] + s["load_s"]
+    assert abs(s["publish_load_s"] - total) < 2e-3
+    assert abs(s["ratio"] - s["publish_load_s"] / s["plain_copy_s"]) <= 0.01 * s["ratio"] + 0.01
+    assert r["swaps"] == 3 and 0 < r["swap_pause_ms"] <= r["swap_pause_ms_max"]
+
+
+def test_bench_weights_rejects_unknown_size() -> None:
+    out = run("srl", "bench", "weights", "--sizes", "7B")
+    assert out.returncode != 0 and "unknown 7B" in out.stderr and "Traceback" not in out.stderr
