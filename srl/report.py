@@ -350,6 +350,14 @@ def write(report: dict[str, Any], out: Path) -> None:
         log.warning("report.png not written: %s", e)
 
 
+def _rolling(xs: list[float], n: int) -> list[float]:
+    out = []
+    for i in range(len(xs)):
+        window = [x for x in xs[max(0, i - n + 1) : i + 1] if math.isfinite(x)]
+        out.append(sum(window) / len(window) if window else float("nan"))
+    return out
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -364,9 +372,13 @@ def plot(report: dict[str, Any], path: Path) -> None:
         f"{report['steps']} steps in {report['wall_s']:.0f} s, lost {report['lost']}"
     )
     fig.suptitle(title, fontsize=12)
-    ax[0, 0].plot(s["step"], s["reward_mean"], ".-")
+    smooth = _rolling([x if x is not None else float("nan") for x in s["reward_mean"]], 5)
+    ax[0, 0].plot(s["step"], s["reward_mean"], ".", alpha=0.4, label="per step")
+    ax[0, 0].plot(s["step"], smooth, "-", color="C0", label="mean of 5 steps")
     ax[0, 0].set(title="reward vs step", xlabel="optimizer step", ylabel="mean reward")
-    ax[0, 1].plot(s["t_s"], s["reward_mean"], ".-", color="C1")
+    ax[0, 0].legend(fontsize=8)
+    ax[0, 1].plot(s["t_s"], s["reward_mean"], ".", alpha=0.4, color="C1")
+    ax[0, 1].plot(s["t_s"], smooth, "-", color="C1")
     ax[0, 1].set(title="reward vs wall-clock", xlabel="seconds since start", ylabel="mean reward")
     by_worker: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for t, w, tps in s["gen"]:

@@ -82,6 +82,8 @@ def test_demo_runs_every_role_with_a_users_reward_and_audits_the_run(
         + report["pending_at_stop"]
     )
     assert report["decided_twice"] == 0
+    # async, k = 1: no trained sample is more than one version stale
+    assert report["max_staleness"] == 1 and max(int(k) for k in report["staleness_hist"]) <= 1
     # the user's reward ran in the trainer, and its values are what the trainer reports
     assert (tmp_path / "marks").exists() and (tmp_path / "marks").read_text().count("=") > 0
     assert 0.0 < report["reward_first"] < 1.0
@@ -123,3 +125,23 @@ def test_ctrl_c_stops_every_process_and_still_writes_the_report(
     assert len(pids) == 4 and not [p for p in pids if _alive(p)]
     report = orjson.loads((tmp_path / "demo" / "report.json").read_bytes())
     assert report["status"] == "interrupted" and report["lost"] == 0
+
+
+@pytest.mark.slow
+def test_sync_mode_never_lets_a_generator_run_ahead_of_the_trainer(
+    tmp_path: Path, cli_env: dict[str, str], tiny_model: Path
+) -> None:
+    """--mode sync (dispatcher barrier + trainer --sync-barrier): every chunk of every trained
+    trajectory was sampled by exactly the version the trainer was updating (staleness 0, no
+    drops), i.e. no generator ran ahead of the trainer."""
+    log = tmp_path / "demo.log"
+    with log.open("w") as f:
+        rc = subprocess.run(
+            [*_demo(tmp_path, cli_env, tiny_model, "--mode", "sync"), "--json"],
+            env=cli_env, stdout=subprocess.PIPE, stderr=f, timeout=600, cwd=tmp_path,
+        )  # fmt: skip
+    assert rc.returncode == 0, log.read_text()[-3000:]
+    report = orjson.loads((tmp_path / "demo" / "report.json").read_bytes())
+    assert report["steps"] == 3 and report["lost"] == 0 and report["dropped_stale"] == 0
+    assert report["staleness_hist"] == {"0": report["trajectories_trained"]}
+    assert report["trajectories_trained"] == 3 * 8 * 8
