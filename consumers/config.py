@@ -24,7 +24,7 @@ class TrainConfig(CommonConfig):
         "", description="Hugging Face model directory the run starts from (policy version 0)."
     )
     reward: str = Field(
-        "consumers.rewards:exact_match",
+        "srl.task:demo_reward",
         description="Reward function as module:function, called as fn(prompt, completion, metadata) -> float.",
     )
     group_id: str | None = Field(

@@ -168,8 +168,8 @@ def demo_prompts(n: int, split: Literal["train", "eval"], seed: int) -> list[Pro
 def is_correct(prompt: str, completion: str, metadata: dict[str, Any] | None = None) -> bool:
     answer = (metadata or {}).get("answer")
     if answer is None:
-        answer = reference_answer(prompt)
-    return completion.strip() == answer
+        return completion.strip() == reference_answer(prompt)
+    return completion.strip() == str(answer).strip()
 
 
 def demo_reward(prompt: str, completion: str, metadata: dict[str, Any]) -> float:

@@ -29,6 +29,18 @@ def test_reward_is_exact_match_and_needs_only_the_prompt() -> None:
     assert task.demo_reward("up kqz=", "kqz", {"answer": "KQZ"}) == 0.0
 
 
+def test_reward_is_the_trainer_default_and_takes_any_answer_metadata() -> None:
+    from consumers.config import TrainConfig
+    from consumers.rewards import load_reward
+
+    assert load_reward(TrainConfig().reward) is task.demo_reward
+    # a task whose metadata carries the answer (not a demo-task prompt) scores like exact_match
+    assert task.demo_reward("3+4=", " 7\n", {"answer": 7}) == 1.0
+    assert task.demo_reward("3+4=", "8", {"answer": "7"}) == 0.0
+    with pytest.raises(task.TaskError):
+        task.demo_reward("3+4=", "7", {})
+
+
 def test_prompts_are_deterministic_distinct_and_the_split_is_disjoint() -> None:
     train = task.demo_prompts(500, "train", seed=3)
     assert train == task.demo_prompts(500, "train", seed=3)
