@@ -155,6 +155,11 @@ def dispatch(as_json: bool, pools: str | None, **kw: Any) -> None:
     "--buckets", help="Comma-separated length buckets to consume, e.g. le256,le1024. Default: all."
 )
 @click.option("--group-id", help="Consumer group override.")
+@click.option(
+    "--take-over-from",
+    metavar="GROUP",
+    help="Start where GROUP committed (where ours has nothing): replace a wedged pool's group.",
+)
 @click.option("--worker-id", help="Worker id on chunks and metrics. Default host-pid-pool.")
 @click.option(
     "--engine", type=click.Choice(["hf", "sim", "vllm"]), help="Generation backend. Default hf."

@@ -2,7 +2,7 @@
 
 Owns every knob of the producer side, with bounds checked once at load and the cross-field
 rules in one validator per class. Values come from defaults < config file < ``SRL_*`` <
-CLI options (``srl.config.load_config``). docs/producers.md lists them.
+CLI options (``srl.config.load_config``). docs/generator.md lists them.
 """
 
 from __future__ import annotations
@@ -118,6 +118,10 @@ class GenerateConfig(CommonConfig):
     )
     group_id: str | None = Field(
         None, description="Consumer group on the prompt topics; null: {prefix}.gen.{pool}."
+    )
+    take_over_from: str | None = Field(
+        None,
+        description="Before joining, copy this consumer group's committed positions to ours where ours has none (replacing a pool whose group a dead member wedges on the embedded broker).",
     )
     worker_id: str | None = Field(
         None, description="Id on chunks and metrics; null: host-pid-pool."

@@ -50,9 +50,13 @@ log = logging.getLogger("srl.dispatch")
 
 def plan_window(
     prompts: Sequence[PromptLike], predictions: np.ndarray, layout: Layout, cfg: DispatchConfig,
-    ranker_version: int | None = None,
+    ranker_version: int | None = None, epoch: int = 0,
 ) -> list[PromptTask]:  # fmt: skip
-    """Tasks for one window: bucketed by prediction, longest-predicted first within a bucket."""
+    """Tasks for one window: bucketed by prediction, longest-predicted first within a bucket.
+
+    A group is identified by its prompt id, so epoch ``e > 0`` sends ``{prompt_id}.e{e}``: the
+    groups of different passes over the same prompt never merge on the trainer's side.
+    """
     if len(predictions) != len(prompts):
         raise SrlError(
             f"length predictor returned {len(predictions)} predictions for {len(prompts)} prompts"
@@ -70,7 +74,7 @@ def plan_window(
     tasks = []
     for p, length, bucket in zip(prompts, lengths, buckets, strict=True):
         tasks.append(PromptTask(
-            task_id=uuid.uuid4().hex, prompt_id=p.prompt_id, prompt=p.text, group_size=cfg.group_size,
+            task_id=uuid.uuid4().hex, prompt_id=p.prompt_id if epoch == 0 else f"{p.prompt_id}.e{epoch}", prompt=p.text, group_size=cfg.group_size,
             max_new_tokens=cfg.max_new_tokens, bucket=bucket, temperature=cfg.temperature,
             top_p=cfg.top_p, predicted_length=length, ranker_version=ranker_version,
             metadata=orjson.dumps(p.metadata).decode() if p.metadata else None,
@@ -179,6 +183,7 @@ def run_dispatcher(
                     layout,
                     cfg,
                     predictor.version,
+                    epoch,
                 )
                 t0 = time.monotonic()
                 if anns is not None and summary.windows > 0:

@@ -113,3 +113,31 @@ def read_prefixes(
     finally:
         consumer.close()
     return found
+
+
+def take_over_offsets(
+    cfg: CommonConfig, old_group: str, new_group: str, topics: list[str], timeout_s: float = 10.0
+) -> dict[tuple[str, int], int]:
+    """Copy ``old_group``'s committed positions on ``topics`` to ``new_group`` where it has none.
+
+    For a pool whose group is wedged by a member the broker never evicts (the embedded broker
+    after a SIGKILL, docs/broker.md): the replacement workers run under a new group that starts
+    where the old one had committed, and redeliver (and resume from their prefix) the tasks the
+    dead worker had not finished. Partitions ``new_group`` already committed are left alone,
+    so a restarted replacement does not go back. Returns what was copied.
+    """
+    from srl.kafka import committed_offsets
+
+    c = Consumer(consumer_settings(cfg, new_group, "takeover"))  # commits only, never joins
+    try:
+        meta = c.list_topics(timeout=timeout_s)
+        parts = [(t, p) for t in topics if t in meta.topics for p in meta.topics[t].partitions]
+        old = committed_offsets(cfg, old_group, parts, timeout_s)
+        mine = committed_offsets(cfg, new_group, parts, timeout_s)
+        copy = {tp: off for tp, off in old.items() if off is not None and mine.get(tp) is None}
+        if copy:
+            c.commit(offsets=[TopicPartition(t, p, off) for (t, p), off in copy.items()],
+                     asynchronous=False)  # fmt: skip
+        return copy
+    finally:
+        c.close()

@@ -116,6 +116,7 @@ class GeneratorWorker:
     def run(self, stop: threading.Event) -> GenSummary:
         from producers.backlog import GroupLag
         from producers.follower import WeightFollower
+        from producers.recovery import take_over_offsets
         from srl.kafka import Producer, create_topics, make_consumer
         from srl.metrics import Metrics
         from srl.store import open_store
@@ -130,9 +131,19 @@ class GeneratorWorker:
             stack.callback(self.follower.stop)
             self.lag = GroupLag(self.cfg, [self.cfg.trainer_group], [self.layout.trajectories])
             stack.callback(self.lag.close)
+            topics = [self.layout.prompts(b) for b in self.buckets]
+            if self.cfg.take_over_from:
+                try:
+                    copied = take_over_offsets(
+                        self.cfg, self.cfg.take_over_from, self.cfg.consumer_group, topics
+                    )
+                    log.info("took over %d committed positions from %s", len(copied),
+                             self.cfg.take_over_from)  # fmt: skip
+                except KafkaException as e:  # e.g. our group is already active: it has them
+                    log.warning("taking over from %s: %s", self.cfg.take_over_from, e)
             self.consumer = make_consumer(self.cfg, self.cfg.consumer_group, "generator")
             stack.callback(self.consumer.close)
-            self.consumer.subscribe([self.layout.prompts(b) for b in self.buckets], on_assign=self._on_assign,
+            self.consumer.subscribe(topics, on_assign=self._on_assign,
                                     on_revoke=self._on_revoke, on_lost=self._on_lost)  # fmt: skip
             idle_since = time.monotonic()
             while not stop.is_set():

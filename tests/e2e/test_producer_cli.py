@@ -16,6 +16,8 @@ import orjson
 import pytest
 
 from srl.config import CommonConfig, load_config
+from srl.kafka import committed_offsets
+from srl.topics import Layout
 from tests.conftest import bin_path, embedded_broker_in_use
 from tests.integration.test_generation import Trajectories, check_exactly_once
 
@@ -156,6 +158,72 @@ def test_sigkill_of_a_worker_mid_trajectory_is_resumed_by_another(
         assert workers_in_order[-1] in ("wb", "wc")
     summaries = logs["wb"].read_text() + logs["wc"].read_text()
     assert re.search(r"resumed [1-9]", summaries), summaries[-3000:]
+
+
+@pytest.mark.slow
+def test_sigkill_then_a_replacement_under_a_new_group_resumes_the_dead_workers_trajectories(
+    cli_env: dict[str, str], tiny_model: Path, tmp_path: Path
+) -> None:
+    """SIGKILL the pool's worker mid-trajectory; a replacement takes over the group's positions.
+
+    Runs on every broker (the embedded one never evicts the dead member, so its group stays
+    wedged; docs/broker.md): the replacement joins a new group with --take-over-from the old
+    one, gets the uncommitted tasks redelivered, skips what is complete and resumes the dead
+    worker's partial trajectories from their published prefix.
+    """
+    ids = balanced_prompts(tmp_path / "p.jsonl", 4)
+    short = [f"s{i}" for i in range(4)]  # finished and committed before the kill
+    (tmp_path / "s.jsonl").write_text("".join(
+        orjson.dumps({"prompt_id": p, "prompt": f"short {p}?"}).decode() + "\n" for p in short))  # fmt: skip
+    cfg = cfg_from_env(cli_env)
+    assert run("srl", "topics", "create", env=cli_env).returncode == 0
+    (tmp_path / "d.toml").write_text("[dispatch]\nbaseline_length = 400\n")  # all in le1024
+    for file, n in (("s.jsonl", "4"), ("p.jsonl", "400")):
+        out = run("srl-producer", "dispatch", "--config", str(tmp_path / "d.toml"), "--prompts",
+                  str(tmp_path / file), "--group-size", "4", "--max-new-tokens", n, env=cli_env)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+    t = Trajectories(cfg)
+    logs = {w: tmp_path / f"{w}.log" for w in ("wa", "wc")}
+    old_group = f"{cfg.topic_prefix}.gen.regular"
+    layout = Layout.from_config(cfg)
+    parts = [(layout.prompts("le1024"), p) for p in range(cfg.prompt_partitions)]
+
+    n_parts = cfg.prompt_partitions
+    per_part = {
+        p: sum(zlib.crc32(s.encode()) % n_parts == p for s in short) for p in range(n_parts)
+    }
+
+    def short_ones_committed(t: Trajectories) -> bool:
+        if sum(cs[0].prompt_id in short for cs in t.complete().values()) < 16:
+            return False
+        done = committed_offsets(cfg, old_group, parts)
+        return all((done[tp] or 0) >= per_part[tp[1]] for tp in parts)
+
+    with worker(cli_env, tiny_model, "wa", logs["wa"]) as wa:
+        until(t, lambda t: short_ones_committed(t) and len(incomplete_of(t, "wa")) >= 2,
+              {"wa": wa}, logs, 240)  # fmt: skip
+        wa.send_signal(signal.SIGKILL)
+        assert wa.wait(timeout=10) == -signal.SIGKILL
+    killed_mid = set(incomplete_of(t, "wa"))
+    with worker(cli_env, tiny_model, "wc", logs["wc"], "--group-id", f"{old_group}.r1",
+                "--take-over-from", old_group, "--idle-exit", "3") as wc:  # fmt: skip
+        assert wc.wait(timeout=400) == 0, logs["wc"].read_text()[-3000:]
+    t.wait(lambda t: len(t.complete()) == 32, timeout_s=30)
+    done = check_exactly_once(t, {(p, s) for p in ids + short for s in range(4)})
+    assert t.duplicates == 0
+    assert all({c.worker_id for c in done[(p, s)]} == {"wa"} for p in short for s in range(4))
+    resumed = [cs for cs in done.values() if cs[0].trajectory_id in killed_mid]
+    assert len(resumed) == len(killed_mid), (
+        "the killed worker's unfinished trajectories were not completed"
+    )
+    for cs in resumed:  # wc continued the numbering right after wa's last chunk
+        wids = [c.worker_id for c in cs]
+        switch = wids.index("wc")
+        assert set(wids[:switch]) == {"wa"} and set(wids[switch:]) == {"wc"}, wids
+    log_c = logs["wc"].read_text()
+    assert re.search(r"took over [1-9]", log_c) and re.search(r"resumed [1-9]", log_c), log_c[
+        -3000:
+    ]
 
 
 @pytest.mark.slow

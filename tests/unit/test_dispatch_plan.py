@@ -101,3 +101,15 @@ def test_dispatch_config_needs_exactly_one_source() -> None:
         load_config(DispatchConfig, cli={}, env={})
     with pytest.raises(ConfigError, match="needs --lengths"):
         load_config(DispatchConfig, cli={"task": "sim"}, env={})
+
+
+def test_each_epoch_gets_its_own_prompt_ids_so_groups_never_merge() -> None:
+    layout = Layout(bucket_bounds=(100,))
+    prompts = [SourcePrompt(f"p{i}", f"text {i}", {}) for i in range(3)]
+    preds = np.array([10, 20, 30])
+    ids = [
+        {t.prompt_id for t in plan_window(prompts, preds, layout, cfg(), epoch=e)} for e in range(3)
+    ]
+    assert ids[0] == {"p0", "p1", "p2"}
+    assert ids[1] == {"p0.e1", "p1.e1", "p2.e1"}
+    assert ids[2] == {"p0.e2", "p1.e2", "p2.e2"}
