@@ -107,8 +107,14 @@ def _step(model: Any, opt: Any, tok: Any, prompts: list[task.Prompt], s: RlSetti
     return sum(rewards_all) / len(rewards_all)
 
 
-def run(model_dir: Path, seed: int, s: RlSettings, log: Any = print) -> dict[str, Any]:
-    """Before/after held-out accuracy of ``s.steps`` GRPO steps from ``model_dir``."""
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run(model_dir: Path, seed: int, s: RlSettings, log: Any = _progress) -> dict[str, Any]:
+    """Before/after held-out accuracy of ``s.steps`` GRPO steps from ``model_dir``.
+
+    Progress lines go to stderr; the result is returned (``main`` prints JSON on stdout)."""
     import torch
 
     from srl.report import EVAL_SEED
