@@ -298,10 +298,12 @@ def bench(as_json: bool, requests_n: int, max_new_tokens: int, repeats: int, **k
         return
     for name, r in out["cases"].items():
         click.echo(
-            f"{name:>16}: {r['tokens_per_s']:>9,.1f} tokens/s ({r['tokens']} tokens in {r['seconds']} s)"
+            f"{name:>16}: {r['tokens_per_s']:>9,.1f} tokens/s ({r['tokens']} tokens in {r['seconds']} s), "
+            f"{r['tokens_per_cpu_s']:,.1f} tokens/CPU-s"
         )
     click.echo(
-        f"batching speed-up x{out['batch_speedup']}; chunk publishing overhead {out['publish_overhead']:.1%}"
+        f"batching speed-up x{out['batch_speedup']}; chunk publishing overhead {out['publish_overhead']:.1%} "
+        f"(wall), {out['publish_overhead_cpu']:.1%} (CPU)"
     )
 
 
