@@ -22,6 +22,6 @@ def test_bench_runs_identical_fixed_length_work_in_every_case(
     assert cases["batch1"]["tokens"] == 2 * 12
     assert cases["batch4"]["tokens"] == cases["batch4+publish"]["tokens"] == 8 * 12
     assert all(c["tokens_per_s"] > 0 and c["tokens_per_cpu_s"] > 0 for c in cases.values())
-    assert all(0 < c["cpu_seconds"] for c in cases.values())
+    assert all(c["cpu_seconds"] > 0 for c in cases.values())
     assert out["publish_overhead_cpu"] < 1 and out["batch_speedup_cpu"] > 0
     assert out["simulated"] is False and out["publish_overhead"] < 1
