@@ -157,15 +157,14 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m srl.rlcheck", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--model", help="Model directory (default: srl init-model's for each seed).")
+    ap.add_argument("--model", help="Model directory (default: srl init-model's, seed 0).")
     for f in fields(RlSettings):
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     a = ap.parse_args(argv)
     s = RlSettings(**{f.name: getattr(a, f.name) for f in fields(RlSettings)})
-    results = []
-    for seed in a.seeds:
-        model_dir = Path(a.model) if a.model else ensure_model(seed=seed)
-        results.append(run(model_dir, seed, s))
+    # like srl demo: every RL seed starts from the same (seed-0) warm start
+    model_dir = Path(a.model) if a.model else ensure_model(seed=0)
+    results = [run(model_dir, seed, s) for seed in a.seeds]
     sys.stdout.write(orjson.dumps({"settings": s.__dict__, "results": results}).decode() + "\n")
     return 0
 
