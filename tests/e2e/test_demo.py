@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -50,9 +51,11 @@ def _demo(tmp_path: Path, cli_env: dict[str, str], tiny_model: Path, *args: str)
     link = tmp_path / "policy0"
     if not link.exists():
         link.symlink_to(tiny_model, target_is_directory=True)
+    # a small held-out set and no intermediate evaluations keep the test short on a busy machine
+    (tmp_path / "demo.toml").write_text("[demo]\neval_prompts = 32\neval_every = 0\n")
     return [
         bin_path("srl"), "-v", "demo", "--out", str(tmp_path / "demo"), "--model", "policy0",
-        "--steps", "3", *args,
+        "--config", str(tmp_path / "demo.toml"), "--steps", "3", *args,
     ]  # fmt: skip
 
 
@@ -107,17 +110,24 @@ def test_ctrl_c_stops_every_process_and_still_writes_the_report(
             env=cli_env, stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path,
         )  # fmt: skip
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 600
         while "step 1/500" not in log.read_text() and time.monotonic() < deadline:
             assert proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.5)
         assert "step 1/500" in log.read_text(), log.read_text()[-3000:]
         proc.send_signal(signal.SIGINT)
-        rc = proc.wait(180)
+        rc = proc.wait(300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:  # the test failed early: let the demo stop its roles first
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for pid in _pids(log):  # never leave a role behind, whatever happened
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
     text = log.read_text()
     assert rc != 0 and "Traceback" not in text, text[-3000:]
     assert text.strip().splitlines()[-1].startswith("srl: error: interrupted")
