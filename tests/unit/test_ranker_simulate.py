@@ -95,10 +95,8 @@ def test_a_mispredicted_straggler_migrates_and_the_makespan_shrinks() -> None:
 def test_the_model_is_the_sim_engines(cap: int) -> None:
     """The simulator's instance model and the sim engine agree step for step (same PTL,
     same continuous batching, admission by priority = predicted length)."""
-    sim = pytest.importorskip(
-        "producers.engines.sim", reason="the sim engine (issue 3) has not landed"
-    )
-    base = pytest.importorskip("producers.engines.base")
+    from producers.engines import base, sim
+
     lengths = np.random.default_rng(cap).integers(1, 300, 100)
     engine = sim.SimEngine(max_batch=cap, time_scale=0.0, seed=0)
     for i, n in enumerate(lengths):
