@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import orjson
-import pytest
 
 from tests.conftest import bin_path
 
@@ -50,7 +49,6 @@ def test_simulate_text_and_bad_input(tmp_path: Path) -> None:
 
 
 def test_train_on_demo_then_eval_json(tmp_path: Path) -> None:
-    pytest.importorskip("srl.task", reason="the demo task (srl/task.py, issue 5) has not landed")
     store = f"file://{tmp_path / 'store'}"
     r = srl("ranker", "eval", "--store", store, "--run", "x", "--json")
     assert r.returncode != 0 and "no ranker published" in r.stderr and "Traceback" not in r.stderr
