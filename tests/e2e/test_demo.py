@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -59,6 +60,21 @@ def _demo(tmp_path: Path, cli_env: dict[str, str], tiny_model: Path, *args: str)
     ]  # fmt: skip
 
 
+def _run_to_end(
+    tmp_path: Path, env: dict[str, str], tiny_model: Path, *args: str
+) -> tuple[dict[str, Any], dict[str, Any], Path]:
+    """Run the demo to its end (exit 0): (what --json printed, report.json, the demo's log)."""
+    log = tmp_path / "demo.log"
+    with log.open("w") as f:
+        rc = subprocess.run(
+            [*_demo(tmp_path, env, tiny_model, *args), "--json"],
+            env=env, stdout=subprocess.PIPE, stderr=f, timeout=600, cwd=tmp_path,
+        )  # fmt: skip
+    assert rc.returncode == 0, log.read_text()[-3000:]
+    report = orjson.loads((tmp_path / "demo" / "report.json").read_bytes())
+    return orjson.loads(rc.stdout), report, log
+
+
 @pytest.mark.slow
 def test_demo_runs_every_role_with_a_users_reward_and_audits_the_run(
     tmp_path: Path, cli_env: dict[str, str], tiny_model: Path
@@ -66,15 +82,10 @@ def test_demo_runs_every_role_with_a_users_reward_and_audits_the_run(
     (tmp_path / "userreward.py").write_text(REWARD)
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
     env = cli_env | {"PYTHONPATH": path, "MARK_FILE": str(tmp_path / "marks")}
-    log = tmp_path / "demo.log"
-    with log.open("w") as f:
-        rc = subprocess.run(
-            [*_demo(tmp_path, env, tiny_model, "--reward", "userreward:odd_length"), "--json"],
-            env=env, stdout=subprocess.PIPE, stderr=f, timeout=600, cwd=tmp_path,
-        )  # fmt: skip
-    assert rc.returncode == 0, log.read_text()[-3000:]
-    report = orjson.loads((tmp_path / "demo" / "report.json").read_bytes())
-    assert orjson.loads(rc.stdout)["lost"] == report["lost"] == 0
+    printed, report, log = _run_to_end(
+        tmp_path, env, tiny_model, "--reward", "userreward:odd_length"
+    )
+    assert printed["lost"] == report["lost"] == 0
     assert report["steps"] == 3 and report["policy_versions"] == 3
     assert report["trajectories_trained"] > 0
     assert (
@@ -144,14 +155,7 @@ def test_sync_mode_never_lets_a_generator_run_ahead_of_the_trainer(
     """--mode sync (dispatcher barrier + trainer --sync-barrier): every chunk of every trained
     trajectory was sampled by exactly the version the trainer was updating (staleness 0, no
     drops), i.e. no generator ran ahead of the trainer."""
-    log = tmp_path / "demo.log"
-    with log.open("w") as f:
-        rc = subprocess.run(
-            [*_demo(tmp_path, cli_env, tiny_model, "--mode", "sync"), "--json"],
-            env=cli_env, stdout=subprocess.PIPE, stderr=f, timeout=600, cwd=tmp_path,
-        )  # fmt: skip
-    assert rc.returncode == 0, log.read_text()[-3000:]
-    report = orjson.loads((tmp_path / "demo" / "report.json").read_bytes())
+    _printed, report, _log = _run_to_end(tmp_path, cli_env, tiny_model, "--mode", "sync")
     assert report["steps"] == 3 and report["lost"] == 0 and report["dropped_stale"] == 0
     assert report["staleness_hist"] == {"0": report["trajectories_trained"]}
     assert report["trajectories_trained"] == 3 * 8 * 8
