@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 import numpy as np
 import orjson
 
-from schemas.records import TrajectoryChunk, now_ms, unpack_logprobs, unpack_tokens
+from schemas.records import MIGRATED, TrajectoryChunk, now_ms, unpack_logprobs, unpack_tokens
 
 
 class BadChunk(ValueError):
@@ -103,8 +103,10 @@ def validate_chunk(c: TrajectoryChunk) -> None:
         raise BadChunk(
             f"{len(c.tokens)} token bytes vs {len(c.logprobs)} log-prob bytes (int32/float32, one each)"
         )
-    if not c.tokens and not c.is_last:
+    if not c.tokens and not c.is_last and c.finish_reason != MIGRATED:
         raise BadChunk(f"empty chunk seq {c.seq} that is not the last")
+    if not c.is_last and c.finish_reason not in (None, MIGRATED):
+        raise BadChunk(f"finish_reason {c.finish_reason!r} on chunk seq {c.seq}, which is not the last")
     lp = c.logprob_values()
     if lp.size and not (np.isfinite(lp).all() and float(lp.max()) <= 1e-3):
         raise BadChunk("behaviour log-probs must be finite and <= 0")

@@ -10,7 +10,10 @@ contract of ``schemas/trajectory_chunk.avsc``):
   ``flush_all`` before a weight swap);
 * ``prompt_tokens`` and ``metadata`` ride on seq 0 only; ``finish_reason`` and ``is_last``
   on the last chunk only; the last chunk may be empty only when it carries nothing but the
-  end (an abort).
+  end (an abort);
+* the one exception: :meth:`Chunker.hand_off` closes a trajectory this worker gives to another
+  pool with a non-last chunk whose ``finish_reason`` is ``MIGRATED`` (possibly empty), so
+  whoever reads the topic back knows the prefix has a new owner.
 
 No Kafka here: the worker drains the returned records into its producer. Called by
 ``producers.worker`` and ``producers.bench``.
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from schemas.records import TrajectoryChunk, now_ms, pack_logprobs, pack_tokens
+from schemas.records import MIGRATED, TrajectoryChunk, now_ms, pack_logprobs, pack_tokens
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,13 @@ class Chunker:
         t = self._open[trajectory_id]
         return self._emit(t, len(t.tokens)) if t.tokens else None
 
+    def hand_off(self, trajectory_id: str, version: int) -> TrajectoryChunk:
+        """Close a trajectory that continues elsewhere: its open tokens in a ``MIGRATED`` chunk."""
+        t = self._open.pop(trajectory_id)
+        if t.version < 0:
+            t.version = version
+        return self._emit(t, len(t.tokens), MIGRATED, is_last=False)
+
     def flush_all(self) -> list[TrajectoryChunk]:
         """Every open partial chunk (before a weight swap, so no chunk mixes versions)."""
         return [c for k in list(self._open) if (c := self.flush(k)) is not None]
@@ -108,7 +118,9 @@ class Chunker:
         """Forget a trajectory (after its hand-off flush); later chunks come from another worker."""
         self._open.pop(trajectory_id, None)
 
-    def _emit(self, t: _Open, n: int, finish_reason: str | None = None) -> TrajectoryChunk:
+    def _emit(
+        self, t: _Open, n: int, finish_reason: str | None = None, is_last: bool | None = None
+    ) -> TrajectoryChunk:
         s = t.start
         tokens, logprobs = t.tokens[:n], t.logprobs[:n]
         del t.tokens[:n], t.logprobs[:n]
@@ -117,7 +129,7 @@ class Chunker:
             trajectory_id=s.trajectory_id, prompt_id=s.prompt_id, task_id=s.task_id,
             sample_index=s.sample_index, group_size=s.group_size, seq=t.seq, token_offset=t.offset,
             tokens=pack_tokens(tokens), logprobs=pack_logprobs(logprobs), policy_version=t.version,
-            is_last=finish_reason is not None, finish_reason=finish_reason, worker_id=self.worker_id,
+            is_last=finish_reason is not None if is_last is None else is_last, finish_reason=finish_reason, worker_id=self.worker_id,
             bucket=s.bucket, started_ms=s.started_ms, predicted_length=s.predicted_length,
             prompt_tokens=s.prompt_tokens if first else None, metadata=s.metadata if first else None,
         )  # fmt: skip

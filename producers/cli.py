@@ -182,6 +182,17 @@ def dispatch(as_json: bool, pools: str | None, **kw: Any) -> None:
 @click.option(
     "--max-backlog-chunks", type=int, help="Pause while the trainer lags by more chunks than this."
 )
+@click.option(
+    "--migrate-to",
+    metavar="BUCKET",
+    help="Hand stragglers (past --migrate-factor x their predicted length) to this long-tail bucket.",
+)
+@click.option(
+    "--migrate-factor", type=float, help="Straggler: generated > factor x predicted. Default 2."
+)
+@click.option(
+    "--migrate-min-tokens", type=int, help="Straggler: at least this many tokens. Default 64."
+)
 @click.option("--seed", type=int, help="Sampling seed.")
 @click.option(
     "--lengths",
@@ -239,7 +250,7 @@ def generate(as_json: bool, buckets: str | None, **kw: Any) -> None:
     else:
         label = " (SIMULATED engine)" if s.simulated else ""
         click.echo(f"generator {s.worker_id}{label}: {s.tasks} tasks, {s.trajectories} trajectories, {s.tokens} tokens "
-                   f"in {s.chunks} chunks; resumed {s.resumed}, handed off {s.handed_off}, dead letters "
+                   f"in {s.chunks} chunks; resumed {s.resumed}, handed off {s.handed_off}, migrated {s.migrated}, dead letters "
                    f"{s.dead_letters}, weights loaded {s.weights_loaded} refused {s.weights_refused}, policy v{s.policy_version}")  # fmt: skip
 
 

@@ -161,6 +161,16 @@ class GenerateConfig(CommonConfig):
     backlog_group: str | None = Field(
         None, description="Consumer group whose lag is the backlog; null: srl-trainer-{run}."
     )
+    migrate_to: str | None = Field(
+        None,
+        description="Long-tail bucket to hand stragglers to (by prefix, same trajectory id): a trajectory of another bucket that ran past migrate_factor x its predicted length moves there; null: never migrate.",
+    )
+    migrate_factor: float = Field(
+        2.0, gt=1.0, le=1000, description="A straggler has generated more than this many times its predicted length."
+    )
+    migrate_min_tokens: int = Field(
+        64, ge=1, description="… and at least this many tokens (short predictions are noisy)."
+    )
     seed: int | None = Field(None, description="Sampling seed; null: random.")
     lengths: str | None = Field(
         None, description="sim engine: length histogram file for tasks without metadata.sim_length."

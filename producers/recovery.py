@@ -9,7 +9,9 @@ Owns how a worker finds out what already exists of a trajectory before it genera
   creation time (minus a clock-skew slack, located with ``offsets_for_times``) to the high
   watermark, and returns for each trajectory the chunks found from its first expected seq:
   *complete* (contiguous through ``is_last``: nothing to do), a *prefix* to resume (prefill and
-  continue at the next seq), or nothing (generate from the start). A gap in the seq numbers
+  continue at the next seq), *migrated* (a ``MIGRATED`` chunk: the previous owner handed the
+  trajectory to the long-tail pool, which continues it), or nothing (generate from the
+  start). A gap in the seq numbers
   cannot come from an idempotent producer; it is reported so the task goes to the DLQ.
 
 Called by the worker for tasks that may have been started by a previous owner of their
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 
 from confluent_kafka import Consumer, TopicPartition
 
-from schemas.records import SchemaError, TrajectoryChunk, decode_as
+from schemas.records import MIGRATED, SchemaError, TrajectoryChunk, decode_as
 from srl.config import CommonConfig
 from srl.kafka import consumer_settings
 from srl.topics import Layout
@@ -55,10 +57,13 @@ class Found:
         return out
 
     def state(self, first_seq: int) -> str:
-        """'none', 'prefix', 'complete' or 'gap'."""
+        """'none', 'prefix', 'complete', 'migrated' (handed to another pool: not ours to
+        continue) or 'gap'."""
         run = self.contiguous(first_seq)
         if run and run[-1].is_last:
             return "complete"
+        if any(c.finish_reason == MIGRATED for c in run):
+            return "migrated"
         if len(run) < len([s for s in self.chunks if s >= first_seq]):
             return "gap"
         return "prefix" if run else "none"

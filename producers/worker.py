@@ -18,7 +18,10 @@ iteration in this order:
    while ``loaded version >= latest - max_staleness``, after reading every weights
    announcement made before the task arrived (``WeightFollower.sync``);
 5. **one decode step**; its outputs go through the chunker into the producer, key =
-   trajectory id, partition = ``Layout.partition_for(bucket, trajectory_id)``;
+   trajectory id, partition = ``Layout.partition_for(bucket, trajectory_id)``; with
+   ``migrate_to`` set, stragglers (past ``migrate_factor`` × their prediction) are then handed
+   to the long-tail bucket by prefix (``_hand_off``: hand-off chunk acknowledged, then the
+   resume task acknowledged, then the slot is freed; ``producers.migration``);
 6. **commit**: a task is finished when all its samples ended and every chunk was acknowledged;
    offsets are committed per partition up to the first unfinished task (``OffsetTracker``);
 7. every ``stats_interval_s``: a ``gen_stats`` event and the counters.
@@ -44,6 +47,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from producers.chunker import Chunker, TrajectoryStart
 from producers.config import GenerateConfig
 from producers.engines.base import Emitted, Engine, Request, RequestError
+from producers.migration import Stragglers
 from producers.tasks import OffsetTracker, SamplePlan, TaskState, TopicPart
 from schemas.records import (
     PromptTask,
@@ -76,6 +80,7 @@ class GenSummary:
     resumed: int = 0  # samples continued from a prefix read back from the topic
     skipped_complete: int = 0  # redelivered samples found already complete
     handed_off: int = 0  # trajectories left to another worker (revocation, shutdown)
+    migrated: int = 0  # stragglers handed to the long-tail pool by prefix
     dead_letters: int = 0
     weights_loaded: int = 0
     weights_refused: int = 0
@@ -98,6 +103,12 @@ class GeneratorWorker:
                 self.layout.bucket_index(b)
             except ValueError as e:
                 raise ConfigError(f"buckets: {e}") from None
+        if cfg.migrate_to is not None:
+            try:
+                self.layout.bucket_index(cfg.migrate_to)
+            except ValueError as e:
+                raise ConfigError(f"migrate_to: {e}") from None
+        self.stragglers = Stragglers.from_config(cfg)
         self.summary = GenSummary(cfg.worker_name, engine.name, engine.simulated)
         self.chunker = Chunker(cfg.chunk_tokens, cfg.worker_name)
         self.tracker = OffsetTracker()
@@ -168,6 +179,8 @@ class GeneratorWorker:
             self.follower.sync()
         self._admit()
         self._publish(self.engine.step())
+        if self.stragglers is not None and not self.stopping:
+            self._migrate()
         self.producer.poll(0)
         self._commit()
         self._stats()
@@ -340,7 +353,7 @@ class GeneratorWorker:
                         st, f"trajectory {p.trajectory_id} has a gap in its seq numbers"
                     )
                     break
-                if state == "complete":
+                if state in ("complete", "migrated"):  # migrated: the long-tail pool has it
                     st.generating.discard(p.trajectory_id)
                     self.summary.skipped_complete += 1
                     continue
@@ -374,6 +387,8 @@ class GeneratorWorker:
                 plan.started_ms or now_ms(),
             ))  # fmt: skip
             self.by_tid[plan.trajectory_id] = st
+            if self.stragglers is not None:
+                self.stragglers.start(t, plan.trajectory_id, plan.sample_index, plan.prefix)
             room -= 1
 
     @staticmethod
@@ -393,7 +408,11 @@ class GeneratorWorker:
             ):
                 self._produce(chunk, st)
             self.summary.tokens += len(e.tokens)
+            if self.stragglers is not None:
+                self.stragglers.add(e.key, e.tokens, self.engine.version)
             if e.finish_reason is not None:
+                if self.stragglers is not None:
+                    self.stragglers.forget(e.key)
                 del self.by_tid[e.key]
                 st.generating.discard(e.key)
                 self.summary.trajectories += 1
@@ -413,6 +432,43 @@ class GeneratorWorker:
                               partition=self.layout.partition_for(chunk.bucket, chunk.trajectory_id),
                               on_delivery=delivered)  # fmt: skip
         self.summary.chunks += 1
+
+    def _migrate(self) -> None:
+        assert self.stragglers is not None
+        for tid in self.stragglers.due():
+            if tid in self.by_tid and tid in self.chunker:
+                self._hand_off(tid)
+            self.stragglers.forget(tid)
+
+    def _hand_off(self, tid: str) -> None:
+        """Move one straggler to the long-tail pool, in ``ranker.migrate``'s exactly-once order.
+
+        A crash before the hand-off chunk is acknowledged: the task is redelivered and resumed
+        here (plain recovery). After it, before the resume task is acknowledged: a redelivered
+        task skips the trajectory (recovery sees ``MIGRATED``) and nobody continues it; the
+        trainer expires the prefix and counts it (``expired``), never trains it twice.
+        """
+        assert self.stragglers is not None
+        st = self.by_tid[tid]
+        self.engine.abort(tid)
+        chunk = self.chunker.hand_off(tid, self.engine.version)
+        self._produce(chunk, st)
+        self.producer.flush()  # 1. the prefix and its MIGRATED chunk are on the broker
+        if self._delivery_error is not None:
+            raise SrlError(f"hand-off chunk of {tid} not delivered ({self._delivery_error})")
+        task, generated = self.stragglers.task(st.task, tid, chunk.seq + 1, st.prompt_ids,
+                                               self.engine.version)  # fmt: skip
+        self.producer.produce(self.layout.prompts(task.bucket), encode(task), key=task.prompt_id)
+        self.producer.flush()  # 2. the resume task is on the broker (raises if it failed)
+        del self.by_tid[tid]  # 3. only now: the slot is free and the sample done here
+        st.generating.discard(tid)
+        self.summary.migrated += 1
+        self.metrics.emit("migrated", {"generated": float(generated), "predicted": float(st.task.predicted_length or 0),
+                                       "next_seq": float(chunk.seq + 1)},
+                          {"worker_id": self.summary.worker_id, "trajectory_id": tid, "to": task.bucket})  # fmt: skip
+        log.info("migrated %s to %s after %d tokens (predicted %s)", tid, task.bucket, generated,
+                 st.task.predicted_length)  # fmt: skip
+        self._maybe_finished(st)
 
     def _maybe_finished(self, st: TaskState) -> None:
         if st.finished and self.tracker.finish(st.tp, st.offset):

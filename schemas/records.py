@@ -27,6 +27,9 @@ _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
 
 
+MIGRATED = "migrated"  # finish_reason of a non-last chunk: the trajectory continues in another pool
+
+
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from consumers.assembler import Assembler, BadChunk, BadTrajectory
-from schemas.records import pack_logprobs
+from schemas.records import MIGRATED, pack_logprobs
 from tests.chunks import traj_chunks
 
 
@@ -72,12 +72,24 @@ def test_resumed_trajectory_stitches_across_workers_and_buckets() -> None:
         ({"prompt_tokens": None}, "prompt_tokens"),
         ({"metadata": "{not json"}, "not JSON"),
         ({"metadata": "[1]"}, "not an object"),
+        ({"finish_reason": "stop"}, "not the last"),
+        ({"tokens": b"", "logprobs": b""}, "empty chunk"),
     ],
 )
 def test_malformed_chunks_are_refused(change: dict, match: str) -> None:
     c = traj_chunks("p", 0, 4, [1], [1, 2, 3, 4, 5], metadata={})[0]
     with pytest.raises(BadChunk, match=match):
         Assembler(set()).add(dataclasses.replace(c, **change))
+
+
+def test_a_migrated_trajectory_stitches_through_its_hand_off_chunk() -> None:
+    chunks = traj_chunks("p", 0, 1, [1], list(range(6)), chunk_tokens=2)  # seq 0, 1, 2 (last)
+    marker = dataclasses.replace(chunks[1], tokens=b"", logprobs=b"", finish_reason=MIGRATED)
+    rest = [dataclasses.replace(chunks[1], seq=2, worker_id="B"),
+            dataclasses.replace(chunks[2], seq=3, worker_id="B")]  # fmt: skip
+    done = feed(Assembler(set()), [rest[1], chunks[0], marker, rest[0]])
+    assert len(done) == 1 and done[0].tokens.tolist() == list(range(6))
+    assert done[0].finish_reason == chunks[2].finish_reason
 
 
 def test_inconsistent_offsets_fail_the_trajectory() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from producers.engines.sim import SimEngine
 from producers.recovery import Found, trajectory_id_for
 from producers.tasks import OffsetTracker
 from producers.workload import LengthHistogram, ptl_ms
-from schemas.records import pack_tokens
+from schemas.records import MIGRATED, pack_tokens
 from srl.errors import ConfigError
 
 HIST = Path("/work/shared/data/streamrl_output_length_hist.csv")
@@ -117,6 +118,26 @@ def test_an_abort_without_tokens_is_an_empty_last_chunk() -> None:
     ]
 
 
+def test_a_hand_off_closes_the_trajectory_with_a_non_last_migrated_chunk() -> None:
+    c = Chunker(2, "w")
+    c.open(start())
+    out = c.add("t", [1, 2, 3], [0.0] * 3, 4) + [c.hand_off("t", 5)]
+    assert [(ch.seq, ch.n_tokens, ch.is_last, ch.finish_reason) for ch in out] == [
+        (0, 2, False, None),
+        (1, 1, False, MIGRATED),
+    ]
+    assert out[1].policy_version == 4 and "t" not in c
+    c.open(start(trajectory_id="u"))
+    c.add("u", [1, 2], [0.0, 0.0], 0)  # the open chunk is empty when it moves: still a marker
+    empty = c.hand_off("u", 3)
+    assert (empty.seq, empty.n_tokens, empty.is_last, empty.finish_reason) == (
+        1,
+        0,
+        False,
+        MIGRATED,
+    )
+
+
 # -- offsets ----------------------------------------------------------------------------------
 def test_commit_position_never_passes_an_unfinished_task() -> None:
     t = OffsetTracker()
@@ -153,6 +174,11 @@ def test_found_prefix_states() -> None:
     assert Found({i: ch for i, ch in enumerate(chunks)}).state(0) == "complete"
     assert Found({0: chunks[0], 2: chunks[2]}).state(0) == "gap"
     assert Found({2: chunks[2]}).state(2) == "complete"
+    c.open(start(trajectory_id="m"))
+    moved = c.add("m", [1], [0.0], 0) + [c.hand_off("m", 0)]
+    assert Found(dict(enumerate(moved))).state(0) == "migrated"  # not ours to continue
+    later = dataclasses.replace(chunks[2], trajectory_id="m", seq=2, token_offset=1)
+    assert Found({**dict(enumerate(moved)), 2: later}).state(0) == "complete"
 
 
 # -- sim engine and workload ------------------------------------------------------------------
