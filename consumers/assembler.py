@@ -106,7 +106,9 @@ def validate_chunk(c: TrajectoryChunk) -> None:
     if not c.tokens and not c.is_last and c.finish_reason != MIGRATED:
         raise BadChunk(f"empty chunk seq {c.seq} that is not the last")
     if not c.is_last and c.finish_reason not in (None, MIGRATED):
-        raise BadChunk(f"finish_reason {c.finish_reason!r} on chunk seq {c.seq}, which is not the last")
+        raise BadChunk(
+            f"finish_reason {c.finish_reason!r} on chunk seq {c.seq}, which is not the last"
+        )
     lp = c.logprob_values()
     if lp.size and not (np.isfinite(lp).all() and float(lp.max()) <= 1e-3):
         raise BadChunk("behaviour log-probs must be finite and <= 0")

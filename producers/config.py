@@ -166,7 +166,10 @@ class GenerateConfig(CommonConfig):
         description="Long-tail bucket to hand stragglers to (by prefix, same trajectory id): a trajectory of another bucket that ran past migrate_factor x its predicted length moves there; null: never migrate.",
     )
     migrate_factor: float = Field(
-        2.0, gt=1.0, le=1000, description="A straggler has generated more than this many times its predicted length."
+        2.0,
+        gt=1.0,
+        le=1000,
+        description="A straggler has generated more than this many times its predicted length.",
     )
     migrate_min_tokens: int = Field(
         64, ge=1, description="… and at least this many tokens (short predictions are noisy)."

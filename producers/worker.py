@@ -49,6 +49,7 @@ from producers.config import GenerateConfig
 from producers.engines.base import Emitted, Engine, Request, RequestError
 from producers.migration import Stragglers
 from producers.tasks import OffsetTracker, SamplePlan, TaskState, TopicPart
+from ranker.migrate import admission_priority
 from schemas.records import (
     PromptTask,
     SchemaError,
@@ -373,7 +374,7 @@ class GeneratorWorker:
         if self.engine.version < self.follower.latest - self.cfg.max_staleness:
             return  # newer weights are on their way; start nothing with these
         room = self.cfg.max_batch - self.engine.running - len(self.engine.waiting)
-        self.pending.sort(key=lambda s: -(s.task.predicted_length or 0))
+        self.pending.sort(key=lambda s: -(admission_priority(s.task) or 0.0))  # resumes first, LPT
         while room > 0 and self.pending:
             st = self.pending[0]
             plan = st.todo.pop(0)
