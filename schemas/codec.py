@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import fastavro
 
+from schemas.flat import compile_flat
 from srl.errors import SchemaError
 
 SCHEMA_DIR = Path(__file__).resolve().parent
@@ -131,6 +132,9 @@ class Codec:
         for path in history or ():
             v = SchemaVersion.from_file(Path(path))
             self.by_fingerprint.setdefault(v.fingerprint, v)
+        # compiled reader/writer of each current flat schema (schemas.flat): the hot path
+        self._flat = {v.fingerprint: f for v in self.current.values()
+                      if (f := compile_flat(json.loads(v.raw))) is not None}  # fmt: skip
         self.registry = registry
         self._registry_ids: dict[bytes, int] = {}
         self._registry_schemas: dict[int, SchemaVersion] = {}
@@ -145,6 +149,13 @@ class Codec:
             buf.write(version.fingerprint)
         else:
             buf.write(struct.pack(">bI", CONFLUENT_MAGIC, self._registry_id(version)))
+        flat = self._flat.get(version.fingerprint)
+        if flat is not None:
+            try:
+                buf.write(flat[1](record))
+            except SchemaError as e:
+                raise SchemaError(f"cannot encode {version.name}: {e}") from None
+            return buf.getvalue()
         try:
             fastavro.schemaless_writer(buf, version.parsed, record)
         except Exception as e:
@@ -185,6 +196,12 @@ class Codec:
         return writer.name, self._read(body, writer, reader)
 
     def _read(self, body: bytes, writer: SchemaVersion, reader: SchemaVersion) -> dict[str, Any]:
+        flat = self._flat.get(writer.fingerprint) if writer is reader else None
+        if flat is not None:
+            try:
+                return flat[0](body)
+            except SchemaError as e:
+                raise SchemaError(f"malformed {writer.name} body: {e}") from None
         buf = io.BytesIO(body)
         try:
             if writer.fingerprint == reader.fingerprint:

@@ -60,12 +60,33 @@ class Record:
     avro_name: ClassVar[str]
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        return {n: _to_plain(getattr(self, n)) for n in _names(type(self))}
 
     @classmethod
     def from_dict(cls: type[T], d: dict[str, Any]) -> T:
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        names = _name_set(cls)
+        if d.keys() <= names:  # the usual case: the current schema's fields
+            return cls(**d)
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+_NAMES: dict[type, tuple[str, ...]] = {}
+_NAME_SETS: dict[type, frozenset[str]] = {}
+
+
+def _names(cls: type) -> tuple[str, ...]:
+    """Field names of a record class, in order (dataclasses.fields per record is slow)."""
+    names = _NAMES.get(cls)
+    if names is None:
+        names = _NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
+def _name_set(cls: type) -> frozenset[str]:
+    names = _NAME_SETS.get(cls)
+    if names is None:
+        names = _NAME_SETS[cls] = frozenset(_names(cls))
+    return names
 
 
 def _to_plain(value: Any) -> Any:

@@ -89,6 +89,11 @@ class DemoConfig(CommonConfig):
     chunk_tokens: int = Field(16, ge=1, description="Tokens per published chunk.")
     regular_max_batch: int = Field(32, ge=1, description="Regular pool's decode batch.")
     longtail_max_batch: int = Field(8, ge=1, description="Long-tail pool's decode batch.")
+    migrate_factor: float | None = Field(
+        2.0,
+        gt=1,
+        description="The regular pool hands a trajectory past this many times its predicted length (and 16 tokens) to the long-tail pool; null: never.",
+    )
     timeout_s: float = Field(1800.0, gt=0, description="Give up when training takes longer.")
     embedded: bool = Field(True, description="Start the embedded broker (false with --bootstrap).")
 
@@ -286,6 +291,8 @@ class Plan:
                     "srl-producer", "generate", *conf, "--pool", "regular",
                     "--buckets", ",".join(REGULAR_BUCKETS),
                     "--max-batch", str(c.regular_max_batch), "--worker-id", "regular-0",
+                    *(["--migrate-to", LONGTAIL_BUCKETS[0], "--migrate-factor", str(c.migrate_factor),
+                       "--migrate-min-tokens", "16"] if c.migrate_factor else []),
                 ),
                 logs / "gen-regular.log",
             ),

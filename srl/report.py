@@ -308,6 +308,7 @@ def build(
         "duplicate_chunks_in_topic": audit.duplicate_chunks,
         "decided_twice": audit.decided_twice,
         "pending_at_stop": len(audit.pending()),
+        "migrated": sum(1 for e in events if e.kind == "migrated"),
         "incomplete_at_stop": len(audit.trajectories) - len(audit.generated),
         "lost": len(audit.lost()),
         "wall_s": round(wall_run, 1),

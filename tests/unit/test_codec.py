@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import struct
 from pathlib import Path
+from typing import Any
 
+import fastavro
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.codec import SCHEMA_DIR, Codec, SchemaError, SchemaVersion, crc64_avro
+from schemas.flat import compile_flat
 from schemas.records import (
     MetricEvent,
     PromptTask,
@@ -233,3 +238,64 @@ def test_every_schema_file_is_documented() -> None:
                     f"{path.name}: {f['name']} must say what null means"
                 )
         SchemaVersion.from_file(path)
+
+
+# -- the compiled flat-record path is byte-for-byte fastavro --------------------------------
+def _fastavro(name: str) -> tuple[Any, Any]:
+    codec = Codec()
+    v = codec.current[name]
+    flat = compile_flat(orjson.loads(v.raw))
+    assert flat is not None, f"{name} should be flat"
+    return v.parsed, flat
+
+
+_i32 = st.integers(-(2**31), 2**31 - 1)
+_i64 = st.integers(-(2**63), 2**63 - 1)
+_text = st.text(max_size=40)
+_blob = st.binary(max_size=300)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.fixed_dictionaries({
+    "trajectory_id": _text, "prompt_id": _text, "task_id": _text, "sample_index": _i32, "group_size": _i32,
+    "seq": _i32, "token_offset": _i32, "tokens": _blob, "logprobs": _blob, "policy_version": _i64,
+    "is_last": st.booleans(), "finish_reason": st.none() | _text, "worker_id": _text, "bucket": _text,
+    "predicted_length": st.none() | _i32, "prompt_tokens": st.none() | _blob, "metadata": st.none() | _text,
+    "started_ms": _i64, "created_ms": _i64,
+}))  # fmt: skip
+def test_flat_chunk_path_writes_and_reads_exactly_what_fastavro_does(record: dict) -> None:
+    parsed, (read, write) = _fastavro("srl.TrajectoryChunk")
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, parsed, record)
+    assert write(record) == buf.getvalue()
+    assert read(buf.getvalue()) == fastavro.schemaless_reader(
+        io.BytesIO(buf.getvalue()), parsed, None
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.fixed_dictionaries({
+    "run": _text, "version": _i64, "manifest_uri": _text, "manifest_sha256": _text, "trainer_step": _i64,
+    "parent_version": st.none() | _i64, "total_bytes": _i64, "created_ms": _i64,
+}))  # fmt: skip
+def test_flat_announcement_path_matches_fastavro(record: dict) -> None:
+    parsed, (read, write) = _fastavro("srl.WeightsAnnouncement")
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, parsed, record)
+    assert write(record) == buf.getvalue() and read(buf.getvalue()) == record
+
+
+def test_nested_and_map_schemas_stay_on_fastavro() -> None:
+    codec = Codec()
+    for name in ("srl.PromptTask", "srl.MetricEvent"):
+        assert compile_flat(orjson.loads(codec.current[name].raw)) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [({"seq": 2**31}, "out of int range"), ({"seq": None}, "no value"), ({"tokens": "abc"}, "expected bytes"),
+     ({"is_last": 1}, "expected boolean"), ({"finish_reason": 5}, "expected string")],
+)  # fmt: skip
+def test_flat_encoding_refuses_bad_values_with_a_schema_error(change: dict, match: str) -> None:
+    with pytest.raises(SchemaError, match=match):
+        Codec().encode("srl.TrajectoryChunk", {**chunk().to_dict(), **change})
