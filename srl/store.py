@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import mmap
 import os
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from srl.errors import ConfigError, StoreError
@@ -61,6 +63,11 @@ class ObjectStore(ABC):
     @abstractmethod
     def get(self, key: str) -> bytes: ...
 
+    def get_hashed(self, key: str) -> tuple[bytearray | mmap.mmap, str]:
+        """The object in a writable buffer (tensors may view it) and its sha256 hex."""
+        data = self.get(key)
+        return bytearray(data), hashlib.sha256(data).hexdigest()
+
     @abstractmethod
     def exists(self, key: str) -> bool: ...
 
@@ -96,15 +103,47 @@ class LocalStore(ObjectStore):
         return self.root / check_key(key)
 
     def put(self, key: str, data: bytes | memoryview) -> str:
+        return self._write(key, [data])[0]
+
+    def put_chunks(self, key: str, chunks: Iterable[bytes | memoryview]) -> tuple[str, str, int]:
+        """Streamed: each chunk is hashed (in a helper thread) while it is written."""
+        h = hashlib.sha256()
+        uri, size = self._write(key, chunks, h)
+        return uri, h.hexdigest(), size
+
+    def get_hashed(self, key: str) -> tuple[bytearray | mmap.mmap, str]:
+        """A private copy-on-write map of the file (nothing is read twice or copied: tensors
+        view it) and its sha256. The store is create-only, so the file never changes."""
+        try:
+            with open(self._path(key), "rb") as f:
+                if os.fstat(f.fileno()).st_size == 0:
+                    return bytearray(), hashlib.sha256(b"").hexdigest()
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except FileNotFoundError:
+            raise ObjectMissing(f"object {key} not found in {self.url}") from None
+        except OSError as e:
+            raise StoreError(f"cannot read {key} from {self.url}: {e.strerror or e}") from None
+        return m, hashlib.sha256(m).hexdigest()
+
+    def _write(
+        self, key: str, chunks: Iterable[bytes | memoryview], h: hashlib._Hash | None = None
+    ) -> tuple[str, int]:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
             raise ObjectExists(f"object {key} already exists in {self.url} (create-only store)")
         tmp = path.parent / f".tmp-{uuid.uuid4().hex}"
+        size = 0
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
+            with open(tmp, "wb", buffering=0) as f, _Hasher(h) as hasher:
+                for c in chunks:
+                    hasher.update(c)
+                    view = memoryview(c).cast("B")
+                    while view:
+                        n = f.write(view)
+                        view = view[n:]
+                        size += n
+                hasher.wait()
                 os.fsync(f.fileno())
             try:
                 os.link(tmp, path)
@@ -118,7 +157,7 @@ class LocalStore(ObjectStore):
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-        return self.uri(key)
+        return self.uri(key), size
 
     def get(self, key: str) -> bytes:
         try:
@@ -150,6 +189,37 @@ class LocalStore(ObjectStore):
 
     def local_path(self, key: str) -> Path | None:
         return self._path(key)
+
+
+_PIECE = 16 * 1024 * 1024
+
+
+class _Hasher:
+    """Feeds a hash in one helper thread, in order, so hashing overlaps the file I/O
+    (hashlib and file reads/writes release the GIL on large buffers). ``h=None``: no-op."""
+
+    def __init__(self, h: hashlib._Hash | None) -> None:
+        self.h = h
+        self._pool: ThreadPoolExecutor | None = None
+        self._last: Future[None] | None = None
+
+    def __enter__(self) -> _Hasher:
+        if self.h is not None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="srl-sha256")
+        return self
+
+    def update(self, data: bytes | memoryview) -> None:
+        if self._pool is not None and self.h is not None:
+            self._last = self._pool.submit(self.h.update, data)
+
+    def wait(self) -> None:
+        if self._last is not None:
+            self._last.result()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self.wait()
+            self._pool.shutdown()
 
 
 def _fsync_dir(path: Path) -> None:

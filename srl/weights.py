@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import mmap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from schemas.records import WeightsAnnouncement, decode_as, encode, now_ms
+from srl import tensorfile
 from srl.errors import StoreError, WeightsError
 from srl.store import ObjectStore
 
@@ -163,13 +165,23 @@ def publish(
         store.put(f"{prefix}/{name}", data)
         entries.append(FileEntry(name, len(data), digest))
 
+    def put_tensors(name: str, shard: dict[str, torch.Tensor]) -> None:
+        if not tensorfile.streamable(shard):
+            put(name, save(shard, metadata={"format": "pt"}))
+            return
+        # streamed: hashed while written, never assembled in memory
+        _uri, digest, size = store.put_chunks(
+            f"{prefix}/{name}", tensorfile.parts(shard, {"format": "pt"})
+        )
+        entries.append(FileEntry(name, size, digest))
+
     if len(shards) == 1:
-        put("model.safetensors", save(shards[0], metadata={"format": "pt"}))
+        put_tensors("model.safetensors", shards[0])
     else:
         weight_map = {}
         for i, shard in enumerate(shards, 1):
             name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            put(name, save(shard, metadata={"format": "pt"}))
+            put_tensors(name, shard)
             weight_map.update(dict.fromkeys(shard, name))
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -208,13 +220,13 @@ def load_manifest(store: ObjectStore, ann: WeightsAnnouncement) -> Manifest:
     return manifest
 
 
-def fetch_file(store: ObjectStore, manifest: Manifest, entry: FileEntry) -> bytes:
+def fetch_file(store: ObjectStore, manifest: Manifest, entry: FileEntry) -> bytearray | mmap.mmap:
+    """One file of a version, verified (size and sha256) before anyone parses it."""
     key = f"{version_prefix(manifest.run, manifest.version)}/{entry.name}"
     try:
-        data = store.get(key)
+        data, digest = store.get_hashed(key)
     except StoreError as e:
         raise WeightsError(f"{manifest.run} v{manifest.version}: {e}") from None
-    digest = hashlib.sha256(data).hexdigest()
     if len(data) != entry.size or digest != entry.sha256:
         raise WeightsError(
             f"{manifest.run} v{manifest.version}: {entry.name} fails verification "
@@ -227,12 +239,12 @@ def fetch_tensors(
     store: ObjectStore, manifest: Manifest, device: str = "cpu"
 ) -> dict[str, torch.Tensor]:
     """Every tensor of a version, each file verified before it is parsed (safetensors only)."""
-    from safetensors.torch import load
-
     tensors: dict[str, torch.Tensor] = {}
     for entry in manifest.files:
         if entry.name.endswith(".safetensors"):
-            for k, v in load(fetch_file(store, manifest, entry)).items():
+            where = f"{manifest.run} v{manifest.version}/{entry.name}"
+            # views of the verified buffer: no second copy before the engine's own
+            for k, v in tensorfile.parse(fetch_file(store, manifest, entry), where).items():
                 tensors[k] = v.to(device) if device != "cpu" else v
     if not tensors:
         raise WeightsError(
