@@ -136,11 +136,7 @@ class Trainer:
 
         create_topics(
             self.cfg,
-            [
-                s
-                for s in self.layout.specs()
-                if not s.name.startswith(f"{self.layout.prefix}.prompts.")
-            ],
+            [s for s in self.layout.specs() if not self.layout.is_task_topic(s.name)],
         )
         self._recover()
         # static membership: a restarted trainer takes its predecessor's place at once instead

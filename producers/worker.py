@@ -8,9 +8,10 @@ iteration in this order:
 2. **swap weights** if the follower has a verified version: publish every open partial chunk
    first (a chunk never mixes versions), load, emit ``weights_loaded``; a version the engine
    rejects is refused (``weights_refused``) and the old weights stay;
-3. **intake**: consume prompt tasks while fewer than ``max_batch`` samples wait and the
-   trainer's backlog is under its bound (otherwise the partitions are paused, so the group
-   membership stays alive); a task that may have been started by a previous owner of its
+3. **intake**: consume tasks (prompt and resume topics of the pool's buckets) while fewer
+   than ``max_batch`` samples wait (otherwise the partitions are paused, so the group
+   membership stays alive); while the trainer's backlog is over its bound only the prompt
+   topics are paused: resume tasks finish trajectories the trainer is waiting for; a task that may have been started by a previous owner of its
    partition (offset below the high watermark seen at assignment) is first read back
    (``producers.recovery``): complete samples are skipped, partial ones resumed from their
    published prefix with the same trajectory id and the next seq;
@@ -117,7 +118,8 @@ class GeneratorWorker:
         self.pending: list[TaskState] = []  # tasks with samples not yet in the engine
         self.by_tid: dict[str, TaskState] = {}  # trajectories in the engine
         self.assigned_high: dict[TopicPart, int] = {}
-        self.paused = False
+        self.paused = "none"  # which task partitions are paused: none, fresh (prompts), all
+        self._resume_prefix = f"{cfg.topic_prefix}.resume."
         self.backlog: int | None = None
         self.stopping = False
         self._delivery_error: str | None = None
@@ -143,7 +145,9 @@ class GeneratorWorker:
             stack.callback(self.follower.stop)
             self.lag = GroupLag(self.cfg, [self.cfg.trainer_group], [self.layout.trajectories])
             stack.callback(self.lag.close)
-            topics = [self.layout.prompts(b) for b in self.buckets]
+            topics = [
+                t for b in self.buckets for t in (self.layout.prompts(b), self.layout.resumes(b))
+            ]
             if self.cfg.take_over_from:
                 try:
                     copied = take_over_offsets(
@@ -189,7 +193,7 @@ class GeneratorWorker:
     def _drain(self) -> None:
         """Stop intake, let running sequences finish (bounded), hand off the rest, commit."""
         self.stopping = True
-        self._set_paused(True)
+        self._set_paused("all")
         for st in self.pending:
             st.todo.clear()  # never started: the task stays uncommitted and is redelivered
         self.pending.clear()
@@ -257,8 +261,11 @@ class GeneratorWorker:
     def _intake(self) -> bool:
         """Consume tasks when there is room; True if any was accepted."""
         waiting = sum(len(st.todo) for st in self.pending)
-        want = not self.stopping and not self.backlog_exceeded and waiting < self.cfg.max_batch
-        self._set_paused(not want)
+        if self.stopping or waiting >= self.cfg.max_batch:
+            self._set_paused("all")
+        else:  # resume tasks are in-flight work: the backlog bound holds back fresh ones only
+            self._set_paused("fresh" if self.backlog_exceeded else "none")
+        want = self.paused != "all"
         timeout = 0.0 if self.engine.has_work else 0.05
         msgs = self.consumer.consume(
             num_messages=self.cfg.max_batch if want else 1, timeout=timeout
@@ -459,7 +466,7 @@ class GeneratorWorker:
             raise SrlError(f"hand-off chunk of {tid} not delivered ({self._delivery_error})")
         task, generated = self.stragglers.task(st.task, tid, chunk.seq + 1, st.prompt_ids,
                                                self.engine.version)  # fmt: skip
-        self.producer.produce(self.layout.prompts(task.bucket), encode(task), key=task.prompt_id)
+        self.producer.produce(self.layout.resumes(task.bucket), encode(task), key=task.prompt_id)
         self.producer.flush()  # 2. the resume task is on the broker (raises if it failed)
         del self.by_tid[tid]  # 3. only now: the slot is free and the sample done here
         st.generating.discard(tid)
@@ -518,11 +525,20 @@ class GeneratorWorker:
         self.pending = [st for st in self.pending if st.todo]
 
     # -- consumer group --------------------------------------------------------------------
-    def _set_paused(self, paused: bool) -> None:
-        if paused != self.paused:
+    def _held(self, tp: TopicPartition, mode: str) -> bool:
+        """Whether ``mode`` ('none', 'fresh': prompt topics only, 'all') pauses ``tp``."""
+        return mode == "all" or (mode == "fresh" and not tp.topic.startswith(self._resume_prefix))
+
+    def _set_paused(self, mode: str) -> None:
+        if mode != self.paused:
             parts = self.consumer.assignment()
-            (self.consumer.pause if paused else self.consumer.resume)(parts)
-            self.paused = paused
+            hold = [tp for tp in parts if self._held(tp, mode)]
+            free = [tp for tp in parts if not self._held(tp, mode)]
+            if hold:
+                self.consumer.pause(hold)
+            if free:
+                self.consumer.resume(free)
+            self.paused = mode
 
     def _on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
@@ -531,8 +547,8 @@ class GeneratorWorker:
             )
             self.assigned_high[(tp.topic, tp.partition)] = high
         self.tracker.retain({(tp.topic, tp.partition) for tp in partitions})
-        if self.paused and partitions:
-            consumer.pause(partitions)
+        if hold := [tp for tp in partitions if self._held(tp, self.paused)]:
+            consumer.pause(hold)
 
     def _on_revoke(
         self, consumer: Any, partitions: list[TopicPartition], lost: bool = False
@@ -593,7 +609,7 @@ class GeneratorWorker:
             self.backlog = self.lag.lag()
         values = {"tokens": tokens, "tokens_per_s": tokens / dt, "trajectories": trajs,
                   "running": self.engine.running, "policy_version": self.engine.version,
-                  "paused": float(self.paused), "backlog": float(self.backlog or 0)}  # fmt: skip
+                  "paused": float(self.paused != "none"), "backlog": float(self.backlog or 0)}  # fmt: skip
         labels = {"pool": self.cfg.pool, "engine": self.engine.name, "worker_id": self.summary.worker_id,
                   "simulated": "true" if self.engine.simulated else "false"}  # fmt: skip
         self.metrics.emit("gen_stats", values, labels)

@@ -123,8 +123,11 @@ class Monitor:
     def _bucket(self, topic: str, part: int) -> str | None:
         if topic == self.layout.trajectories:
             return self.layout.bucket_of_partition(part)
-        prompts = f"{self.layout.prefix}.prompts."
-        return topic[len(prompts) :] if topic.startswith(prompts) else None
+        for kind in ("prompts", "resume"):
+            head = f"{self.layout.prefix}.{kind}."
+            if topic.startswith(head):
+                return topic[len(head) :]
+        return None
 
     # -- backlog -----------------------------------------------------------------------
     def backlog(self, rows: list[dict[str, Any]], parts: dict[tuple[str, int], tuple[int, int]]

@@ -3,6 +3,9 @@
 Owns the naming every role and every monitoring tool relies on:
 
 * ``{prefix}.prompts.{bucket}``: prompt tasks of one length bucket (one consumer group per pool)
+* ``{prefix}.resume.{bucket}``: tasks that continue a started trajectory (a straggler handed to
+  the long-tail pool): in-flight work, read by the same pool's group, never held back by the
+  trainer-backlog bound (a fresh task ahead of it in one queue would block it)
 * ``{prefix}.trajectories``: token chunks; partitions are grouped by length bucket
 * ``{prefix}.weights``: weights announcements, compacted, key = run
 * ``{prefix}.metrics``: metric events from every role
@@ -68,6 +71,14 @@ class Layout:
         self.bucket_index(bucket)
         return f"{self.prefix}.prompts.{bucket}"
 
+    def resumes(self, bucket: str) -> str:
+        self.bucket_index(bucket)
+        return f"{self.prefix}.resume.{bucket}"
+
+    def is_task_topic(self, topic: str) -> bool:
+        """A prompts or resume topic (what generator pools consume, not the trainer)."""
+        return topic.startswith((f"{self.prefix}.prompts.", f"{self.prefix}.resume."))
+
     @property
     def trajectories(self) -> str:
         return f"{self.prefix}.trajectories"
@@ -105,6 +116,7 @@ class Layout:
     def specs(self) -> list[TopicSpec]:
         """Every topic of a deployment with its partition count and topic config."""
         specs = [TopicSpec(self.prompts(b), self.prompt_partitions, {}) for b in self.buckets]
+        specs += [TopicSpec(self.resumes(b), self.prompt_partitions, {}) for b in self.buckets]
         specs += [
             TopicSpec(
                 self.trajectories, self.trajectory_partition_count, {"max.message.bytes": "1048576"}

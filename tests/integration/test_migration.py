@@ -50,7 +50,11 @@ def test_a_straggler_moves_to_the_long_tail_pool_and_completes_exactly_once(
     regular_cfg = regular_cfg.model_copy(
         update={"buckets": (first,), "migrate_to": last, "migrate_min_tokens": 16}
     )
-    longtail_cfg = _gen(make_cfg, pool="longtail", worker_id="lt", buckets=(last,))
+    # the long-tail pool is over its trainer-backlog bound all along (no trainer consumes):
+    # fresh tasks wait, resume tasks (trajectories in flight) must not
+    longtail_cfg = _gen(
+        make_cfg, pool="longtail", worker_id="lt", buckets=(last,), max_backlog_chunks=1
+    )
     create_topics(regular_cfg)
     # p0: both samples are stragglers; p1–p3 finish near their prediction
     tasks = [_task(layout, first, 0, 20, STRAGGLER)] + [
@@ -60,8 +64,12 @@ def test_a_straggler_moves_to_the_long_tail_pool_and_completes_exactly_once(
     t = Trajectories(regular_cfg)
     with workers(regular_cfg, longtail_cfg) as ws:
         with Producer(regular_cfg, "test-dispatcher") as p:
-            for task in tasks:
+            for task in tasks[1:]:  # first the short ones: their chunks put the backlog over 1
                 p.produce(layout.prompts(first), encode(task), key=task.prompt_id)
+            p.flush()
+            t.wait(lambda t: len(t.complete()) == 6, ws)
+            time.sleep(2.5)  # the long-tail worker has seen its backlog over the bound
+            p.produce(layout.prompts(first), encode(tasks[0]), key=tasks[0].prompt_id)
         t.wait(lambda t: len(t.complete()) == 8, ws)
         time.sleep(1.0)  # let both pools commit
     by_worker = {s.worker_id: s for s in ws.summaries}
@@ -97,15 +105,17 @@ def test_a_straggler_moves_to_the_long_tail_pool_and_completes_exactly_once(
         assert traj is not None and traj.n_tokens == want[pid] and traj.trajectory_id == tid
 
     # both pools committed every task, the resume tasks on the long-tail topic included
-    hw = watermarks(regular_cfg, [layout.prompts(first), layout.prompts(last)])
-    assert sum(high for (topic, _), (_lo, high) in hw.items() if topic == layout.prompts(last)) == 2
+    hw = watermarks(regular_cfg, [layout.prompts(first), layout.resumes(last)])
+    assert sum(high for (topic, _), (_lo, high) in hw.items() if topic == layout.resumes(last)) == 2
     for cfg in (regular_cfg, longtail_cfg):
-        topics = [layout.prompts(b) for b in cfg.buckets]
+        topics = [t for b in cfg.buckets for t in (layout.prompts(b), layout.resumes(b))]
         mine = {tp: v for tp, v in hw.items() if tp[0] in topics}
         got = committed_offsets(cfg, cfg.consumer_group, list(mine))
         assert all((got[tp] or 0) == high for tp, (_lo, high) in mine.items()), (got, mine)
     moved = events(regular_cfg, "migrated")
     assert len(moved) == 2 and all(e.labels["to"] == last for e in moved)
+    lt_stats = [e for e in events(regular_cfg, "gen_stats") if e.labels["worker_id"] == "lt"]
+    assert any(e.values["paused"] == 1 and e.values["backlog"] > 1 for e in lt_stats)
 
     # redelivery: a fresh group re-reads every regular task; nothing is generated twice
     again = regular_cfg.model_copy(update={"group_id": f"again-{uuid.uuid4().hex[:6]}",

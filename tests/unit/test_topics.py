@@ -42,6 +42,7 @@ def test_trajectory_partitions_are_grouped_by_bucket_and_stable() -> None:
 def test_specs_cover_every_topic_and_compact_weights() -> None:
     specs = {s.name: s for s in Layout("p").specs()}
     assert set(specs) == {"p.prompts.le256", "p.prompts.le1024", "p.prompts.le4096", "p.prompts.gt4096",
+                          "p.resume.le256", "p.resume.le1024", "p.resume.le4096", "p.resume.gt4096",
                           "p.trajectories", "p.weights", "p.metrics", "p.dlq"}  # fmt: skip
     assert specs["p.weights"].config["cleanup.policy"] == "compact"
     assert specs["p.trajectories"].partitions == 8
