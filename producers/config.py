@@ -187,6 +187,12 @@ class GenerateConfig(CommonConfig):
         le=1000,
         description="sim engine: factor on the modelled step time PTL(BS) (0.01 = 100x faster than modelled).",
     )
+    sim_tokens_per_step: int = Field(
+        1,
+        ge=1,
+        le=4096,
+        description="sim engine: tokens per sequence per decode step (each step lasts that many PTL(BS)); >1 cuts Python work in time-compressed runs.",
+    )
     stats_interval_s: float = Field(
         5.0, gt=0, description="How often gen_stats events are emitted."
     )

@@ -136,3 +136,59 @@ def weights(sizes: str, repeats: int, swaps: int, as_json: bool) -> None:
     click.echo(
         f"swap pause (demo model shape): median {r['swap_pause_ms']} ms, max {r['swap_pause_ms_max']} ms"
     )
+
+
+@bench.command("pipeline")
+@click.option(
+    "--lengths",
+    type=click.Path(dir_okay=False),
+    default="../shared/data/streamrl_output_length_hist.csv",
+    show_default=True,
+    help="Output-length histogram (lo,hi,probability rows).",
+)
+@click.option("--scale", type=click.FloatRange(min=0, min_open=True), default=0.25, show_default=True,
+              help="Factor on the histogram's lengths (0.25: StreamRL's 5K setting).")  # fmt: skip
+@click.option("--devices", "--instances", "devices", type=click.IntRange(2, 64), default=6, show_default=True,
+              help="Generator instances + trainer devices, split per mode by the time model.")  # fmt: skip
+@click.option("--b-max", type=click.IntRange(1, 1024), default=16, show_default=True,
+              help="Decode batch cap of an instance (KV memory).")  # fmt: skip
+@click.option("--groups", type=click.IntRange(1, 1024), default=12, show_default=True,
+              help="Groups (prompts) per optimizer step.")  # fmt: skip
+@click.option("--group-size", type=click.IntRange(1, 256), default=8, show_default=True)
+@click.option("--iterations", type=click.IntRange(2, 100), default=4, show_default=True,
+              help="Optimizer steps per mode; the first is warm-up.")  # fmt: skip
+@click.option("--compression", type=click.FloatRange(1, 10_000), default=20.0, show_default=True,
+              help="Simulated seconds per wall-clock second.")  # fmt: skip
+@click.option("--plot", type=click.Path(dir_okay=False), default="bench-pipeline.png", show_default=True,
+              help="PNG written unless --json.")  # fmt: skip
+@click.option("--bootstrap", help="Use this Kafka instead of an embedded broker.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")  # fmt: skip
+def pipeline(lengths: str, scale: float, devices: int, b_max: int, groups: int, group_size: int,
+             iterations: int, compression: float, plot: str, bootstrap: str | None, as_json: bool) -> None:  # fmt: skip
+    """sync / stream / async / async+skew side by side (SIMULATED engine and trainer).
+
+    The broker, codec, dispatcher, generator workers, trainer loop, staleness gate and weights
+    protocol are real; decode steps and trainer compute sleep their modelled time
+    (WORKLOAD.md), divided by --compression.
+    """
+    from producers.workload import LengthHistogram
+    from srl.bench import pipeline as p
+
+    LengthHistogram.load(lengths, scale)  # a bad file is a one-line error before anything starts
+    w = p.Workload(lengths=lengths, scale=scale, devices=devices, b_max=b_max, groups_per_step=groups,
+                   group_size=group_size, iterations=iterations, compression=compression)  # fmt: skip
+
+    def progress(mode: str, split: dict[str, Any]) -> None:
+        click.echo(f"{mode}: {split['instances']} generator instance(s) + {split['trainer_devices']} "
+                   f"trainer device(s) (modelled iteration {split['model_iteration_s']} s) …", err=True)  # fmt: skip
+
+    r = p.run(w, bootstrap, progress)
+    if as_json:
+        echo_json(r)
+        return
+    p.plot(r, plot)
+    click.echo(f"SIMULATED engine and trainer, time compressed {compression:g}x; plot: {plot}")
+    for mode, m in r["modes"].items():
+        click.echo(f"{mode:>10}: {m['samples_per_s']:.2f} samples/s  x{m['ratio_vs_sync']} vs sync  "
+                   f"{m['fraction_of_bound']:.0%} of bound  gen idle {m['gen_idle']:.0%}  "
+                   f"train idle {m['train_idle']:.0%}  staleness mean {m['staleness_mean']} max {m['staleness_max']}")  # fmt: skip

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import orjson
+import pytest
 
 from tests.e2e.test_cli import run
 
@@ -47,3 +50,48 @@ def test_bench_weights_json() -> None:
 def test_bench_weights_rejects_unknown_size() -> None:
     out = run("srl", "bench", "weights", "--sizes", "7B")
     assert out.returncode != 0 and "unknown 7B" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_bench_pipeline_json_on_another_histogram(cli_env: dict[str, str], tmp_path: Path) -> None:
+    hist = tmp_path / "short.csv"
+    hist.write_text("# lo,hi,probability\n20,60,0.6\n60,200,0.3\n200,400,0.1\n")
+    out = run("srl", "bench", "pipeline", "--lengths", str(hist), "--scale", "1", "--groups", "3",
+              "--group-size", "2", "--iterations", "3", "--devices", "3", "--compression", "20",
+              "--json", env=cli_env, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = orjson.loads(out.stdout)
+    assert r["simulated"] is True and r["time_compression"] == 20
+    assert set(r["modes"]) == {"sync", "stream", "async", "async+skew"}
+    base = r["modes"]["sync"]["samples_per_s"]
+    for name, m in r["modes"].items():
+        for key in ("samples_per_s", "ratio_vs_sync", "fraction_of_bound", "gen_idle", "train_idle",
+                    "staleness_mean", "staleness_max"):  # fmt: skip
+            assert m[key] is not None, (name, key)
+        assert m["samples_per_s"] > 0 and 0 <= m["gen_idle"] <= 1 and 0 <= m["train_idle"] <= 1
+        assert abs(m["ratio_vs_sync"] - m["samples_per_s"] / base) < 0.01
+        assert abs(m["fraction_of_bound"] - m["samples_per_s"] / m["bound_samples_per_s"]) < 0.01
+        split = m["split"]
+        assert (
+            split["instances"] + split["trainer_devices"] == 3
+        )  # the same resources for every mode
+        assert (
+            m["steps"] == 3 and m["trained"] >= 2 * 3 * 2
+        )  # the measured steps' groups all trained
+    for barrier in ("sync", "stream"):  # the barrier: never a stale sample, nothing dropped
+        assert (
+            r["modes"][barrier]["staleness_max"] == 0 and r["modes"][barrier]["dropped_stale"] == 0
+        )
+    for k1 in ("async", "async+skew"):
+        assert r["modes"][k1]["staleness_max"] <= 1
+
+
+def test_bench_pipeline_bad_histogram_is_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_text("1,2\n")
+    out = run("srl", "bench", "pipeline", "--lengths", str(bad), "--json", timeout=60)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert (
+        out.stderr.strip().splitlines()[-1].startswith("srl: error:")
+        and "lo,hi,probability" in out.stderr
+    )
