@@ -132,7 +132,7 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        from srl.kafka import create_topics, make_consumer
+        from srl.kafka import create_topics, make_consumer, next_batch
 
         create_topics(
             self.cfg,
@@ -150,7 +150,7 @@ class Trainer:
             consumer.subscribe([self.layout.trajectories], on_assign=self._on_assign)
             while not self._done():
                 t0 = time.monotonic()
-                msgs = consumer.consume(500, 0.2)
+                msgs = next_batch(consumer, 500, 0.2)
                 now = time.monotonic()
                 self.idle_s += now - t0
                 for msg in msgs:

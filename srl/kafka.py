@@ -223,6 +223,19 @@ class Producer:
             self._p.flush(5)
 
 
+def next_batch(consumer: Consumer, max_messages: int, timeout_s: float) -> list[Any]:
+    """Up to ``max_messages`` records, returning as soon as one has arrived.
+
+    ``Consumer.consume(n, timeout)`` waits for ``n`` records or the whole timeout, which adds
+    up to ``timeout`` of latency to every record when traffic is light; here the wait ends at
+    the first record and whatever else is already fetched comes with it.
+    """
+    first = consumer.poll(timeout_s)
+    if first is None:
+        return []
+    return [first, *consumer.consume(max_messages - 1, 0)] if max_messages > 1 else [first]
+
+
 def make_consumer(
     cfg: CommonConfig, group_id: str, role: str = "consumer", **overrides: Any
 ) -> Consumer:
