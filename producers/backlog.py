@@ -32,6 +32,7 @@ class GroupLag:
         self.topics = list(topics)
         self.timeout_s = timeout_s
         self._clients = {g: Consumer(consumer_settings(cfg, g, "lag")) for g in self.groups}
+        self.committed = 0  # sum of the furthest committed offsets, as of the last ``lag()``
 
     def _partitions(self) -> list[TopicPartition]:
         client = next(iter(self._clients.values()))
@@ -55,6 +56,7 @@ class GroupLag:
                 furthest[key] = max(furthest.get(key, -1), tp.offset)
         client = next(iter(self._clients.values()))
         total = 0
+        self.committed = sum(max(0, v) for v in furthest.values())
         for tp in tps:
             low, high = client.get_watermark_offsets(tp, timeout=self.timeout_s, cached=False)
             done = furthest.get((tp.topic, tp.partition), -1)

@@ -158,6 +158,11 @@ class GenerateConfig(CommonConfig):
         ge=1,
         description="Pause intake while the trainer's group lags by more than this many chunks on the trajectories topic; null: no bound.",
     )
+    backlog_stall_s: float = Field(
+        20.0,
+        gt=0,
+        description="Ignore the backlog bound while the trainer has committed nothing for this long: it is waiting for groups that paused intake would never finish.",
+    )
     backlog_group: str | None = Field(
         None, description="Consumer group whose lag is the backlog; null: srl-trainer-{run}."
     )

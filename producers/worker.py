@@ -124,6 +124,7 @@ class GeneratorWorker:
         self.stopping = False
         self._delivery_error: str | None = None
         self._last_commit = self._last_stats = self._last_backlog = time.monotonic()
+        self._trainer_committed, self._trainer_moved = -1, time.monotonic()
         self._stats_base = (0, 0)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -251,11 +252,18 @@ class GeneratorWorker:
             return
         self._last_backlog = time.monotonic()
         self.backlog = self.lag.lag()
+        if self.lag.committed != self._trainer_committed:
+            self._trainer_committed, self._trainer_moved = self.lag.committed, time.monotonic()
 
     @property
     def backlog_exceeded(self) -> bool:
+        """Over the bound, unless the trainer has committed nothing for ``backlog_stall_s``:
+        then it is waiting for groups that paused intake would never finish (the backlog it
+        holds uncommitted is partial groups), so intake goes on."""
         bound = self.cfg.max_backlog_chunks
-        return bound is not None and self.backlog is not None and self.backlog > bound
+        if bound is None or self.backlog is None or self.backlog <= bound:
+            return False
+        return time.monotonic() - self._trainer_moved < self.cfg.backlog_stall_s
 
     # -- intake ----------------------------------------------------------------------------
     def _intake(self) -> bool:

@@ -65,15 +65,36 @@ def _run_to_end(
     tmp_path: Path, env: dict[str, str], tiny_model: Path, *args: str
 ) -> tuple[dict[str, Any], dict[str, Any], Path]:
     """Run the demo to its end (exit 0): (what --json printed, report.json, the demo's log)."""
-    log = tmp_path / "demo.log"
-    with log.open("w") as f:
-        rc = subprocess.run(
-            [*_demo(tmp_path, env, tiny_model, *args), "--json"],
-            env=env, stdout=subprocess.PIPE, stderr=f, timeout=600, cwd=tmp_path,
-        )  # fmt: skip
-    assert rc.returncode == 0, log.read_text()[-3000:]
+    log, out = tmp_path / "demo.log", tmp_path / "demo.json"
+    with log.open("w") as f, out.open("wb") as o:
+        proc = subprocess.Popen([*_demo(tmp_path, env, tiny_model, *args), "--json"],
+                                env=env, stdout=o, stderr=f, cwd=tmp_path)  # fmt: skip
+    try:
+        rc = proc.wait(900)
+    finally:
+        leaked = _stop(proc, log)
+    assert rc == 0, log.read_text()[-3000:]
+    assert not leaked, f"roles still running after the demo ended: {leaked}"
     report = orjson.loads((tmp_path / "demo" / "report.json").read_bytes())
-    return orjson.loads(rc.stdout), report, log
+    return orjson.loads(out.read_bytes()), report, log
+
+
+def _stop(proc: subprocess.Popen[bytes], log: Path) -> list[int]:
+    """Whatever happened: let the demo stop its roles (SIGINT), then kill what is left.
+
+    Returns the roles still alive once the demo itself had ended (they are killed)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    leaked = [p for p in _pids(log) if _alive(p)]
+    for pid in _pids(log):  # never leave a role behind
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+    return leaked
 
 
 @pytest.mark.slow
@@ -107,9 +128,7 @@ def test_demo_runs_every_role_with_a_users_reward_and_audits_the_run(
         assert report[key] is not None
     assert (tmp_path / "demo" / "report.png").stat().st_size > 10_000
     assert (tmp_path / "demo" / "final-model" / "config.json").exists()
-    # every process it started is gone
-    pids = _pids(log)
-    assert len(pids) == 4 and not [p for p in pids if _alive(p)]
+    assert len(_pids(log)) == 4  # four roles started, all gone when it ended (_run_to_end)
 
 
 @pytest.mark.slow
@@ -133,21 +152,11 @@ def test_ctrl_c_stops_every_process_and_still_writes_the_report(
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(300)
     finally:
-        if proc.poll() is None:  # the test failed early: let the demo stop its roles first
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for pid in _pids(log):  # never leave a role behind, whatever happened
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
+        leaked = _stop(proc, log)
     text = log.read_text()
     assert rc != 0 and "Traceback" not in text, text[-3000:]
     assert text.strip().splitlines()[-1].startswith("srl: error: interrupted")
-    pids = _pids(log)
-    assert len(pids) == 4 and not [p for p in pids if _alive(p)]
+    assert len(_pids(log)) == 4 and not leaked, leaked
     report = orjson.loads((tmp_path / "demo" / "report.json").read_bytes())
     assert report["status"] == "interrupted" and report["lost"] == 0
 
