@@ -117,9 +117,9 @@ def bench_size(name: str, spec: TinyModelSpec, work: Path, repeats: int = 1) -> 
     copy = min(r["plain_copy_s"] for r in runs)
     return {
         "name": name, "params": params, "bytes": best["bytes"], "dtype": "bfloat16",
-        "publish_s": round(best["publish_s"], 4), "fetch_verify_s": round(best["fetch_verify_s"], 4),
-        "load_s": round(best["load_s"], 4), "publish_load_s": round(best["publish_load_s"], 4),
-        "plain_copy_s": round(copy, 4), "ratio": round(best["publish_load_s"] / copy, 2),
+        "publish_s": round(best["publish_s"], 6), "fetch_verify_s": round(best["fetch_verify_s"], 6),
+        "load_s": round(best["load_s"], 6), "publish_load_s": round(best["publish_load_s"], 6),
+        "plain_copy_s": round(copy, 6), "ratio": round(best["publish_load_s"] / copy, 2),
     }  # fmt: skip
 
 
