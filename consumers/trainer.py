@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from srl.store import ObjectStore
 
 log = logging.getLogger("srl.trainer")
+IDLE_CHECKPOINT_S = 2.0  # idle this long with undurable decisions: checkpoint and commit
 
 
 @dataclass
@@ -374,6 +375,11 @@ class Trainer:
         self.metrics.incr(
             "duplicates", self.assembler.duplicates - self.metrics.counters["duplicates"]
         )
+        if (self.undurable and self.last_record is not None
+                and now - self.last_record >= IDLE_CHECKPOINT_S):  # fmt: skip
+            # decisions no step will follow soon (e.g. stale drops): make them durable and
+            # commit, or generators bounded by the trainer's backlog would wait on us forever
+            self._checkpoint()
         self.producer.poll(0)
 
     # -- durability -------------------------------------------------------------------------------

@@ -203,6 +203,7 @@ def dispatch(as_json: bool, pools: str | None, **kw: Any) -> None:
 @click.option(
     "--time-scale", type=float, help="sim: factor on the modelled step time PTL(BS). Default 1."
 )
+@click.option("--sim-vocab", type=int, help="sim: token ids drawn from [4, N). Default 32000.")
 @click.option(
     "--drain-timeout",
     "drain_timeout_s",

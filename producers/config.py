@@ -198,6 +198,11 @@ class GenerateConfig(CommonConfig):
         le=4096,
         description="sim engine: tokens per sequence per decode step (each step lasts that many PTL(BS)); >1 cuts Python work in time-compressed runs.",
     )
+    sim_vocab: int = Field(
+        32_000,
+        ge=5,
+        description="sim engine: token ids are drawn from [4, sim_vocab) (set it to a real trainer model's vocabulary size).",
+    )
     stats_interval_s: float = Field(
         5.0, gt=0, description="How often gen_stats events are emitted."
     )

@@ -51,4 +51,5 @@ def make_engine(cfg: GenerateConfig) -> Engine:
     from producers.workload import LengthHistogram
 
     lengths = LengthHistogram.load(cfg.lengths, cfg.length_scale) if cfg.lengths else None
-    return SimEngine(cfg.max_batch, lengths, cfg.time_scale, cfg.seed, cfg.sim_tokens_per_step)
+    return SimEngine(cfg.max_batch, lengths, cfg.time_scale, cfg.seed, cfg.sim_tokens_per_step,
+                     cfg.sim_vocab)  # fmt: skip

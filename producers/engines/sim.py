@@ -51,8 +51,12 @@ class SimEngine(Engine):
         time_scale: float = 1.0,
         seed: int | None = None,
         tokens_per_step: int = 1,
+        vocab: int = SIM_VOCAB,
     ) -> None:
         super().__init__(max_batch)
+        if vocab < 5:
+            raise ValueError("vocab must be >= 5")
+        self.vocab = vocab  # token ids are drawn from [4, vocab): fit a real trainer's model
         if tokens_per_step < 1:
             raise ValueError("tokens_per_step must be >= 1")
         # > 1: each step decodes this many tokens per sequence and lasts as many PTL(BS)
@@ -85,8 +89,8 @@ class SimEngine(Engine):
         step_ms = ptl_ms(len(self.rows)) * k
         self.simulated_ms += step_ms
         self._pace(step_ms * self.time_scale / 1000)
-        tokens = self.rng.integers(4, SIM_VOCAB, (len(self.rows), k)).tolist()
-        logprob = -math.log(SIM_VOCAB)
+        tokens = self.rng.integers(4, self.vocab, (len(self.rows), k)).tolist()
+        logprob = -math.log(self.vocab - 4)
         out, keep = [], []
         for row, toks in zip(self.rows, tokens, strict=True):
             n = min(k, row.target - row.generated, row.request.max_new_tokens - row.generated)

@@ -48,11 +48,12 @@ def wave(first: int, count: int, rng: random.Random) -> list[TrajectoryChunk]:
     return out
 
 
-def train(cli_env: dict[str, str], model: Path, log: Path) -> subprocess.Popen[bytes]:
+def train(cli_env: dict[str, str], model: Path, log: Path,
+          reward: str = "consumers.rewards:first_line_match", idle_exit_s: int = 6) -> subprocess.Popen[bytes]:  # fmt: skip
     args = [bin_path("srl-consumer"), "-v", "train", "--model", str(model), "--groups-per-step", "1",
             "--publish-every", "1", "--checkpoint-every", "2", "--max-staleness", "1", "--lr", "1e-3",
-            "--micro-batch-tokens", "64", "--idle-exit-s", "6", "--device", "cpu",
-            "--reward", "consumers.rewards:first_line_match"]  # fmt: skip
+            "--micro-batch-tokens", "64", "--idle-exit-s", str(idle_exit_s), "--device", "cpu",
+            "--reward", reward]  # fmt: skip
     with log.open("ab") as out:
         return subprocess.Popen(args, env=cli_env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -142,3 +143,79 @@ def test_sigkill_and_restart_train_each_trajectory_exactly_once(
     text = log.read_text()
     assert "Traceback" not in text
     assert f"policy version {before[-1]}" in text, "the restart continued after the newest version"
+
+
+def generator(cli_env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """A real sim-engine generator worker; token ids fit the tiny model's vocabulary."""
+    args = [bin_path("srl-producer"), "-v", "generate", "--engine", "sim", "--time-scale", "1",
+            "--max-batch", "8", "--chunk-tokens", "8", "--sim-vocab", "250", "--worker-id", "sim-0",
+            "--seed", "0", "--max-backlog-chunks", "24"]  # fmt: skip
+    with log.open("ab") as out:
+        return subprocess.Popen(args, env=cli_env, stdout=out, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+def test_sigkill_the_trainer_fed_by_a_sim_generator_and_every_trajectory_is_decided_once(
+    cli_env: dict[str, str], tiny_model: Path, tmp_path: Path, bootstrap: str, prefix: str
+) -> None:
+    """Issue 4's acceptance with real roles: a sim-engine generator process streams chunks,
+    the trainer is SIGKILLed after a few versions and restarted; from its ledger every
+    generated trajectory was trained or dropped as stale exactly once, none lost."""
+    from schemas.records import PromptTask, encode, pack_tokens
+    from srl.kafka import Producer
+
+    cfg = CommonConfig(bootstrap_servers=bootstrap, topic_prefix=prefix, store=cli_env["SRL_STORE"])
+    layout = Layout.from_config(cfg)
+    store_dir = Path(cli_env["SRL_STORE"][len("file://") :])
+    create_topics(cfg)
+    rng = random.Random(3)
+    with Producer(cfg, "test-dispatcher") as p:
+        for i in range(40):  # 40 groups of 4; lengths 6-40 tokens (1-5 chunks)
+            task = PromptTask(task_id=f"task-{i}", prompt_id=f"p{i}", prompt=f"{i}+{i}=", group_size=4,
+                              max_new_tokens=48, bucket=layout.buckets[0], prompt_tokens=pack_tokens(text_ids(f"{i}+{i}=")),
+                              metadata=orjson.dumps({"sim_length": rng.randrange(6, 41)}).decode())  # fmt: skip
+            p.produce(layout.prompts(task.bucket), encode(task), key=task.prompt_id)
+    glog, tlog = tmp_path / "generator.log", tmp_path / "trainer.log"
+    gen = generator(cli_env, glog)
+    procs = [gen]
+    try:
+        proc = train(cli_env, tiny_model, tlog, "srl.bench.pipeline:sim_reward", idle_exit_s=20)
+        procs.append(proc)
+        deadline = time.monotonic() + 120
+        while len(published(store_dir)) < 4 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, f"trainer exited early:\n{tlog.read_text()[-3000:]}"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        before = published(store_dir)
+        proc = train(cli_env, tiny_model, tlog, "srl.bench.pipeline:sim_reward", idle_exit_s=20)
+        procs.append(proc)
+        assert proc.wait(240) == 0, tlog.read_text()[-3000:]
+        gen.send_signal(signal.SIGTERM)
+        assert gen.wait(60) == 0, glog.read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+    chunks = [decode_as(m.value(), TrajectoryChunk) for m in read_topic(cfg, layout.trajectories)]
+    assert chunks and {c.worker_id for c in chunks} == {"sim-0"}
+    generated = {c.trajectory_id for c in chunks if c.is_last}
+    assert len(generated) == 160, "the generator finished every sample"
+    store = open_store(cli_env["SRL_STORE"])
+    final = ckpts.load(store, "default", ckpts.complete(store, "default")[-1])
+    assert set(final.ledger) == generated, "none lost, nothing unknown"
+    assert {o for o, _ in final.ledger.values()} <= {"trained", "dropped_stale"}
+    decided: dict[str, set[tuple[str, int]]] = {}
+    for e in metric_events(cfg, "sample"):
+        decided.setdefault(e.labels["trajectory_id"], set()).add((e.labels["outcome"], int(e.step)))
+        if e.labels["outcome"] == "trained":
+            assert e.values["staleness"] <= 1
+    assert set(decided) == generated
+    assert not {t: d for t, d in decided.items() if len(d) != 1}, "trained or dropped twice"
+    after = published(store_dir)
+    assert after == list(range(1, len(after) + 1)) and len(after) > len(before) >= 4
+    anns = [decode_as(m.value(), WeightsAnnouncement) for m in read_topic(cfg, layout.weights)]
+    assert [a.version for a in anns] == sorted(a.version for a in anns)
+    assert "Traceback" not in tlog.read_text() + glog.read_text()
