@@ -96,7 +96,14 @@ def test_srl_commands_exist_and_their_options_parse() -> None:
         with cmd.make_context(argv[0], args) as ctx:  # parses and type-checks every option
             assert ctx.command is cmd
         checked.add(" ".join(argv[:2]))
-    assert {"srl-consumer train", "srl top", "srl topics", "srl store"} <= checked
+    assert {
+        "srl-producer dispatch",
+        "srl-producer generate",
+        "srl-consumer train",
+        "srl top",
+        "srl topics",
+        "srl store",
+    } <= checked
 
 
 def test_srl_service_environment_is_a_valid_config() -> None:

@@ -60,3 +60,16 @@ def test_real_trainer_across_datacenters_trains_every_sample_once() -> None:
     assert audit["outcomes"] == {"trained": 4 * groups}  # one step ahead at most: none stale
     assert audit["steps"] == groups // 2
     assert feed["weights_version"] == groups // 2 and feed["tensors"] > 0  # back via S3
+
+
+def test_pipeline_across_datacenters_trains_every_sample_once() -> None:
+    from tests.crossdc import run_pipeline
+
+    prompts, group_size = 8, 4
+    res = run_pipeline(DELAY_MS, RATE_MBIT, prompts, group_size)
+    audit = res["audit"]
+    assert audit["prompts"] == prompts and audit["asked"] == prompts * group_size
+    assert audit["missing"] == 0 and audit["twice"] == 0  # nothing lost, nothing trained twice
+    assert sum(audit["outcomes"].values()) == audit["asked"]
+    assert set(audit["outcomes"]) <= {"trained", "dropped_stale"}
+    assert audit["outcomes"].get("trained", 0) > 0 and audit["steps"] >= 1
