@@ -139,7 +139,7 @@ def run_pipeline(delay_ms: float, rate_mbit: float, prompts: int, group_size: in
                                     "--groups-per-step", "2", "--device", "cpu", "--idle-exit-s", "30"],
                           env=env, log=work / "train.log")  # fmt: skip
         gen = t.start("gen", [str(bins / "srl-producer"), "generate", "--config", gen_cfg, "--engine", "hf",
-                              "--max-batch", "8", "--chunk-tokens", "8", "--idle-exit-s", "30"],
+                              "--max-batch", "8", "--chunk-tokens", "8", "--idle-exit", "30"],
                       env=env, log=work / "gen.log")  # fmt: skip
         dispatch = t.run("gen", [str(bins / "srl-producer"), "dispatch", "--config", gen_cfg, "--task", "demo",
                                  "--num-prompts", str(prompts), "--group-size", str(group_size),
