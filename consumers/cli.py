@@ -95,6 +95,11 @@ def _flag(name: str) -> Any:
 @click.option(
     "--backend", type=click.Choice(["torch", "deepspeed"]), help="Training backend. Default torch."
 )
+@click.option(
+    "--zero-stage",
+    type=click.IntRange(0, 3),
+    help="DeepSpeed ZeRO stage 0-2 (--backend deepspeed). Default 1.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON at the end.")
 def train(as_json: bool, **kw: Any) -> None:
     """Train on the trajectories topic; publish weights; checkpoint; resume after a crash.

@@ -107,9 +107,15 @@ class TrainConfig(CommonConfig):
     # -- backend --------------------------------------------------------------------------
     device: str = Field("auto", description="torch device: auto, cpu, cuda, cuda:N.")
     backend: Literal["torch", "deepspeed"] = Field(
-        "torch", description="torch: plain torch (any number of ranks); deepspeed: ZeRO."
+        "torch",
+        description="torch: plain torch; deepspeed: ZeRO 0-2 (any number of ranks either way).",
     )
-    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage (backend=deepspeed).")
+    zero_stage: int = Field(
+        1,
+        ge=0,
+        le=3,
+        description="DeepSpeed ZeRO stage 0, 1 or 2 (backend=deepspeed; 3 is refused).",
+    )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
 
     @field_validator("reward")

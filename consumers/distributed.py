@@ -14,7 +14,8 @@ NCCL on GPUs): an int64 header ``[cmd, a, b, c]`` from rank 0, then the command'
 
 * ``MB`` (a = rows, b = length): ids, attn, behav, adv, weight of one micro-batch;
 * ``STEP`` (a = step): a float64 normaliser; every rank then calls ``Engine.step``;
-* ``DISCARD``: forget a partial step; ``STOP``: leave the loop.
+* ``DISCARD``: forget a partial step; ``STOP``: leave the loop;
+* ``STATE``: every rank calls ``Engine.optimizer_state`` (ZeRO gathers its partitions).
 
 Started by ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the environment).
 Called by ``consumers.trainer``.
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("srl.trainer.dist")
 
-MB, STEP, DISCARD, STOP = 1, 2, 3, 4
+MB, STEP, DISCARD, STOP, STATE = 1, 2, 3, 4, 5
 
 
 class Dist:
@@ -139,6 +140,9 @@ class Dist:
     def stop(self) -> None:
         self._to_all(STOP)
 
+    def gather_state(self) -> None:
+        self._to_all(STATE)
+
 
 def follow(engine: Engine, dist_: Dist) -> tuple[int, int]:
     """The loop of ranks > 0: run what rank 0 sends until STOP; returns (steps, micro-batches)."""
@@ -170,6 +174,8 @@ def follow(engine: Engine, dist_: Dist) -> tuple[int, int]:
             steps += 1
         elif cmd == DISCARD:
             engine.discard()
+        elif cmd == STATE:
+            engine.optimizer_state()
         elif cmd == STOP:
             log.info("rank %d: %d steps, %d micro-batches", dist_.rank, steps, micro_batches)
             return steps, micro_batches

@@ -176,11 +176,14 @@ class Engine:
             self.stats.padded_tokens += int(ids.numel())
         return (loss * weight).sum()
 
+    def _backprop(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
     def backward(self, mb: MicroBatch) -> None:
         """Forward/backward one micro-batch now; gradients accumulate until ``step``."""
         t0 = time.perf_counter()
         loss = self._loss(mb, first_pass=True)
-        loss.backward()
+        self._backprop(loss)
         self.stats.loss += float(loss.detach())
         if self.cfg.updates_per_step > 1:
             self.stored.append(mb)
@@ -210,7 +213,7 @@ class Engine:
         stats.grad_norm = self._update(normalizer)
         for _ in range(self.cfg.updates_per_step - 1):
             for mb in self.stored:
-                self._loss(mb, first_pass=False).backward()
+                self._backprop(self._loss(mb, first_pass=False))
             stats.grad_norm = self._update(normalizer)
         self.stored = []
         n = stats._n
@@ -242,7 +245,17 @@ class Engine:
         self.stored = []
         self.stats = StepStats()
 
+    def close(self) -> None:
+        """Release what the backend holds beyond Python objects (none for plain torch)."""
+
     # -- state ----------------------------------------------------------------------------
+    def optimizer_state(self) -> dict[str, Any]:
+        """AdamW's state in torch's ``state_dict`` format (checkpoints are backend-neutral)."""
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return export_tensors(self.model)
 
@@ -256,3 +269,12 @@ class Engine:
                 f"checkpoint does not fit the model: missing {sorted(set(missing) - aliases)[:3]}, "
                 f"unexpected {sorted(unexpected)[:3]}"
             )
+
+
+def make_engine(cfg: TrainConfig, dist: Dist | None = None) -> Engine:
+    """The backend ``cfg.backend`` names: plain torch, or DeepSpeed ZeRO (docs/trainer.md)."""
+    if cfg.backend == "deepspeed":
+        from consumers.engine_deepspeed import DeepSpeedEngine
+
+        return DeepSpeedEngine(cfg, dist)
+    return Engine(cfg, dist)

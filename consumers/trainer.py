@@ -23,6 +23,7 @@ trains are recorded with its step, so a group is finalized whole. Called by ``co
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import statistics
 import time
@@ -34,7 +35,7 @@ from consumers import checkpoint as ckpts
 from consumers.assembler import Assembler, BadChunk, BadTrajectory, Partial, Trajectory
 from consumers.batcher import Row, StepBatcher
 from consumers.config import TrainConfig
-from consumers.engine import Engine, extra_files, make_micro_batch, resolve_device
+from consumers.engine import Engine, extra_files, make_engine, make_micro_batch, resolve_device
 from consumers.gate import Admitted, gate_group, staleness
 from consumers.groups import Group, GroupBuffer, Sample
 from consumers.offsets import OffsetTracker
@@ -72,11 +73,14 @@ def run_trainer(cfg: TrainConfig) -> TrainResult:
             f"model: {cfg.model or '(none)'} is not a Hugging Face model directory (--model DIR)"
         )
     if cfg.backend == "deepspeed":
-        raise ConfigError("backend: deepspeed is not supported by this build; use --backend torch")
+        from consumers.engine_deepspeed import check_supported
+
+        check_supported(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     dist = Dist.from_env(resolve_device(cfg.device))
+    engine: Engine | None = None
     try:
         store = open_store(cfg.store)
-        engine = Engine(cfg, dist)
+        engine = make_engine(cfg, dist)
         numbers = ckpts.complete(store, cfg.run) if dist is None or dist.rank == 0 else []
         number = numbers[-1] if numbers else 0
         if dist is not None:
@@ -84,12 +88,14 @@ def run_trainer(cfg: TrainConfig) -> TrainResult:
         ckpt = ckpts.load(store, cfg.run, number) if number else None
         if ckpt is not None:
             engine.load_tensors(ckpt.model)
-            engine.optimizer.load_state_dict(ckpt.optimizer)
+            engine.load_optimizer_state(ckpt.optimizer)
         if dist is not None and dist.rank > 0:
             steps, micro_batches = follow(engine, dist)
             return TrainResult(steps, -1, rank=dist.rank, micro_batches=micro_batches)
         return Trainer(cfg, engine, store, dist, ckpt).run()
     finally:
+        if engine is not None:
+            engine.close()
         if dist is not None:
             dist.close()
 
@@ -395,6 +401,11 @@ class Trainer:
         self.metrics.emit("weights_published", {"version": version, "bytes": pub.manifest.total_bytes,
                                                 "publish_s": time.perf_counter() - t0}, step=self.step)  # fmt: skip
 
+    def _optimizer_state(self) -> dict[str, Any]:
+        if self.dist is not None:
+            self.dist.gather_state()  # ZeRO's partitions live on every rank
+        return self.engine.optimizer_state()
+
     def _checkpoint(self) -> None:
         from confluent_kafka import TopicPartition
 
@@ -402,7 +413,7 @@ class Trainer:
         self.ckpt_number += 1
         ckpts.save(self.store, self.cfg.run, self.ckpt_number, step=self.step, version=self.version,
                    ledger=self.ledger, events=self.window, model=self.engine.tensors(),
-                   optimizer=self.engine.optimizer.state_dict(), extra={"lineage": self.lineage})  # fmt: skip
+                   optimizer=self._optimizer_state(), extra={"lineage": self.lineage})  # fmt: skip
         ckpts.prune(self.store, self.cfg.run, self.cfg.keep_checkpoints)
         self._emit_samples(self.window)
         self.producer.flush()

@@ -28,10 +28,28 @@ def weights(store_url: str, run: str, version: int) -> dict[str, torch.Tensor]:
     return fetch_tensors(store, Manifest.from_json(store.get(key)))
 
 
+def has_deepspeed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+BACKENDS = [
+    pytest.param([], id="torch"),
+    *(
+        pytest.param(["--backend", "deepspeed", "--zero-stage", str(s)], id=f"zero{s}",
+                     marks=pytest.mark.skipif(not has_deepspeed(), reason="deepspeed is not installed (the .[deepspeed] extra)"))
+        for s in (0, 1)
+    ),
+]  # fmt: skip
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_two_gloo_ranks_match_one_rank(
-    cli_env: dict[str, str], tiny_model: Path, bootstrap: str, prefix: str
+    cli_env: dict[str, str], tiny_model: Path, bootstrap: str, prefix: str, backend: list[str]
 ) -> None:
+    """One torch rank against two ranks of ``backend`` (ZeRO shards its state over them)."""
     # one partition, so both runs see the records in the same order and form the same steps
     env = {**cli_env, "SRL_PARTITIONS_PER_BUCKET": "1", "GLOO_SOCKET_IFNAME": "lo"}
     cfg = CommonConfig(bootstrap_servers=bootstrap, topic_prefix=prefix, partitions_per_bucket=1)
@@ -45,7 +63,7 @@ def test_two_gloo_ranks_match_one_rank(
     assert one.returncode == 0, one.stderr[-3000:]
     two = subprocess.run(
         [bin_path("torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), "-m", "consumers", *ARGS, *model],
+         "--master-port", str(free_port()), "-m", "consumers", *ARGS, *backend, *model],
         env={**env, "SRL_RUN": "two"}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert two.returncode == 0, two.stderr[-3000:]
@@ -61,5 +79,18 @@ def test_two_gloo_ranks_match_one_rank(
     assert a.keys() == b.keys()
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
     moved = max((a[k] - start[k]).abs().max().item() for k in a)
-    print(f"2 ranks vs 1: weights moved {moved:.2e} from v1, differ by {diff:.2e}")
+    print(f"2 ranks {backend} vs 1: weights moved {moved:.2e} from v1, differ by {diff:.2e}")
     assert moved > 1e-4 and diff < 1e-5, f"moved {moved:.2e}, 1 vs 2 ranks differ by {diff:.2e}"
+
+
+@pytest.mark.skipif(
+    not has_deepspeed(), reason="deepspeed is not installed (the .[deepspeed] extra)"
+)
+def test_zero_2_on_two_ranks_is_refused_in_one_line(
+    cli_env: dict[str, str], tiny_model: Path
+) -> None:
+    r = subprocess.run([bin_path("srl-consumer"), *ARGS, "--model", str(tiny_model), "--backend", "deepspeed",
+                        "--zero-stage", "2"], env={**cli_env, "WORLD_SIZE": "2"}, capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "zero_stage: 2 reduces gradients inside every backward" in r.stderr

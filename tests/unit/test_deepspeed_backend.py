@@ -1,0 +1,132 @@
+"""The DeepSpeed backend trains to the torch backend's weights and shares its checkpoints.
+
+Runs where ``deepspeed`` is installed (``pip install -e '.[deepspeed]'``); CI's ``make test``
+does not install it, so there these tests skip with that reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from consumers.batcher import Row
+from consumers.config import TrainConfig
+from consumers.engine import Engine, MicroBatch, make_engine, make_micro_batch
+from srl.errors import ConfigError
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (the .[deepspeed] extra)")
+# deepspeed's first ZeRO engine imports its Muon optimizer, which imports torch's inductor
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
+
+
+def micro_batches(seed: int, n: int, vocab: int) -> list[tuple[MicroBatch, float]]:
+    """``n`` micro-batches of 3 rows each, with their loss-token counts."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        rows = []
+        for j in range(3):
+            prompt, completion = int(rng.integers(2, 6)), int(rng.integers(3, 9))
+            ids = rng.integers(0, vocab, prompt + completion)
+            behav = rng.uniform(-4.0, -0.5, completion).astype("float32")
+            rows.append(Row(f"t{j}", ids, prompt, behav, float(rng.normal())))
+        out.append(
+            (make_micro_batch(rows, seq_mean=False), float(sum(r.loss_tokens for r in rows)))
+        )
+    return out
+
+
+def config(model: Path, **kw: object) -> TrainConfig:
+    # lr and a small clipping norm so that three steps move the weights and clipping acts
+    base: dict[str, object] = {"model": str(model), "device": "cpu", "lr": 1e-3, "max_grad_norm": 0.1,
+                               "weight_decay": 0.01, "loss": "ppo"}  # fmt: skip
+    return TrainConfig(**(base | kw))
+
+
+def train(
+    engine: Engine, steps: list[list[tuple[MicroBatch, float]]], discard_at: int = -1
+) -> list[float]:
+    """Backward each step's micro-batches, then step with their token count; returns grad norms."""
+    norms = []
+    for s, step in enumerate(steps):
+        if s == discard_at:  # a partial step forgotten (its records would be re-read)
+            engine.backward(step[0][0])
+            engine.discard()
+        for mb, _ in step:
+            engine.backward(mb)
+        norms.append(engine.step(sum(n for _, n in step)).grad_norm)
+    return norms
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def plan(vocab: int) -> list[list[tuple[MicroBatch, float]]]:
+    mbs = micro_batches(0, 6, vocab)
+    return [mbs[0:2], mbs[2:4], mbs[4:6]]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_zero_stage_trains_to_the_torch_backends_weights(tiny_model: Path, stage: int) -> None:
+    ref = Engine(config(tiny_model))
+    steps = plan(ref.model.config.vocab_size)
+    start = {k: v.clone() for k, v in ref.tensors().items()}
+    ref_norms = train(ref, steps, discard_at=1)
+    ds = make_engine(config(tiny_model, backend="deepspeed", zero_stage=stage))
+    try:
+        assert type(ds).__name__ == "DeepSpeedEngine"
+        ds_norms = train(ds, steps, discard_at=1)
+        moved, diff = max_diff(ref.tensors(), start), max_diff(ref.tensors(), ds.tensors())
+        print(f"ZeRO-{stage}: weights moved {moved:.2e}, differ from torch by {diff:.2e}; "
+              f"grad norms torch {ref_norms} deepspeed {ds_norms}")  # fmt: skip
+        assert moved > 1e-3 and diff < 1e-6
+        assert max(ref_norms) > 0.1, "clipping did not act; the test would not see a wrong norm"
+        assert np.allclose(ref_norms, ds_norms, rtol=1e-4)
+    finally:
+        ds.close()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_checkpoints_resume_under_either_backend(tiny_model: Path, stage: int) -> None:
+    """Two steps under one backend, the state into a fresh engine of the other, a third step."""
+    steps = plan(64)
+    straight = Engine(config(tiny_model))
+    train(straight, steps)
+
+    ds = make_engine(config(tiny_model, backend="deepspeed", zero_stage=stage))
+    try:
+        train(ds, steps[:2])
+        tensors, state = ds.tensors(), ds.optimizer_state()
+        assert (
+            len(state["state"]) == len(ds.params) and state["state"][0]["exp_avg"].abs().sum() > 0
+        )
+    finally:
+        ds.close()
+    torch_after = Engine(config(tiny_model))
+    torch_after.load_tensors(tensors)
+    torch_after.load_optimizer_state(state)
+    train(torch_after, steps[2:])
+    assert max_diff(straight.tensors(), torch_after.tensors()) < 1e-6
+
+    first = Engine(config(tiny_model))
+    train(first, steps[:2])
+    ds = make_engine(config(tiny_model, backend="deepspeed", zero_stage=stage))
+    try:
+        ds.load_tensors(first.tensors())
+        ds.load_optimizer_state(first.optimizer_state())
+        train(ds, steps[2:])
+        assert max_diff(straight.tensors(), ds.tensors()) < 1e-6
+    finally:
+        ds.close()
+
+
+def test_stage_3_and_16_bit_are_refused_in_one_line(tiny_model: Path) -> None:
+    with pytest.raises(ConfigError, match="zero_stage: 3"):
+        make_engine(config(tiny_model, backend="deepspeed", zero_stage=3))
+    with pytest.raises(ConfigError, match="float32 only"):
+        make_engine(config(tiny_model, backend="deepspeed", dtype="bfloat16"))
