@@ -101,8 +101,6 @@ class SimTrainEngine:
         self._pending = 0
         self._tensors = {"sim.weight": torch.zeros(1024)}  # published as a real version
         self.model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1 << 30))
-        self.optimizer = SimpleNamespace(state_dict=lambda: {"state": {}, "param_groups": []},
-                                         load_state_dict=lambda _d: None)  # fmt: skip
 
     def _spend(self, tokens: int) -> None:
         seconds = tokens * self.s_per_token
@@ -126,6 +124,15 @@ class SimTrainEngine:
 
     def discard(self) -> None:
         self._pending = 0
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return {"state": {}, "param_groups": []}
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
 
     def tensors(self) -> dict[str, Any]:
         return self._tensors
