@@ -24,10 +24,11 @@ import contextlib
 import hashlib
 import logging
 import mmap
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
@@ -37,15 +38,30 @@ from srl.errors import StoreError, WeightsError
 from srl.store import ObjectStore
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from srl.kafka import Producer
     from srl.topics import Layout
 
 log = logging.getLogger("srl.weights")
+T = TypeVar("T")
 
 MANIFEST = "manifest.json"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+# A version this large is cut into one shard per core, written and hashed (and verified by
+# followers) in parallel: one sha256 stream runs at ~1.5 GB/s, so hashing, not I/O, bounds
+# a single-file publication (docs/benchmarks.md, "Weights").
+PARALLEL_MIN_BYTES = 64 * 1024**2
+
+
+def io_workers() -> int:
+    """Threads for shard I/O: the cores this process may use, at most 8."""
+    cores = (
+        os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    )
+    return max(1, min(8, len(cores)))
 
 
 def version_prefix(run: str, version: int) -> str:
@@ -129,6 +145,16 @@ def _shards(
     return shards
 
 
+def _parallel(fn: Callable[..., T], args: list[tuple[Any, ...]], workers: int) -> list[T]:
+    """``fn(*a)`` for each ``a``, in threads (hashing and file I/O release the GIL), in order."""
+    if workers <= 1 or len(args) <= 1:
+        return [fn(*a) for a in args]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(workers, len(args)), thread_name_prefix="srl-weights") as pool:
+        return list(pool.map(lambda a: fn(*a), args))
+
+
 def publish(
     store: ObjectStore,
     run: str,
@@ -157,7 +183,9 @@ def publish(
             store.delete(key)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
-    shards = _shards(tensors, max_shard_bytes)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    workers = io_workers() if total >= PARALLEL_MIN_BYTES else 1
+    shards = _shards(tensors, min(max_shard_bytes, -(-total // workers)))
     entries: list[FileEntry] = []
 
     def put(name: str, data: bytes) -> None:
@@ -165,25 +193,27 @@ def publish(
         store.put(f"{prefix}/{name}", data)
         entries.append(FileEntry(name, len(data), digest))
 
-    def put_tensors(name: str, shard: dict[str, torch.Tensor]) -> None:
+    def put_tensors(name: str, shard: dict[str, torch.Tensor]) -> FileEntry:
         if not tensorfile.streamable(shard):
-            put(name, save(shard, metadata={"format": "pt"}))
-            return
+            data = save(shard, metadata={"format": "pt"})
+            store.put(f"{prefix}/{name}", data)
+            return FileEntry(name, len(data), hashlib.sha256(data).hexdigest())
         # streamed: hashed while written, never assembled in memory
         _uri, digest, size = store.put_chunks(
             f"{prefix}/{name}", tensorfile.parts(shard, {"format": "pt"})
         )
-        entries.append(FileEntry(name, size, digest))
+        return FileEntry(name, size, digest)
 
     if len(shards) == 1:
-        put_tensors("model.safetensors", shards[0])
+        entries.append(put_tensors("model.safetensors", shards[0]))
     else:
+        names = [
+            f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
+        ]
+        entries.extend(_parallel(put_tensors, list(zip(names, shards, strict=True)), workers))
         weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            put_tensors(name, shard)
+        for name, shard in zip(names, shards, strict=True):
             weight_map.update(dict.fromkeys(shard, name))
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         put("model.safetensors.index.json", orjson.dumps(index, option=orjson.OPT_INDENT_2))
     for name, data in (extra_files or {}).items():
@@ -240,12 +270,16 @@ def fetch_tensors(
 ) -> dict[str, torch.Tensor]:
     """Every tensor of a version, each file verified before it is parsed (safetensors only)."""
     tensors: dict[str, torch.Tensor] = {}
-    for entry in manifest.files:
-        if entry.name.endswith(".safetensors"):
-            where = f"{manifest.run} v{manifest.version}/{entry.name}"
-            # views of the verified buffer: no second copy before the engine's own
-            for k, v in tensorfile.parse(fetch_file(store, manifest, entry), where).items():
-                tensors[k] = v.to(device) if device != "cpu" else v
+    files = [e for e in manifest.files if e.name.endswith(".safetensors")]
+    # every file is verified (in parallel, one sha256 stream per file) before any is parsed
+    buffers = _parallel(
+        lambda e: fetch_file(store, manifest, e), [(e,) for e in files], io_workers()
+    )
+    for entry, buf in zip(files, buffers, strict=True):
+        where = f"{manifest.run} v{manifest.version}/{entry.name}"
+        # views of the verified buffer: no second copy before the engine's own
+        for k, v in tensorfile.parse(buf, where).items():
+            tensors[k] = v.to(device) if device != "cpu" else v
     if not tensors:
         raise WeightsError(
             f"{manifest.run} v{manifest.version}: manifest lists no safetensors file"

@@ -101,6 +101,32 @@ def test_sharded_publish_uses_the_hf_index(tmp_path: Path) -> None:
     assert set(fetch_tensors(store, load_manifest(store, pub.announcement()))) == set(tiny_state())
 
 
+def test_a_large_version_is_cut_into_one_shard_per_core_and_verified_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("srl.weights.io_workers", lambda: 3)
+    monkeypatch.setattr("srl.weights.PARALLEL_MIN_BYTES", 16 * 1024**2)
+    store = LocalStore(tmp_path)
+    torch.manual_seed(0)
+    state = {f"layer{i}.weight": torch.randn(1024, 1024) for i in range(6)}  # 24 MiB
+    pub = publish(store, "r", 1, state, trainer_step=1, parent_version=0)
+    shards = [f.name for f in pub.manifest.files if f.name.endswith(".safetensors")]
+    assert shards == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    for f in pub.manifest.files:  # each file's digest is of its own bytes, written in parallel
+        path = tmp_path / version_prefix("r", 1) / f.name
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == f.sha256
+    manifest = load_manifest(store, pub.announcement())
+    got = fetch_tensors(store, manifest)
+    assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)
+    last = tmp_path / version_prefix("r", 1) / shards[-1]
+    data = bytearray(last.read_bytes())
+    data[-1] ^= 0xFF
+    last.chmod(0o644)
+    last.write_bytes(bytes(data))
+    with pytest.raises(WeightsError, match=f"{shards[-1]} fails verification"):
+        fetch_tensors(store, manifest)
+
+
 def test_corrupted_file_or_manifest_is_refused(tmp_path: Path) -> None:
     store = LocalStore(tmp_path)
     pub = publish(store, "r", 1, tiny_state(), trainer_step=1, parent_version=0)
