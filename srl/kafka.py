@@ -190,6 +190,12 @@ class Producer:
     def poll(self, timeout: float = 0) -> int:
         return int(self._p.poll(timeout))
 
+    def warm(self, topics: Iterable[str], timeout_s: float = 10.0) -> None:
+        """Fetch ``topics``' metadata now: a fresh producer otherwise holds its first records
+        for about a second while it looks the topic up (docs/benchmarks.md, "Data plane")."""
+        for topic in topics:
+            self._p.list_topics(topic, timeout=timeout_s)
+
     def pending(self) -> int:
         return len(self._p)
 
