@@ -132,11 +132,12 @@ class Engine:
         self.dist = dist
         self.device = resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)
-        self.model = load_model(cfg.model, self.device)
+        dtype = getattr(torch, cfg.dtype)  # float32, or bfloat16 parameters and AdamW state
+        self.model = load_model(cfg.model, self.device, dtype)
         self.model.train()
         self.ref = None
         if cfg.kl_coef > 0:
-            self.ref = load_model(cfg.model, self.device).eval().requires_grad_(False)
+            self.ref = load_model(cfg.model, self.device, dtype).eval().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8
