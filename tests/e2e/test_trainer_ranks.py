@@ -94,3 +94,35 @@ def test_zero_2_on_two_ranks_is_refused_in_one_line(
                        text=True, timeout=120)  # fmt: skip
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "zero_stage: 2 reduces gradients inside every backward" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not has_deepspeed(), reason="deepspeed is not installed (the .[deepspeed] extra)"
+)
+def test_zero_1_on_two_ranks_resumes_from_its_checkpoint_to_the_same_weights(
+    cli_env: dict[str, str], tiny_model: Path, bootstrap: str, prefix: str
+) -> None:
+    """Stopped after step 2 and restarted: the ZeRO partitions saved (gathered) and loaded
+    (sliced per rank) carry AdamW's state, so step 3 lands where one torch rank's does."""
+    env = {**cli_env, "SRL_PARTITIONS_PER_BUCKET": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    cfg = CommonConfig(bootstrap_servers=bootstrap, topic_prefix=prefix, partitions_per_bucket=1)
+    create_topics(cfg)
+    produce(cfg, make_groups(6, seed=4))
+    model = ["--model", str(tiny_model)]
+    one = subprocess.run([bin_path("srl-consumer"), *ARGS, *model], env={**env, "SRL_RUN": "one"},
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    zero = ["--backend", "deepspeed", "--zero-stage", "1"]
+    for steps in ("2", "3"):
+        two = subprocess.run(
+            [bin_path("torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+             "--master-port", str(free_port()), "-m", "consumers", *ARGS, *zero, *model, "--max-steps", steps],
+            env={**env, "SRL_RUN": "two"}, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert two.returncode == 0, two.stderr[-3000:]
+        assert f"trained {steps} steps; policy version {steps}" in two.stdout, two.stdout[-2000:]
+    a, b = weights(env["SRL_STORE"], "one", 3), weights(env["SRL_STORE"], "two", 3)
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    print(f"ZeRO-1 on 2 ranks, restarted after step 2, vs 1 torch rank: differ by {diff:.2e}")
+    assert diff < 1e-5
