@@ -22,10 +22,12 @@ How:
   and cut per parameter on save, flattened and sliced on load, so a checkpoint resumes under
   either backend and any number of ranks.
 
-Refused with one line: stage 3 (parameters partitioned), stage 2 on several ranks (its
-reduce-scatter runs inside each backward and needs every rank backward together; ours run
-micro-batches on one rank each as they fill, so ZeRO-1, which shards AdamW's moments, is the
-multi-rank stage), and 16-bit dtypes. Called by
+ZeRO-2 on several ranks reduce-scatters inside every backward, a collective all ranks must
+join together, while rank 0 scatters micro-batches one rank at a time as they fill (a rank in
+that collective would wait for one that waits for rank 0): there, micro-batches are held and
+run at the step, every rank as many as the busiest, padded with zero-weight ones. That loses
+backward-while-the-step-fills for this one configuration; ZeRO-0/1 and one-rank ZeRO-2
+stream. Refused with one line: stage 3 (parameters partitioned) and 16-bit dtypes. Called by
 ``consumers.engine.make_engine``.
 """
 
@@ -36,7 +38,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from consumers.config import TrainConfig
-from consumers.engine import Engine
+from consumers.engine import Engine, MicroBatch, StepStats
 from srl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -47,13 +49,8 @@ if TYPE_CHECKING:
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
-def check_supported(cfg: TrainConfig, world: int = 1) -> None:
+def check_supported(cfg: TrainConfig) -> None:
     """One-line errors for what this backend does not do, before any model is loaded."""
-    if cfg.zero_stage == 2 and world > 1:
-        raise ConfigError(
-            "zero_stage: 2 reduces gradients inside every backward, a collective all ranks must "
-            "join at once, while our ranks backward each micro-batch as it fills; use --zero-stage 1"
-        )
     if cfg.zero_stage > 2:
         raise ConfigError(
             "zero_stage: 3 partitions the parameters, which the weights publisher reads whole; "
@@ -73,7 +70,7 @@ class DeepSpeedEngine(Engine):
     """ZeRO stage 0/1/2 around the same model, loss and AdamW as the torch backend."""
 
     def __init__(self, cfg: TrainConfig, dist: Dist | None = None) -> None:
-        check_supported(cfg, dist.world if dist is not None else 1)
+        check_supported(cfg)
         super().__init__(cfg, dist)
         if self.device == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -114,10 +111,40 @@ class DeepSpeedEngine(Engine):
         if self.zero is None:
             self.optimizer.register_step_pre_hook(self._clip)
         self.index = {id(p): i for i, p in enumerate(self.params)}
+        # ZeRO-2 reduce-scatters inside every backward: a collective every rank must join, so
+        # with several ranks a step's micro-batches wait and run in lockstep at the step
+        self.lockstep = self.stage == 2 and self.world > 1
+        self.deferred: list[MicroBatch] = []
 
     # -- micro-batches and the step -------------------------------------------------------
     def _backprop(self, loss: torch.Tensor) -> None:
         self.ds.backward(loss, scale_wrt_gas=False)
+
+    def backward(self, mb: MicroBatch) -> None:
+        if self.lockstep:
+            self.deferred.append(mb)
+        else:
+            super().backward(mb)
+
+    def step(self, normalizer: float) -> StepStats:
+        if self.lockstep:
+            self._run_in_lockstep()
+        return super().step(normalizer)
+
+    def _run_in_lockstep(self) -> None:
+        """Every rank runs as many backwards as the busiest one: its own micro-batches, then
+        zero-weight ones (they add nothing but join each reduce-scatter). The padding is
+        stored too, so further passes (``updates_per_step``) stay in lockstep."""
+        assert self.dist is not None
+        mine, self.deferred = self.deferred, []
+        most = int(self.dist.all_reduce_floats([float(len(mine))], op="max")[0])
+        for i in range(most):
+            if i < len(mine):
+                super().backward(mine[i])
+            else:
+                padded = self.stats.padded_tokens
+                super().backward(_zero_weight(mine[0] if mine else None))
+                self.stats.padded_tokens = padded
 
     def _clip(self, *_: Any) -> None:
         """Stage 0, after DeepSpeed's all-reduce: every rank holds the step's gradient."""
@@ -146,6 +173,7 @@ class DeepSpeedEngine(Engine):
         return float(norm) if norm is not None else 0.0
 
     def discard(self) -> None:
+        self.deferred = []
         # a partial step's gradients: p.grad (stage 0/1) and the ZeRO-2 partitions
         self.ds.zero_grad()
         if self.zero is not None and self.stage == 2:
@@ -219,3 +247,17 @@ class DeepSpeedEngine(Engine):
         super().load_tensors(tensors)  # copies into the model's views of ZeRO's flat buffers
         if self.zero is not None:
             self.zero.refresh_fp32_params()  # and into the fp32 master partitions
+
+
+def _zero_weight(like: MicroBatch | None) -> MicroBatch:
+    """A micro-batch whose loss weights are all zero: its gradient is zero everywhere."""
+    import torch
+
+    if like is None:
+        ids = torch.zeros((1, 2), dtype=torch.int64)
+        return MicroBatch(
+            ids, torch.ones_like(ids), torch.zeros((1, 1)), torch.zeros(1), torch.zeros((1, 1))
+        )
+    return MicroBatch(
+        like.ids, like.attn, like.behav, torch.zeros_like(like.adv), torch.zeros_like(like.weight)
+    )

@@ -23,7 +23,6 @@ trains are recorded with its step, so a group is finalized whole. Called by ``co
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import statistics
 import time
@@ -75,7 +74,7 @@ def run_trainer(cfg: TrainConfig) -> TrainResult:
     if cfg.backend == "deepspeed":
         from consumers.engine_deepspeed import check_supported
 
-        check_supported(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        check_supported(cfg)
     dist = Dist.from_env(resolve_device(cfg.device))
     engine: Engine | None = None
     try:

@@ -1,7 +1,7 @@
 """The DeepSpeed backend trains to the torch backend's weights and shares its checkpoints.
 
-Runs where ``deepspeed`` is installed (``pip install -e '.[deepspeed]'``); CI's ``make test``
-does not install it, so there these tests skip with that reason.
+Runs where ``deepspeed`` is installed (``make test`` installs it, as does
+``pip install -e '.[deepspeed]'``); elsewhere these tests skip with that reason.
 """
 
 from __future__ import annotations
