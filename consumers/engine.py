@@ -246,9 +246,6 @@ class Engine:
         self.stored = []
         self.stats = StepStats()
 
-    def close(self) -> None:
-        """Release what the backend holds beyond Python objects (none for plain torch)."""
-
     # -- state ----------------------------------------------------------------------------
     def optimizer_state(self) -> dict[str, Any]:
         """AdamW's state in torch's ``state_dict`` format (checkpoints are backend-neutral)."""

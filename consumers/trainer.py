@@ -76,7 +76,6 @@ def run_trainer(cfg: TrainConfig) -> TrainResult:
 
         check_supported(cfg)
     dist = Dist.from_env(resolve_device(cfg.device))
-    engine: Engine | None = None
     try:
         store = open_store(cfg.store)
         engine = make_engine(cfg, dist)
@@ -93,8 +92,6 @@ def run_trainer(cfg: TrainConfig) -> TrainResult:
             return TrainResult(steps, -1, rank=dist.rank, micro_batches=micro_batches)
         return Trainer(cfg, engine, store, dist, ckpt).run()
     finally:
-        if engine is not None:
-            engine.close()
         if dist is not None:
             dist.close()
 

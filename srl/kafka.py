@@ -191,8 +191,9 @@ class Producer:
         return int(self._p.poll(timeout))
 
     def warm(self, topics: Iterable[str], timeout_s: float = 10.0) -> None:
-        """Fetch ``topics``' metadata now: a fresh producer otherwise holds its first records
-        for about a second while it looks the topic up (docs/benchmarks.md, "Data plane")."""
+        """Fetch ``topics``' metadata now, not at the first record (a fresh producer holds its
+        first records while it looks the topic up; it also holds them ~0.5 s until it has its
+        idempotent producer id, which only a delivered record shows: docs/benchmarks.md)."""
         for topic in topics:
             self._p.list_topics(topic, timeout=timeout_s)
 

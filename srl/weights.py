@@ -51,8 +51,8 @@ T = TypeVar("T")
 MANIFEST = "manifest.json"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 # A version this large is cut into one shard per core, written and hashed (and verified by
-# followers) in parallel: one sha256 stream runs at ~1.5 GB/s, so hashing, not I/O, bounds
-# a single-file publication (docs/benchmarks.md, "Weights").
+# followers) in parallel: one sha256 stream runs at ~1.5 GB/s, which bounds a follower's
+# verification of a single file (docs/benchmarks.md, "Weights").
 PARALLEL_MIN_BYTES = 64 * 1024**2
 
 
@@ -188,16 +188,13 @@ def publish(
     shards = _shards(tensors, min(max_shard_bytes, -(-total // workers)))
     entries: list[FileEntry] = []
 
-    def put(name: str, data: bytes) -> None:
-        digest = hashlib.sha256(data).hexdigest()
+    def put(name: str, data: bytes) -> FileEntry:
         store.put(f"{prefix}/{name}", data)
-        entries.append(FileEntry(name, len(data), digest))
+        return FileEntry(name, len(data), hashlib.sha256(data).hexdigest())
 
     def put_tensors(name: str, shard: dict[str, torch.Tensor]) -> FileEntry:
         if not tensorfile.streamable(shard):
-            data = save(shard, metadata={"format": "pt"})
-            store.put(f"{prefix}/{name}", data)
-            return FileEntry(name, len(data), hashlib.sha256(data).hexdigest())
+            return put(name, save(shard, metadata={"format": "pt"}))
         # streamed: hashed while written, never assembled in memory
         _uri, digest, size = store.put_chunks(
             f"{prefix}/{name}", tensorfile.parts(shard, {"format": "pt"})
@@ -215,9 +212,10 @@ def publish(
         for name, shard in zip(names, shards, strict=True):
             weight_map.update(dict.fromkeys(shard, name))
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        put("model.safetensors.index.json", orjson.dumps(index, option=orjson.OPT_INDENT_2))
-    for name, data in (extra_files or {}).items():
-        put(name, data)
+        entries.append(
+            put("model.safetensors.index.json", orjson.dumps(index, option=orjson.OPT_INDENT_2))
+        )
+    entries.extend(put(name, data) for name, data in (extra_files or {}).items())
     manifest = Manifest(
         run, version, trainer_step, parent_version, tuple(entries), ",".join(dtypes)
     )

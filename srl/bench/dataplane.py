@@ -134,8 +134,7 @@ def run_phase(cfg: CommonConfig, spec: dict[str, Any]) -> dict[str, Any]:
     """One phase (``spec['mode']`` raw or codec, ``spec['rate']`` tokens/s or 0 for flat out)."""
     cfg = cfg.model_copy(update={"topic_prefix": f"{cfg.topic_prefix}.bench{uuid.uuid4().hex[:6]}"})
     layout = Layout.from_config(cfg)
-    create_topics(cfg)
-    create_topics(cfg, [TopicSpec(warmup_topic(cfg), 1, {})])
+    create_topics(cfg, [*layout.specs(), TopicSpec(warmup_topic(cfg), 1, {})])
     probe = make_trajectories(
         spec["n"], spec["mean_tokens"], spec["chunk_tokens"], layout, spec["seed"]
     )

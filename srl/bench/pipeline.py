@@ -131,9 +131,6 @@ class SimTrainEngine:
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         return None
 
-    def close(self) -> None:
-        return None
-
     def tensors(self) -> dict[str, Any]:
         return self._tensors
 

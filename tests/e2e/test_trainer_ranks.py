@@ -28,10 +28,42 @@ def weights(store_url: str, run: str, version: int) -> dict[str, torch.Tensor]:
     return fetch_tensors(store, Manifest.from_json(store.get(key)))
 
 
+def one_torch_rank(cli_env: dict[str, str], tiny_model: Path, bootstrap: str, prefix: str,
+                   seed: int) -> dict[str, str]:  # fmt: skip
+    """Records on one partition (both runs see them in the same order and form the same steps),
+    then run "one": a single torch rank, 3 steps. Returns the environment for the other run."""
+    env = {**cli_env, "SRL_PARTITIONS_PER_BUCKET": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    cfg = CommonConfig(bootstrap_servers=bootstrap, topic_prefix=prefix, partitions_per_bucket=1)
+    create_topics(cfg)
+    produce(cfg, make_groups(6, seed=seed))
+    # the run name goes by SRL_RUN: torchrun would take a --run after the module for its own
+    one = subprocess.run([bin_path("srl-consumer"), *ARGS, "--model", str(tiny_model)],
+                         env={**env, "SRL_RUN": "one"}, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "trained 3 steps; policy version 3" in one.stdout
+    return env
+
+
+def two_ranks(env: dict[str, str], tiny_model: Path, *extra: str) -> str:
+    """Run "two" on two gloo ranks under torchrun; returns its stdout."""
+    two = subprocess.run(
+        [bin_path("torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), "-m", "consumers", *ARGS, "--model", str(tiny_model), *extra],
+        env={**env, "SRL_RUN": "two"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    return two.stdout
+
+
 def has_deepspeed() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("deepspeed") is not None
+
+
+needs_deepspeed = pytest.mark.skipif(
+    not has_deepspeed(), reason="deepspeed is not installed (the .[deepspeed] extra)"
+)
 
 
 # ZeRO-2 runs its micro-batches in lockstep at the step; 24-token micro-batches give the two
@@ -40,7 +72,7 @@ BACKENDS = [
     pytest.param([], id="torch"),
     *(
         pytest.param(["--backend", "deepspeed", "--zero-stage", str(s), *(["--micro-batch-tokens", "24"] if s == 2 else [])], id=f"zero{s}",
-                     marks=pytest.mark.skipif(not has_deepspeed(), reason="deepspeed is not installed (the .[deepspeed] extra)"))
+                     marks=needs_deepspeed)
         for s in (0, 1, 2)
     ),
 ]  # fmt: skip
@@ -52,29 +84,11 @@ def test_two_gloo_ranks_match_one_rank(
     cli_env: dict[str, str], tiny_model: Path, bootstrap: str, prefix: str, backend: list[str]
 ) -> None:
     """One torch rank against two ranks of ``backend`` (ZeRO shards its state over them)."""
-    # one partition, so both runs see the records in the same order and form the same steps
-    env = {**cli_env, "SRL_PARTITIONS_PER_BUCKET": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    cfg = CommonConfig(bootstrap_servers=bootstrap, topic_prefix=prefix, partitions_per_bucket=1)
-    create_topics(cfg)
-    produce(cfg, make_groups(6, seed=3))
-    model = ["--model", str(tiny_model)]
-
-    # the run name goes by SRL_RUN: torchrun would take a --run after the module for its own
-    one = subprocess.run([bin_path("srl-consumer"), *ARGS, *model], env={**env, "SRL_RUN": "one"},
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run(
-        [bin_path("torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), "-m", "consumers", *ARGS, *backend, *model],
-        env={**env, "SRL_RUN": "two"}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert (
-        "trained 3 steps; policy version 3" in one.stdout
-        and "trained 3 steps; policy version 3" in two.stdout
-    )
-    rank1 = [line for line in two.stdout.splitlines() if line.startswith("rank 1: 3 steps")]
-    assert rank1 and int(rank1[0].split()[4]) > 0, f"rank 1 trained micro-batches: {two.stdout}"
+    env = one_torch_rank(cli_env, tiny_model, bootstrap, prefix, seed=3)
+    out = two_ranks(env, tiny_model, *backend)
+    assert "trained 3 steps; policy version 3" in out
+    rank1 = [line for line in out.splitlines() if line.startswith("rank 1: 3 steps")]
+    assert rank1 and int(rank1[0].split()[4]) > 0, f"rank 1 trained micro-batches: {out}"
 
     a, b = weights(env["SRL_STORE"], "one", 3), weights(env["SRL_STORE"], "two", 3)
     start = weights(env["SRL_STORE"], "one", 1)  # v1 already moved from v0; compare v3 with it
@@ -85,9 +99,7 @@ def test_two_gloo_ranks_match_one_rank(
     assert moved > 1e-4 and diff < 1e-5, f"moved {moved:.2e}, 1 vs 2 ranks differ by {diff:.2e}"
 
 
-@pytest.mark.skipif(
-    not has_deepspeed(), reason="deepspeed is not installed (the .[deepspeed] extra)"
-)
+@needs_deepspeed
 def test_zero_3_is_refused_in_one_line(cli_env: dict[str, str], tiny_model: Path) -> None:
     r = subprocess.run([bin_path("srl-consumer"), *ARGS, "--model", str(tiny_model), "--backend", "deepspeed",
                         "--zero-stage", "3"], env=cli_env, capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -96,31 +108,18 @@ def test_zero_3_is_refused_in_one_line(cli_env: dict[str, str], tiny_model: Path
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not has_deepspeed(), reason="deepspeed is not installed (the .[deepspeed] extra)"
-)
+@needs_deepspeed
 def test_zero_1_on_two_ranks_resumes_from_its_checkpoint_to_the_same_weights(
     cli_env: dict[str, str], tiny_model: Path, bootstrap: str, prefix: str
 ) -> None:
     """Stopped after step 2 and restarted: the ZeRO partitions saved (gathered) and loaded
     (sliced per rank) carry AdamW's state, so step 3 lands where one torch rank's does."""
-    env = {**cli_env, "SRL_PARTITIONS_PER_BUCKET": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    cfg = CommonConfig(bootstrap_servers=bootstrap, topic_prefix=prefix, partitions_per_bucket=1)
-    create_topics(cfg)
-    produce(cfg, make_groups(6, seed=4))
-    model = ["--model", str(tiny_model)]
-    one = subprocess.run([bin_path("srl-consumer"), *ARGS, *model], env={**env, "SRL_RUN": "one"},
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert one.returncode == 0, one.stderr[-3000:]
-    zero = ["--backend", "deepspeed", "--zero-stage", "1"]
+    env = one_torch_rank(cli_env, tiny_model, bootstrap, prefix, seed=4)
     for steps in ("2", "3"):
-        two = subprocess.run(
-            [bin_path("torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-             "--master-port", str(free_port()), "-m", "consumers", *ARGS, *zero, *model, "--max-steps", steps],
-            env={**env, "SRL_RUN": "two"}, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert two.returncode == 0, two.stderr[-3000:]
-        assert f"trained {steps} steps; policy version {steps}" in two.stdout, two.stdout[-2000:]
+        out = two_ranks(
+            env, tiny_model, "--backend", "deepspeed", "--zero-stage", "1", "--max-steps", steps
+        )
+        assert f"trained {steps} steps; policy version {steps}" in out, out[-2000:]
     a, b = weights(env["SRL_STORE"], "one", 3), weights(env["SRL_STORE"], "two", 3)
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
     print(f"ZeRO-1 on 2 ranks, restarted after step 2, vs 1 torch rank: differ by {diff:.2e}")

@@ -78,17 +78,14 @@ def test_zero_stage_trains_to_the_torch_backends_weights(tiny_model: Path, stage
     start = {k: v.clone() for k, v in ref.tensors().items()}
     ref_norms = train(ref, steps, discard_at=1)
     ds = make_engine(config(tiny_model, backend="deepspeed", zero_stage=stage))
-    try:
-        assert type(ds).__name__ == "DeepSpeedEngine"
-        ds_norms = train(ds, steps, discard_at=1)
-        moved, diff = max_diff(ref.tensors(), start), max_diff(ref.tensors(), ds.tensors())
-        print(f"ZeRO-{stage}: weights moved {moved:.2e}, differ from torch by {diff:.2e}; "
-              f"grad norms torch {ref_norms} deepspeed {ds_norms}")  # fmt: skip
-        assert moved > 1e-3 and diff < 1e-6
-        assert max(ref_norms) > 0.1, "clipping did not act; the test would not see a wrong norm"
-        assert np.allclose(ref_norms, ds_norms, rtol=1e-4)
-    finally:
-        ds.close()
+    assert type(ds).__name__ == "DeepSpeedEngine"
+    ds_norms = train(ds, steps, discard_at=1)
+    moved, diff = max_diff(ref.tensors(), start), max_diff(ref.tensors(), ds.tensors())
+    print(f"ZeRO-{stage}: weights moved {moved:.2e}, differ from torch by {diff:.2e}; "
+          f"grad norms torch {ref_norms} deepspeed {ds_norms}")  # fmt: skip
+    assert moved > 1e-3 and diff < 1e-6
+    assert max(ref_norms) > 0.1, "clipping did not act; the test would not see a wrong norm"
+    assert np.allclose(ref_norms, ds_norms, rtol=1e-4)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -99,14 +96,9 @@ def test_checkpoints_resume_under_either_backend(tiny_model: Path, stage: int) -
     train(straight, steps)
 
     ds = make_engine(config(tiny_model, backend="deepspeed", zero_stage=stage))
-    try:
-        train(ds, steps[:2])
-        tensors, state = ds.tensors(), ds.optimizer_state()
-        assert (
-            len(state["state"]) == len(ds.params) and state["state"][0]["exp_avg"].abs().sum() > 0
-        )
-    finally:
-        ds.close()
+    train(ds, steps[:2])
+    tensors, state = ds.tensors(), ds.optimizer_state()
+    assert len(state["state"]) == len(ds.params) and state["state"][0]["exp_avg"].abs().sum() > 0
     torch_after = Engine(config(tiny_model))
     torch_after.load_tensors(tensors)
     torch_after.load_optimizer_state(state)
@@ -116,13 +108,10 @@ def test_checkpoints_resume_under_either_backend(tiny_model: Path, stage: int) -
     first = Engine(config(tiny_model))
     train(first, steps[:2])
     ds = make_engine(config(tiny_model, backend="deepspeed", zero_stage=stage))
-    try:
-        ds.load_tensors(first.tensors())
-        ds.load_optimizer_state(first.optimizer_state())
-        train(ds, steps[2:])
-        assert max_diff(straight.tensors(), ds.tensors()) < 1e-6
-    finally:
-        ds.close()
+    ds.load_tensors(first.tensors())
+    ds.load_optimizer_state(first.optimizer_state())
+    train(ds, steps[2:])
+    assert max_diff(straight.tensors(), ds.tensors()) < 1e-6
 
 
 def test_stage_3_and_16_bit_are_refused_in_one_line(tiny_model: Path) -> None:
