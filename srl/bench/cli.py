@@ -189,6 +189,7 @@ def pipeline(lengths: str, scale: float, devices: int, b_max: int, groups: int, 
     p.plot(r, plot)
     click.echo(f"SIMULATED engine and trainer, time compressed {compression:g}x; plot: {plot}")
     for mode, m in r["modes"].items():
-        click.echo(f"{mode:>10}: {m['samples_per_s']:.2f} samples/s  x{m['ratio_vs_sync']} vs sync  "
+        click.echo(f"{mode:>10}: {m['samples_per_s']:.2f} samples/s  x{m['ratio_vs_sync']} vs sync "
+                   f"(trained tokens/s x{m['tokens_ratio_vs_sync']}, {m['dropped_token_fraction']:.0%} of tokens dropped)  "
                    f"{m['fraction_of_bound']:.0%} of bound  gen idle {m['gen_idle']:.0%}  "
                    f"train idle {m['train_idle']:.0%}  staleness mean {m['staleness_mean']} max {m['staleness_max']}")  # fmt: skip

@@ -52,6 +52,8 @@ from srl.errors import SrlError
 
 log = logging.getLogger("srl.bench")
 MODES = ("sync", "stream", "async", "async+skew")
+ASYNC_STALENESS = 1  # k of the async modes (StreamRL-Async)
+MODEL_BATCHES = 32  # sampled steps the split model averages over
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,12 @@ def model_iteration(w: Workload, mode: str, group_lengths: np.ndarray, instances
                     devices: int) -> dict[str, float]:  # fmt: skip
     """Modelled seconds of one iteration, as the system runs it: a task (one group, every
     sample of a prompt the same length) goes to one instance, dealt by key (random); the
-    skew mode admits each instance's groups longest first (the dispatcher's LPT order)."""
+    skew mode admits each instance's groups longest first (the dispatcher's LPT order).
+
+    With the barrier, generation is the makespan of the step's groups, tail included. Without
+    it (``async``, ``async+skew``) the next step's groups fill the tail, so generation runs in
+    steady state (every instance at ``B_max``), but no faster than the longest sample allows:
+    it must finish within ``k + 1`` iterations (k = 1) of starting or it is dropped as stale."""
     ptl = PtlModel()
     deal = np.random.default_rng(w.seed).permutation(len(group_lengths))
     done = np.zeros(len(group_lengths))
@@ -185,23 +192,29 @@ def model_iteration(w: Workload, mode: str, group_lengths: np.ndarray, instances
         for j in np.argsort(done, kind="stable"):
             t = max(t, done[j]) + per_group[j]
     else:  # async: generation of step i+1 overlaps training of step i
+        samples = group_lengths * w.group_size
+        steady = float(samples.sum()) * ptl(w.b_max) / (instances * w.b_max) / 1000.0
+        window = float(group_lengths.max()) * ptl(w.b_max) / 1000.0 / (1 + ASYNC_STALENESS)
+        gen_s = max(steady, window)
         t = max(gen_s, train_s)
     return {"gen_s": gen_s, "train_s": train_s, "iteration_s": float(t)}
 
 
-def best_split(w: Workload, mode: str, group_lengths: np.ndarray) -> dict[str, Any]:
-    """The (instances, trainer devices) split minimising ``mode``'s modelled iteration time;
-    with WORKLOAD.md's bound of that split (per iteration, iterations not overlapping)."""
+def best_split(w: Workload, mode: str, batches: list[np.ndarray]) -> dict[str, Any]:
+    """The (instances, trainer devices) split minimising ``mode``'s modelled iteration time,
+    averaged over ``batches`` (per-group lengths of sampled steps: one step's longest sample
+    varies a lot); with WORKLOAD.md's bound of that split (per iteration, averaged the same way)."""
     ptl = PtlModel()
-    samples = np.repeat(group_lengths, w.group_size)
     best: dict[str, Any] | None = None
     for n in range(1, w.devices):
-        m = model_iteration(w, mode, group_lengths, n, w.devices - n)
-        if best is None or m["iteration_s"] < best["model_iteration_s"]:
-            bound = float(max(lower_bound(samples, n, w.b_max, ptl), m["train_s"]))
+        ms = [model_iteration(w, mode, g, n, w.devices - n) for g in batches]
+        mean = {k: float(np.mean([m[k] for m in ms])) for k in ("iteration_s", "gen_s", "train_s")}
+        if best is None or mean["iteration_s"] < best["model_iteration_s"]:
+            bound = np.mean([max(lower_bound(np.repeat(g, w.group_size), n, w.b_max, ptl), m["train_s"])
+                             for g, m in zip(batches, ms, strict=True)])  # fmt: skip
             best = {"instances": n, "trainer_devices": w.devices - n,
-                    "model_iteration_s": round(m["iteration_s"], 2), "model_gen_s": round(m["gen_s"], 2),
-                    "model_train_s": round(m["train_s"], 2), "bound_iteration_s": round(bound, 2)}  # fmt: skip
+                    "model_iteration_s": round(mean["iteration_s"], 2), "model_gen_s": round(mean["gen_s"], 2),
+                    "model_train_s": round(mean["train_s"], 2), "bound_iteration_s": round(float(bound), 2)}  # fmt: skip
     assert best is not None
     return best
 
@@ -243,7 +256,7 @@ def run_mode(
             engine="sim",
             max_batch=w.b_max,
             chunk_tokens=w.chunk_tokens,
-            max_staleness=0 if barrier else 1,
+            max_staleness=0 if barrier else ASYNC_STALENESS,
             time_scale=1.0 / w.compression,
             sim_tokens_per_step=w.tokens_per_step,
             seed=w.seed + i,
@@ -254,7 +267,7 @@ def run_mode(
         for i in range(n)
     ]
     tcfg = TrainConfig(**top, model=str(model_dir), reward="srl.bench.pipeline:sim_reward",
-                       groups_per_step=w.groups_per_step, max_staleness=0 if barrier else 1,
+                       groups_per_step=w.groups_per_step, max_staleness=0 if barrier else ASYNC_STALENESS,
                        sync_barrier=barrier, max_steps=w.iterations, checkpoint_every=1000,
                        micro_batch_tokens=65_536, expire_s=600.0, idle_exit_s=120.0)  # fmt: skip
     create_topics(dcfg)
@@ -307,14 +320,25 @@ def summarize(w: Workload, mode: str, split: dict[str, Any], events: list[Any], 
     measured = sum(int(steps[s].values["samples"]) for s in order[1:])
     span_sim = (last.ts_ms - first.ts_ms) / 1000.0 * w.compression
     rate = measured / span_sim if span_sim > 0 else 0.0
-    trained = {}
+    trained: dict[str, tuple[int, int, int]] = {}  # trajectory id -> (staleness, tokens, step)
+    dropped: dict[str, int] = {}  # trajectory id -> tokens
     for e in events:
-        if e.kind == "sample" and e.labels.get("outcome") == "trained":
-            trained[e.labels["trajectory_id"]] = int(e.values.get("staleness", 0))
-    stale = list(trained.values())
-    dropped = sum(
-        1 for e in events if e.kind == "sample" and e.labels.get("outcome") == "dropped_stale"
-    )
+        if e.kind != "sample":
+            continue
+        tokens = int(e.values.get("tokens", 0))
+        if e.labels.get("outcome") == "trained":
+            trained[e.labels["trajectory_id"]] = (
+                int(e.values.get("staleness", 0)),
+                tokens,
+                int(e.step or 0),
+            )
+        elif e.labels.get("outcome") == "dropped_stale":
+            dropped[e.labels["trajectory_id"]] = tokens
+    stale = [s for s, _, _ in trained.values()]
+    # tokens trained in the measured steps: a mode that drops long samples as stale trains
+    # shorter ones, so its samples/s flatters it; tokens/s does not
+    measured_tokens = sum(t for _, t, s in trained.values() if s in order[1:])
+    all_tokens = sum(t for _, t, _ in trained.values())
     run_sim = wall * w.compression
     bound_rate = w.batch / split["bound_iteration_s"]
     return {
@@ -322,7 +346,10 @@ def summarize(w: Workload, mode: str, split: dict[str, Any], events: list[Any], 
         "gen_idle": round(max(0.0, 1 - gen_busy_sim_s / (split["instances"] * run_sim)), 3),
         "train_idle": round(max(0.0, 1 - train_busy_sim_s / run_sim), 3),
         "staleness_mean": round(float(np.mean(stale)), 3) if stale else 0.0,
-        "staleness_max": max(stale, default=0), "trained": len(trained), "dropped_stale": dropped,
+        "staleness_max": max(stale, default=0), "trained": len(trained), "dropped_stale": len(dropped),
+        "trained_tokens_per_s": round(measured_tokens / span_sim, 1) if span_sim > 0 else 0.0,
+        "mean_trained_tokens": round(all_tokens / len(trained), 1) if trained else 0.0,
+        "dropped_token_fraction": round(sum(dropped.values()) / max(1, all_tokens + sum(dropped.values())), 3),
         "steps": len(order), "measured_steps": len(order) - 1, "wall_s": round(wall, 1),
         "bound_samples_per_s": round(bound_rate, 3), "split": split,
     }  # fmt: skip
@@ -334,8 +361,9 @@ def run(w: Workload, external: str | None = None, progress: Any = None) -> dict[
 
     hist = LengthHistogram.load(w.lengths, w.scale)
     # the model's batch: per-prompt lengths as the sim task draws them (the same histogram)
-    groups = hist.sample(w.groups_per_step, np.random.default_rng(w.seed)).astype(float)
-    splits = {m: best_split(w, m, groups) for m in MODES}
+    rng = np.random.default_rng(w.seed)
+    batches = [hist.sample(w.groups_per_step, rng).astype(float) for _ in range(MODEL_BATCHES)]
+    splits = {m: best_split(w, m, batches) for m in MODES}
     out: dict[str, Any] = {"simulated": True, "time_compression": w.compression, "modes": {}}
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="srl-bench-pipeline-")))
@@ -354,8 +382,12 @@ def run(w: Workload, external: str | None = None, progress: Any = None) -> dict[
                 progress(mode, splits[mode])
             out["modes"][mode] = run_mode(w, mode, splits[mode], bootstrap, model_dir, work)
     base = out["modes"]["sync"]["samples_per_s"]
+    base_tokens = out["modes"]["sync"]["trained_tokens_per_s"]
     for r in out["modes"].values():
         r["ratio_vs_sync"] = round(r["samples_per_s"] / base, 3) if base else None
+        r["tokens_ratio_vs_sync"] = (
+            round(r["trained_tokens_per_s"] / base_tokens, 3) if base_tokens else None
+        )
     out["settings"] = {k: getattr(w, k) for k in w.__dataclass_fields__} | {
         "batch": w.batch,
         "train_s_per_token_per_device": w.train_s_per_token,
@@ -378,7 +410,9 @@ def plot(r: dict[str, Any], path: str) -> None:
     ax.bar(x - 0.2, rate, 0.4, label="achieved")
     ax.bar(x + 0.2, bound, 0.4, label="bound of its split", alpha=0.5)
     for i, m in enumerate(modes):
-        ax.text(i - 0.2, rate[i], f"x{r['modes'][m]['ratio_vs_sync']}", ha="center", va="bottom")
+        mm = r["modes"][m]
+        ax.text(i - 0.2, rate[i], f"x{mm['ratio_vs_sync']}\n(tokens x{mm['tokens_ratio_vs_sync']})",
+                ha="center", va="bottom", fontsize=8)  # fmt: skip
     ax.set_xticks(x, modes)
     ax.set_ylabel("samples / s (simulated time)")
     ax.set_title(

@@ -71,6 +71,10 @@ def test_bench_pipeline_json_on_another_histogram(cli_env: dict[str, str], tmp_p
         assert m["samples_per_s"] > 0 and 0 <= m["gen_idle"] <= 1 and 0 <= m["train_idle"] <= 1
         assert abs(m["ratio_vs_sync"] - m["samples_per_s"] / base) < 0.01
         assert abs(m["fraction_of_bound"] - m["samples_per_s"] / m["bound_samples_per_s"]) < 0.01
+        tokens_base = r["modes"]["sync"]["trained_tokens_per_s"]
+        assert abs(m["tokens_ratio_vs_sync"] - m["trained_tokens_per_s"] / tokens_base) < 0.01
+        assert 20 <= m["mean_trained_tokens"] <= 400 and 0 <= m["dropped_token_fraction"] <= 1
+        assert (m["dropped_token_fraction"] > 0) == (m["dropped_stale"] > 0)
         split = m["split"]
         assert (
             split["instances"] + split["trainer_devices"] == 3
@@ -80,7 +84,9 @@ def test_bench_pipeline_json_on_another_histogram(cli_env: dict[str, str], tmp_p
         )  # the measured steps' groups all trained
     for barrier in ("sync", "stream"):  # the barrier: never a stale sample, nothing dropped
         assert (
-            r["modes"][barrier]["staleness_max"] == 0 and r["modes"][barrier]["dropped_stale"] == 0
+            r["modes"][barrier]["staleness_max"] == 0
+            and r["modes"][barrier]["dropped_stale"] == 0
+            and r["modes"][barrier]["dropped_token_fraction"] == 0
         )
     for k1 in ("async", "async+skew"):
         assert r["modes"][k1]["staleness_max"] <= 1
