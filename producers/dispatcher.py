@@ -5,8 +5,12 @@ Owns ``srl-producer dispatch``. In order, for each window of prompts from the so
 1. ask the length predictor (``ranker.predictor.LengthPredictor``) for every prompt of the
    window at once;
 2. ``plan_window`` (pure): bucket each prompt by its prediction (``Layout.bucket_for``) and
-   order each bucket longest-predicted first; each task asks for ``group_size`` samples and
-   carries the prediction, the predictor's version and the prompt's metadata (JSON);
+   order the window longest-predicted first, across buckets (LPT: a long task published
+   after the window's short ones starts last, behind the backlog bound, and is the one that
+   goes stale; bucket by bucket, short first, ``srl bench pipeline``'s skew mode dropped
+   26–29 % of its tokens as stale, longest first 10–20 %); each task asks for
+   ``group_size`` samples and carries the prediction, the predictor's version and the
+   prompt's metadata (JSON);
 3. wait for permission to publish:
    * **sync barrier** (``sync_barrier``, window = ``groups_per_step``): every window after the
      first waits for a weights announcement newer than the one the previous window was
@@ -52,7 +56,7 @@ def plan_window(
     prompts: Sequence[PromptLike], predictions: np.ndarray, layout: Layout, cfg: DispatchConfig,
     ranker_version: int | None = None, epoch: int = 0,
 ) -> list[PromptTask]:  # fmt: skip
-    """Tasks for one window: bucketed by prediction, longest-predicted first within a bucket.
+    """Tasks for one window: bucketed by prediction, longest-predicted first (across buckets).
 
     A group is identified by its prompt id, so epoch ``e > 0`` sends ``{prompt_id}.e{e}``: the
     groups of different passes over the same prompt never merge on the trainer's side.
@@ -79,8 +83,7 @@ def plan_window(
             top_p=cfg.top_p, predicted_length=length, ranker_version=ranker_version,
             metadata=orjson.dumps(p.metadata).decode() if p.metadata else None,
         ))  # fmt: skip
-    order = {b: i for i, b in enumerate(layout.buckets)}
-    return sorted(tasks, key=lambda t: (order[t.bucket], -(t.predicted_length or 0)))
+    return sorted(tasks, key=lambda t: -(t.predicted_length or 0))
 
 
 def windows(source: Iterable[PromptLike], size: int) -> Iterator[list[PromptLike]]:

@@ -159,12 +159,14 @@ def weights(sizes: str, repeats: int, swaps: int, as_json: bool) -> None:
               help="Optimizer steps per mode; the first is warm-up.")  # fmt: skip
 @click.option("--compression", type=click.FloatRange(1, 10_000), default=20.0, show_default=True,
               help="Simulated seconds per wall-clock second.")  # fmt: skip
+@click.option("--max-staleness", type=click.IntRange(1, 100), default=1, show_default=True,
+              help="k of the async modes (1: StreamRL-Async).")  # fmt: skip
 @click.option("--plot", type=click.Path(dir_okay=False), default="bench-pipeline.png", show_default=True,
               help="PNG written unless --json.")  # fmt: skip
 @click.option("--bootstrap", help="Use this Kafka instead of an embedded broker.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")  # fmt: skip
 def pipeline(lengths: str, scale: float, devices: int, b_max: int, groups: int, group_size: int,
-             iterations: int, compression: float, plot: str, bootstrap: str | None, as_json: bool) -> None:  # fmt: skip
+             iterations: int, compression: float, max_staleness: int, plot: str, bootstrap: str | None, as_json: bool) -> None:  # fmt: skip
     """sync / stream / async / async+skew side by side (SIMULATED engine and trainer).
 
     The broker, codec, dispatcher, generator workers, trainer loop, staleness gate and weights
@@ -176,7 +178,8 @@ def pipeline(lengths: str, scale: float, devices: int, b_max: int, groups: int, 
 
     LengthHistogram.load(lengths, scale)  # a bad file is a one-line error before anything starts
     w = p.Workload(lengths=lengths, scale=scale, devices=devices, b_max=b_max, groups_per_step=groups,
-                   group_size=group_size, iterations=iterations, compression=compression)  # fmt: skip
+                   group_size=group_size, iterations=iterations, compression=compression,
+                   max_staleness=max_staleness)  # fmt: skip
 
     def progress(mode: str, split: dict[str, Any]) -> None:
         click.echo(f"{mode}: {split['instances']} generator instance(s) + {split['trainer_devices']} "

@@ -17,7 +17,7 @@ The modes (WORKLOAD.md, "Fair comparison"), each on its own topics in one run:
 * ``sync``: dispatcher barrier (one step of prompts per policy version), random dispatch and
   FIFO admission, the trainer computes only when the step's groups are all in (no streaming);
 * ``stream``: the same barrier, but micro-batches are computed as they fill (StreamRL-Sync);
-* ``async``: no barrier, ``max_staleness`` 1, random dispatch, FIFO;
+* ``async``: no barrier, ``max_staleness`` k = 1 (``--max-staleness``), random dispatch, FIFO;
 * ``async+skew``: ``async`` with length-aware dispatch and longest-first admission from oracle
   lengths (``--predictor oracle``; the demo task's ranker is within 0.5 % of oracle in
   docs/benchmarks.md "Skewness"). Migration is not used (one generator pool).
@@ -52,7 +52,6 @@ from srl.errors import SrlError
 
 log = logging.getLogger("srl.bench")
 MODES = ("sync", "stream", "async", "async+skew")
-ASYNC_STALENESS = 1  # k of the async modes (StreamRL-Async)
 MODEL_BATCHES = 32  # sampled steps the split model averages over
 
 
@@ -74,6 +73,7 @@ class Workload:
     compression: float = 20.0  # simulated seconds per wall second
     tokens_per_step: int = 16  # sim engine tokens per decode step
     chunk_tokens: int = 256
+    max_staleness: int = 1  # k of the async modes (1: StreamRL-Async)
     seed: int = 0
 
     @property
@@ -172,7 +172,7 @@ def model_iteration(w: Workload, mode: str, group_lengths: np.ndarray, instances
     With the barrier, generation is the makespan of the step's groups, tail included. Without
     it (``async``, ``async+skew``) the next step's groups fill the tail, so generation runs in
     steady state (every instance at ``B_max``), but no faster than the longest sample allows:
-    it must finish within ``k + 1`` iterations (k = 1) of starting or it is dropped as stale."""
+    it must finish within ``k + 1`` iterations of starting or it is dropped as stale."""
     ptl = PtlModel()
     deal = np.random.default_rng(w.seed).permutation(len(group_lengths))
     done = np.zeros(len(group_lengths))
@@ -194,7 +194,7 @@ def model_iteration(w: Workload, mode: str, group_lengths: np.ndarray, instances
     else:  # async: generation of step i+1 overlaps training of step i
         samples = group_lengths * w.group_size
         steady = float(samples.sum()) * ptl(w.b_max) / (instances * w.b_max) / 1000.0
-        window = float(group_lengths.max()) * ptl(w.b_max) / 1000.0 / (1 + ASYNC_STALENESS)
+        window = float(group_lengths.max()) * ptl(w.b_max) / 1000.0 / (1 + w.max_staleness)
         gen_s = max(steady, window)
         t = max(gen_s, train_s)
     return {"gen_s": gen_s, "train_s": train_s, "iteration_s": float(t)}
@@ -256,7 +256,7 @@ def run_mode(
             engine="sim",
             max_batch=w.b_max,
             chunk_tokens=w.chunk_tokens,
-            max_staleness=0 if barrier else ASYNC_STALENESS,
+            max_staleness=0 if barrier else w.max_staleness,
             time_scale=1.0 / w.compression,
             sim_tokens_per_step=w.tokens_per_step,
             seed=w.seed + i,
@@ -267,7 +267,7 @@ def run_mode(
         for i in range(n)
     ]
     tcfg = TrainConfig(**top, model=str(model_dir), reward="srl.bench.pipeline:sim_reward",
-                       groups_per_step=w.groups_per_step, max_staleness=0 if barrier else ASYNC_STALENESS,
+                       groups_per_step=w.groups_per_step, max_staleness=0 if barrier else w.max_staleness,
                        sync_barrier=barrier, max_steps=w.iterations, checkpoint_every=1000,
                        micro_batch_tokens=65_536, expire_s=600.0, idle_exit_s=120.0)  # fmt: skip
     create_topics(dcfg)

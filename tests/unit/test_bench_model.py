@@ -41,7 +41,7 @@ def test_async_generation_is_steady_state_but_no_faster_than_the_staleness_windo
     # one very long group: it must finish within k + 1 = 2 iterations, so it sets the floor
     skewed = np.array([10.0, 10.0, 5000.0])
     m = p.model_iteration(w, mode, skewed, instances=2, devices=1)
-    assert m["gen_s"] == pytest.approx(5000 * PTL(4) / 1000 / (1 + p.ASYNC_STALENESS))
+    assert m["gen_s"] == pytest.approx(5000 * PTL(4) / 1000 / (1 + w.max_staleness))
     # and it is never slower than the barrier's makespan of the same step plus its training
     sync = p.model_iteration(w, "sync", skewed, instances=2, devices=1)
     assert m["iteration_s"] < sync["iteration_s"]

@@ -24,7 +24,7 @@ def cfg(**kw) -> DispatchConfig:  # type: ignore[no-untyped-def]
     return load_config(DispatchConfig, cli={"task": "sim", "lengths": HIST, **kw}, env={})
 
 
-def test_tasks_are_bucketed_by_prediction_and_longest_first_within_a_bucket() -> None:
+def test_tasks_are_bucketed_by_prediction_and_longest_first_across_buckets() -> None:
     layout = Layout(bucket_bounds=(100, 1000))
     prompts = [SourcePrompt(f"p{i}", f"text {i}", {"i": i} if i % 2 else {}) for i in range(6)]
     preds = np.array([50, 2000, 90, 500, 10, 700])
@@ -32,7 +32,7 @@ def test_tasks_are_bucketed_by_prediction_and_longest_first_within_a_bucket() ->
         prompts, preds, layout, cfg(group_size=3, temperature=0.5), ranker_version=7
     )
     assert [(t.bucket, t.prompt_id) for t in tasks] == [
-        ("le100", "p2"), ("le100", "p0"), ("le100", "p4"), ("le1000", "p5"), ("le1000", "p3"), ("gt1000", "p1"),
+        ("gt1000", "p1"), ("le1000", "p5"), ("le1000", "p3"), ("le100", "p2"), ("le100", "p0"), ("le100", "p4"),
     ]  # fmt: skip
     t = next(t for t in tasks if t.prompt_id == "p3")
     assert (t.group_size, t.predicted_length, t.ranker_version, t.temperature) == (3, 500, 7, 0.5)
