@@ -414,6 +414,7 @@ def plot(r: dict[str, Any], path: str) -> None:
         ax.text(i - 0.2, rate[i], f"x{mm['ratio_vs_sync']}\n(tokens x{mm['tokens_ratio_vs_sync']})",
                 ha="center", va="bottom", fontsize=8)  # fmt: skip
     ax.set_xticks(x, modes)
+    ax.set_ylim(0, max(rate + bound) * 1.2)  # room for the labels above the bars
     ax.set_ylabel("samples / s (simulated time)")
     ax.set_title(
         f"srl bench pipeline — SIMULATED engine and trainer (time /{r['time_compression']:g})"
