@@ -360,7 +360,7 @@ def run(w: Workload, external: str | None = None, progress: Any = None) -> dict[
     from srl.tinymodel import TinyModelSpec, build_tiny_model
 
     hist = LengthHistogram.load(w.lengths, w.scale)
-    # the model's batch: per-prompt lengths as the sim task draws them (the same histogram)
+    # the model's steps: per-prompt lengths as the sim task draws them (the same histogram)
     rng = np.random.default_rng(w.seed)
     batches = [hist.sample(w.groups_per_step, rng).astype(float) for _ in range(MODEL_BATCHES)]
     splits = {m: best_split(w, m, batches) for m in MODES}

@@ -74,7 +74,8 @@ def test_bench_pipeline_json_on_another_histogram(cli_env: dict[str, str], tmp_p
         tokens_base = r["modes"]["sync"]["trained_tokens_per_s"]
         assert abs(m["tokens_ratio_vs_sync"] - m["trained_tokens_per_s"] / tokens_base) < 0.01
         assert 20 <= m["mean_trained_tokens"] <= 400 and 0 <= m["dropped_token_fraction"] <= 1
-        assert (m["dropped_token_fraction"] > 0) == (m["dropped_stale"] > 0)
+        if m["dropped_stale"] == 0:
+            assert m["dropped_token_fraction"] == 0
         split = m["split"]
         assert (
             split["instances"] + split["trainer_devices"] == 3
