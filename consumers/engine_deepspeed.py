@@ -159,16 +159,13 @@ class DeepSpeedEngine(Engine):
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(scale)
-        else:
-            self.zero.override_loss_scale(
-                normalizer / self.world if normalizer > 0 else float("inf")
-            )
-        self.ds.step()
-        if self.zero is not None:
-            self.zero.override_loss_scale(1.0)
-        self.ds.zero_grad()
-        if self.zero is None:
+            self.ds.step()  # all-reduce, then AdamW with our clipping pre-step hook
+            self.ds.zero_grad()
             return self.norm
+        self.zero.override_loss_scale(normalizer / self.world if normalizer > 0 else float("inf"))
+        self.ds.step()
+        self.zero.override_loss_scale(1.0)
+        self.ds.zero_grad()
         norm = self.ds.get_global_grad_norm()
         return float(norm) if norm is not None else 0.0
 
@@ -180,8 +177,7 @@ class DeepSpeedEngine(Engine):
             # stage 2 reduces during backward and accumulates the partitions' sums here
             for i in list(self.zero.all_grad_tensors):
                 self.zero.all_grad_tensors[i] = None
-        self.stored = []
-        self.stats = type(self.stats)()
+        super().discard()
 
     # -- state ------------------------------------------------------------------------------
     def _gather(self, part: torch.Tensor) -> torch.Tensor:
@@ -198,7 +194,7 @@ class DeepSpeedEngine(Engine):
     def optimizer_state(self) -> dict[str, Any]:
         """torch AdamW format; with several ranks a collective (``Dist.STATE`` on rank 0)."""
         if self.zero is None:
-            return self.optimizer.state_dict()
+            return super().optimizer_state()
         z = self.zero
         state: dict[int, dict[str, Any]] = {}
         for i, group in enumerate(z.round_robin_bit16_groups):
@@ -219,7 +215,7 @@ class DeepSpeedEngine(Engine):
         import torch
 
         if self.zero is None:
-            self.optimizer.load_state_dict(state)
+            super().load_optimizer_state(state)
             return
         z = self.zero
         per_param = {int(k): v for k, v in state["state"].items()}

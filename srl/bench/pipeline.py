@@ -165,38 +165,37 @@ def _finish_times(lengths: np.ndarray, cap: int, ptl: PtlModel) -> np.ndarray:
 
 def model_iteration(w: Workload, mode: str, group_lengths: np.ndarray, instances: int,
                     devices: int) -> dict[str, float]:  # fmt: skip
-    """Modelled seconds of one iteration, as the system runs it: a task (one group, every
-    sample of a prompt the same length) goes to one instance, dealt by key (random); the
-    skew mode admits each instance's groups longest first (the dispatcher's LPT order).
+    """Modelled seconds of one iteration, as the system runs it.
 
-    With the barrier, generation is the makespan of the step's groups, tail included. Without
-    it (``async``, ``async+skew``) the next step's groups fill the tail, so generation runs in
-    steady state (every instance at ``B_max``), but no faster than the longest sample allows:
-    it must finish within ``k + 1`` iterations of starting or it is dropped as stale."""
+    With the barrier (``sync``, ``stream``) generation is the makespan of the step's groups,
+    tail included: a task (one group, every sample of a prompt the same length) goes to one
+    instance, dealt by key (random), FIFO. Without it (``async``, ``async+skew``) the next
+    step's groups fill the tail, so generation runs in steady state (every instance at
+    ``B_max``), but no faster than the longest sample allows: it must finish within ``k + 1``
+    iterations of starting or it is dropped as stale."""
     ptl = PtlModel()
+    per_group = group_lengths * w.group_size * w.train_s_per_token / devices
+    train_s = float(per_group.sum())
+    if mode not in ("sync", "stream"):  # async: generation of step i+1 overlaps training of step i
+        steady = float(group_lengths.sum()) * w.group_size * ptl(w.b_max) / (instances * w.b_max)
+        window = float(group_lengths.max()) * ptl(w.b_max) / (1 + w.max_staleness)
+        gen_s = max(steady, window) / 1000.0
+        return {"gen_s": gen_s, "train_s": train_s, "iteration_s": max(gen_s, train_s)}
     deal = np.random.default_rng(w.seed).permutation(len(group_lengths))
     done = np.zeros(len(group_lengths))
     for i in range(instances):
         mine = deal[i::instances]
-        if mode == "async+skew":
-            mine = mine[np.argsort(-group_lengths[mine], kind="stable")]
         samples = np.repeat(group_lengths[mine], w.group_size)
-        fin = _finish_times(samples, w.b_max, ptl).reshape(len(mine), w.group_size).max(axis=1)
-        done[mine] = fin
-    per_group = group_lengths * w.group_size * w.train_s_per_token / devices
-    gen_s, train_s = float(done.max()), float(per_group.sum())
+        done[mine] = (
+            _finish_times(samples, w.b_max, ptl).reshape(len(mine), w.group_size).max(axis=1)
+        )
+    gen_s = float(done.max())
     if mode == "sync":
         t = gen_s + train_s
-    elif mode == "stream":  # each group trains as soon as it is complete and the trainer is free
+    else:  # stream: each group trains as soon as it is complete and the trainer is free
         t = 0.0
         for j in np.argsort(done, kind="stable"):
             t = max(t, done[j]) + per_group[j]
-    else:  # async: generation of step i+1 overlaps training of step i
-        samples = group_lengths * w.group_size
-        steady = float(samples.sum()) * ptl(w.b_max) / (instances * w.b_max) / 1000.0
-        window = float(group_lengths.max()) * ptl(w.b_max) / 1000.0 / (1 + w.max_staleness)
-        gen_s = max(steady, window)
-        t = max(gen_s, train_s)
     return {"gen_s": gen_s, "train_s": train_s, "iteration_s": float(t)}
 
 
