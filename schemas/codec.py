@@ -23,7 +23,7 @@ from __future__ import annotations
 import io
 import json
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -140,8 +140,17 @@ class Codec:
         self._registry_schemas: dict[int, SchemaVersion] = {}
 
     # -- encode ------------------------------------------------------------------------
-    def encode(self, name: str, record: dict[str, Any]) -> bytes:
-        """Bytes for ``record`` under the current schema ``name`` (short or full name)."""
+    def is_flat(self, name: str) -> bool:
+        """Whether the current schema ``name`` has the compiled reader and writer."""
+        return self._current(name).fingerprint in self._flat
+
+    def field_names(self, name: str) -> tuple[str, ...]:
+        """The current schema's field names, in its order (a flat reader's ``make`` order)."""
+        return tuple(f["name"] for f in json.loads(self._current(name).raw)["fields"])
+
+    def encode(self, name: str, record: Any) -> bytes:
+        """Bytes for ``record`` under the current schema ``name`` (short or full name): a dict,
+        or for a flat schema (:meth:`is_flat`) also an object with the fields as attributes."""
         version = self._current(name)
         buf = io.BytesIO()
         if self.registry is None:
@@ -152,7 +161,7 @@ class Codec:
         flat = self._flat.get(version.fingerprint)
         if flat is not None:
             try:
-                buf.write(flat[1](record))
+                buf.write(flat[1](record, dict.get if isinstance(record, dict) else getattr))
             except SchemaError as e:
                 raise SchemaError(f"cannot encode {version.name}: {e}") from None
             return buf.getvalue()
@@ -163,10 +172,14 @@ class Codec:
         return buf.getvalue()
 
     # -- decode ------------------------------------------------------------------------
-    def decode(self, data: bytes, expect: str | None = None) -> tuple[str, dict[str, Any]]:
+    def decode(
+        self, data: bytes, expect: str | None = None, make: Callable[..., Any] | None = None
+    ) -> tuple[str, Any]:
         """``(full name, record dict)`` for ``data``; raises SchemaError, nothing else.
 
         ``expect``: a record name the caller requires; another name is a SchemaError.
+        ``make``: when the body is read by the compiled flat reader (written with the current
+        schema), ``make(*values)`` in :meth:`field_names` order is returned instead of the dict.
         """
         if not isinstance(data, bytes | bytearray | memoryview):
             raise SchemaError(f"expected bytes, got {type(data).__name__}")
@@ -193,13 +206,14 @@ class Codec:
         reader = self.current.get(writer.name)
         if reader is None:
             raise SchemaError(f"no current schema for {writer.name}")
-        return writer.name, self._read(body, writer, reader)
+        return writer.name, self._read(body, writer, reader, make)
 
-    def _read(self, body: bytes, writer: SchemaVersion, reader: SchemaVersion) -> dict[str, Any]:
+    def _read(self, body: bytes, writer: SchemaVersion, reader: SchemaVersion,
+              make: Callable[..., Any] | None = None) -> Any:  # fmt: skip
         flat = self._flat.get(writer.fingerprint) if writer is reader else None
         if flat is not None:
             try:
-                return flat[0](body)
+                return flat[0](body, make)
             except SchemaError as e:
                 raise SchemaError(f"malformed {writer.name} body: {e}") from None
         buf = io.BytesIO(body)

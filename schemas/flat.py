@@ -128,8 +128,12 @@ def _write_lines(kind: str, var: str, name: str, ind: str) -> list[str]:
 
 def compile_flat(
     schema: dict[str, Any],
-) -> tuple[Callable[[bytes], dict[str, Any]], Callable[[dict[str, Any]], bytes]] | None:
-    """(reader, writer) for a flat record schema, or None if it is not flat."""
+) -> tuple[Callable[..., Any], Callable[..., bytes]] | None:
+    """(reader, writer) for a flat record schema, or None if it is not flat.
+
+    ``reader(body)`` is the record's dict; ``reader(body, make)`` is ``make(v0, v1, …)``, the
+    values in the schema's field order (a record object built without an intermediate dict).
+    ``writer(record)`` takes a dict; ``writer(obj, getattr)`` reads the fields as attributes."""
     if not isinstance(schema, dict) or schema.get("type") != "record":
         return None
     fields = []
@@ -138,42 +142,44 @@ def compile_flat(
         if ft is None:
             return None
         fields.append((f["name"], *ft))
-    read = ["def read(b):", "    p = 0"]
-    write = ["def write(r):", "    out = []"]
+    read = ["def read(b, make=None):", "    p = 0"]
+    write = ["def write(r, g=dget):", "    out = []"]
     for i, (name, kind, nullable) in enumerate(fields):
         var = f"v{i}"
         if nullable:
             read += [*_varint("u", "    "), "    if u == 0:", f"        {var} = None",
                      "    elif u == 1:", *_read_lines(kind, var, "        "),
                      "    else: raise SchemaError('union index ' + str(u))"]  # fmt: skip
-            write += [f"    {var} = r.get({name!r})", f"    if {var} is None:",
+            write += [f"    {var} = g(r, {name!r}, None)", f"    if {var} is None:",
                       "        out.append(b'\\x00')", "    else:", "        out.append(b'\\x02')",
                       *_write_lines(kind, var, name, "        ")]  # fmt: skip
         else:
             read += _read_lines(kind, var, "    ")
-            write += [f"    {var} = r.get({name!r})",
+            write += [f"    {var} = g(r, {name!r}, None)",
                       f"    if {var} is None: raise SchemaError('field {name}: no value')",
                       *_write_lines(kind, var, name, "    ")]  # fmt: skip
+    values = ", ".join(f"v{i}" for i in range(len(fields)))
     read += ["    if p != len(b): raise SchemaError(str(len(b) - p) + ' trailing bytes')",
+             f"    if make is not None: return make({values})",
              "    return {" + ", ".join(f"{n!r}: v{i}" for i, (n, _k, _u) in enumerate(fields)) + "}"]  # fmt: skip
     write += ["    return b''.join(out)"]
     env: dict[str, Any] = {"rl": _rl, "wl": _wl, "SchemaError": SchemaError,
                            "F": _F.unpack_from, "D": _D.unpack_from, "FP": _F.pack, "DP": _D.pack,
-                           "index": index, "Real": numbers.Real}  # fmt: skip
+                           "index": index, "Real": numbers.Real, "dget": dict.get}  # fmt: skip
     exec(compile("\n".join(read + [""] + write), f"<flat {schema.get('name')}>", "exec"), env)  # noqa: S102
     reader, writer = env["read"], env["write"]
 
-    def safe_read(body: bytes) -> dict[str, Any]:
+    def safe_read(body: bytes, make: Callable[..., Any] | None = None) -> Any:
         try:
-            return reader(body)
+            return reader(body, make)
         except (IndexError, struct.error):
             raise SchemaError("truncated body") from None
         except UnicodeDecodeError as e:
             raise SchemaError(f"invalid UTF-8 in a string: {e.reason}") from None
 
-    def safe_write(record: dict[str, Any]) -> bytes:
+    def safe_write(record: Any, get: Callable[..., Any] = dict.get) -> bytes:
         try:
-            return writer(record)
+            return writer(record, get)
         except (struct.error, OverflowError, UnicodeEncodeError) as e:
             raise SchemaError(str(e)) from None
 
