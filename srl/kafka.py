@@ -151,7 +151,7 @@ class Producer:
             self.errors.append(err.str())
         log.debug("producer error: %s", err.str())
 
-    def _on_delivery(self, err: KafkaError | None, msg: Any, user: DeliveryCallback | None) -> None:
+    def _counted(self, err: KafkaError | None, _msg: Any) -> None:
         with self._lock:
             if err is None:
                 self.delivered += 1
@@ -159,8 +159,10 @@ class Producer:
                 self.failed += 1
                 if len(self.errors) < 100:
                     self.errors.append(err.str())
-        if user is not None:
-            user(err, msg)
+
+    def _on_delivery(self, err: KafkaError | None, msg: Any, user: DeliveryCallback) -> None:
+        self._counted(err, msg)
+        user(err, msg)
 
     def produce(
         self,
@@ -168,24 +170,27 @@ class Producer:
         value: bytes,
         key: str | bytes | None = None,
         partition: int | None = None,
-        headers: list[tuple[str, bytes]] | None = None,
+        headers: list[tuple[str, str | bytes | None]] | None = None,
         on_delivery: DeliveryCallback | None = None,
     ) -> None:
-        kwargs: dict[str, Any] = {"key": key, "value": value, "headers": headers}
-        if partition is not None:
-            kwargs["partition"] = partition
+        # the per-record path of every generator: no kwargs dict, no closure unless the
+        # caller wants its own callback (partition -1: librdkafka's partitioner picks)
+        if on_delivery is None:
+            cb: DeliveryCallback = self._counted
+        else:
 
-        def cb(err: KafkaError | None, msg: Any) -> None:
-            self._on_delivery(err, msg, on_delivery)
+            def cb(err: KafkaError | None, msg: Any) -> None:
+                self._on_delivery(err, msg, on_delivery)
 
-        kwargs["on_delivery"] = cb
+        p = self._p
+        part = -1 if partition is None else partition
         while True:
             try:
-                self._p.produce(topic, **kwargs)
+                p.produce(topic, value, key, partition=part, on_delivery=cb, headers=headers)
                 break
             except BufferError:
-                self._p.poll(0.05)  # local queue full: serve callbacks, then retry
-        self._p.poll(0)
+                p.poll(0.05)  # local queue full: serve callbacks, then retry
+        p.poll(0)
 
     def poll(self, timeout: float = 0) -> int:
         return int(self._p.poll(timeout))

@@ -52,7 +52,10 @@ def dead_letter(
     origin: str, metrics: Metrics | None = None,
 ) -> None:  # fmt: skip
     """Send an unusable record to the DLQ with ``reason`` and ``origin`` (topic/partition@offset)."""
-    headers = [("srl.reason", reason.encode()[:1000]), ("srl.origin", origin.encode())]
+    headers: list[tuple[str, str | bytes | None]] = [
+        ("srl.reason", reason.encode()[:1000]),
+        ("srl.origin", origin.encode()),
+    ]
     producer.produce(layout.dlq, value or b"", key=key, headers=headers)
     if metrics is not None:
         metrics.incr("dead_letters")
