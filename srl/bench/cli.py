@@ -155,8 +155,8 @@ def weights(sizes: str, repeats: int, swaps: int, as_json: bool) -> None:
 @click.option("--groups", type=click.IntRange(1, 1024), default=12, show_default=True,
               help="Groups (prompts) per optimizer step.")  # fmt: skip
 @click.option("--group-size", type=click.IntRange(1, 256), default=8, show_default=True)
-@click.option("--iterations", type=click.IntRange(2, 100), default=4, show_default=True,
-              help="Optimizer steps per mode; the first is warm-up.")  # fmt: skip
+@click.option("--iterations", type=click.IntRange(2, 100), default=12, show_default=True,
+              help="Optimizer steps per mode; the first is warm-up (12: ~2 min; with 6 a mode's ratios vary ~20 % run to run).")  # fmt: skip
 @click.option("--compression", type=click.FloatRange(1, 10_000), default=20.0, show_default=True,
               help="Simulated seconds per wall-clock second.")  # fmt: skip
 @click.option("--max-staleness", type=click.IntRange(1, 100), default=1, show_default=True,

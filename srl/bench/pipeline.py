@@ -65,7 +65,7 @@ class Workload:
     b_max: int = 16  # KV-capped decode batch of an instance
     groups_per_step: int = 12
     group_size: int = 8
-    iterations: int = 4  # optimizer steps per mode (the first is warm-up, not measured)
+    iterations: int = 12  # optimizer steps per mode (the first is warm-up, not measured)
     params: float = 7e9  # the modelled policy (WORKLOAD.md: 7B)
     flops_per_token: float = 9.0  # F per parameter (GRPO)
     peak_flops: float = 989e12  # H800 bf16 dense
