@@ -194,9 +194,10 @@ GOOD = encode(chunk())
     ],
 )
 def test_malformed_input_raises_schema_error(data: bytes, reason: str) -> None:
-    with pytest.raises(SchemaError, match=reason) as info:
-        decode(data)
-    assert "\n" not in str(info.value)
+    for read in (decode, lambda d: decode_as(d, TrajectoryChunk)):  # dict path, record path
+        with pytest.raises(SchemaError, match=reason) as info:
+            read(data)
+        assert "\n" not in str(info.value)
 
 
 def test_expecting_another_record_type_is_a_schema_error() -> None:
@@ -224,6 +225,8 @@ def test_flipped_body_bytes_only_ever_raise_schema_error(pos: int, value: int) -
     data[pos] = value
     with contextlib.suppress(SchemaError):
         decode(bytes(data))
+    with contextlib.suppress(SchemaError):
+        decode_as(bytes(data), TrajectoryChunk)  # straight into a record: the same checks
 
 
 def test_every_schema_file_is_documented() -> None:
