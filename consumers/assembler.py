@@ -182,14 +182,14 @@ class Assembler:
         del self.open[part.trajectory_id]
         self.assembled.add(part.trajectory_id)
         first, last = chunks[0], chunks[-1]
-        tokens = [unpack_tokens(c.tokens) for c in chunks]
-        logprobs = [unpack_logprobs(c.logprobs) for c in chunks]
+        # one join per array, not one numpy view per chunk (writable copies for the batcher)
+        tokens = unpack_tokens(bytearray(b"".join(c.tokens for c in chunks)))
+        logprobs = unpack_logprobs(bytearray(b"".join(c.logprobs for c in chunks)))
         return Trajectory(
             trajectory_id=part.trajectory_id, prompt_id=first.prompt_id, task_id=first.task_id,
             sample_index=part.sample_index, group_size=part.group_size, bucket=first.bucket,
             prompt_tokens=unpack_tokens(first.prompt_tokens or b""),
-            tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
-            logprobs=np.concatenate(logprobs) if logprobs else np.zeros(0, np.float32),
+            tokens=tokens, logprobs=logprobs,
             versions=tuple(int(c.policy_version) for c in chunks), finish_reason=last.finish_reason,
             metadata=orjson.loads(first.metadata) if first.metadata else {},
             workers=tuple(dict.fromkeys(c.worker_id for c in chunks)), started_ms=first.started_ms,

@@ -43,7 +43,7 @@ def pack_tokens(ids: Sequence[int] | np.ndarray) -> bytes:
     return np.asarray(ids, dtype=_I32).tobytes()
 
 
-def unpack_tokens(data: bytes) -> np.ndarray:
+def unpack_tokens(data: bytes | bytearray) -> np.ndarray:
     if len(data) % 4:
         raise SchemaError(f"packed int32 tokens: {len(data)} bytes is not a multiple of 4")
     return np.frombuffer(data, dtype=_I32)
@@ -53,7 +53,7 @@ def pack_logprobs(values: Sequence[float] | np.ndarray) -> bytes:
     return np.asarray(values, dtype=_F32).tobytes()
 
 
-def unpack_logprobs(data: bytes) -> np.ndarray:
+def unpack_logprobs(data: bytes | bytearray) -> np.ndarray:
     if len(data) % 4:
         raise SchemaError(f"packed float32 logprobs: {len(data)} bytes is not a multiple of 4")
     return np.frombuffer(data, dtype=_F32)
