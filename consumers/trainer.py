@@ -22,6 +22,7 @@ trains are recorded with its step, so a group is finalized whole. Called by ``co
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import statistics
@@ -135,7 +136,15 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        from srl.kafka import create_topics, make_consumer, next_batch
+        from confluent_kafka import KafkaException
+
+        from srl.kafka import (
+            create_topics,
+            make_consumer,
+            next_batch,
+            position_group,
+            share_positions,
+        )
 
         create_topics(
             self.cfg,
@@ -148,6 +157,9 @@ class Trainer:
         gid = self.cfg.consumer_group
         consumer = make_consumer(self.cfg, gid, "trainer", **{"group.instance.id": f"{gid}-rank0"})
         self.consumer = consumer
+        # how far we have read, for the generators' backlog bound (committed offsets trail
+        # behind every unfinished trajectory and every checkpoint interval)
+        self.sharer = make_consumer(self.cfg, position_group(gid), "trainer-position")
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             consumer.subscribe([self.layout.trajectories], on_assign=self._on_assign)
@@ -179,6 +191,9 @@ class Trainer:
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+            with contextlib.suppress(KafkaException):
+                share_positions(self.sharer, consumer, asynchronous=False)
+            self.sharer.close()
             consumer.close()
         counts: dict[str, int] = {}
         for outcome, _ in self.ledger.values():
@@ -367,7 +382,15 @@ class Trainer:
             self._admit(group)
 
     def _tick(self, now: float) -> None:
+        from confluent_kafka import KafkaException
+
+        from srl.kafka import share_positions
+
         self.next_tick = now + 1.0
+        try:
+            share_positions(self.sharer, self.consumer)
+        except KafkaException as e:  # a monitoring signal: the next tick tries again
+            log.debug("sharing positions: %s", e)
         for p in self.assembler.expire():
             self._expire_partial(p)
         for g in self.groups.expire():

@@ -4,7 +4,11 @@ Owns one measure, used in two places: the records on ``topics`` that none of ``g
 committed yet (per partition: high watermark minus the furthest committed offset among the
 groups, or minus the low watermark where none has committed). The dispatcher bounds the lag
 of the generator pools on the prompt topics (``max_pending``); a generator pauses intake while
-the trainer's lag on the trajectories topic exceeds ``max_backlog_chunks``.
+the trainer's lag on the trajectories topic exceeds ``max_backlog_chunks``. For the trainer
+the groups are its own and ``srl.kafka.position_group`` of it, where the trainer shares how
+far it has read every second: its committed offsets trail every unfinished trajectory (a long
+one holds its partition's offset for steps) and every checkpoint interval, so on their own
+they overstate the backlog (docs/benchmarks.md: generators idle 65 % under such a bound).
 
 One long-lived client, never a member of the groups it inspects (it only reads their
 committed offsets), so measuring changes nothing. Not thread-safe: one caller thread.

@@ -156,12 +156,12 @@ class GenerateConfig(CommonConfig):
     max_backlog_chunks: int | None = Field(
         None,
         ge=1,
-        description="Pause intake while the trainer's group lags by more than this many chunks on the trajectories topic; null: no bound.",
+        description="Pause intake while the trainer has more than this many chunks of the trajectories topic still to read (its shared read position, or its committed offsets if further); null: no bound.",
     )
     backlog_stall_s: float = Field(
         20.0,
         gt=0,
-        description="Ignore the backlog bound while the trainer has committed nothing for this long: it is waiting for groups that paused intake would never finish.",
+        description="Ignore the backlog bound while the trainer's position and offsets have not moved for this long: it is waiting for groups that paused intake would never finish.",
     )
     backlog_group: str | None = Field(
         None, description="Consumer group whose lag is the backlog; null: srl-trainer-{run}."

@@ -10,9 +10,11 @@ iteration in this order:
    rejects is refused (``weights_refused``) and the old weights stay;
 3. **intake**: consume tasks (prompt and resume topics of the pool's buckets) while fewer
    than ``max_batch`` samples wait (otherwise the partitions are paused, so the group
-   membership stays alive); while the trainer's backlog is over its bound only the prompt
-   topics are paused: resume tasks finish trajectories the trainer is waiting for; a task that may have been started by a previous owner of its
-   partition (offset below the high watermark seen at assignment) is first read back
+   membership stays alive); while the trainer's backlog (chunks it has not read yet:
+   ``producers.backlog``) is over its bound only the prompt topics are paused: resume tasks
+   finish trajectories the trainer is waiting for; a task that may have been started by a
+   previous owner of its partition (offset below the high watermark seen at assignment) is
+   first read back
    (``producers.recovery``): complete samples are skipped, partial ones resumed from their
    published prefix with the same trajectory id and the next seq;
 4. **admit** waiting samples, longest-predicted first, into the engine's free slots — but only
@@ -132,7 +134,7 @@ class GeneratorWorker:
         from producers.backlog import GroupLag
         from producers.follower import WeightFollower
         from producers.recovery import take_over_offsets
-        from srl.kafka import Producer, create_topics, make_consumer
+        from srl.kafka import Producer, create_topics, make_consumer, position_group
         from srl.metrics import Metrics
         from srl.store import open_store
 
@@ -144,7 +146,12 @@ class GeneratorWorker:
                 self.cfg, self.layout, open_store(self.cfg.store)
             ).start()
             stack.callback(self.follower.stop)
-            self.lag = GroupLag(self.cfg, [self.cfg.trainer_group], [self.layout.trajectories])
+            # the furthest of the trainer's read position (shared by the trainer) and its
+            # committed offsets (a trainer that shares no position still bounds us)
+            group = self.cfg.trainer_group
+            self.lag = GroupLag(
+                self.cfg, [group, position_group(group)], [self.layout.trajectories]
+            )
             stack.callback(self.lag.close)
             topics = [
                 t for b in self.buckets for t in (self.layout.prompts(b), self.layout.resumes(b))
@@ -257,9 +264,9 @@ class GeneratorWorker:
 
     @property
     def backlog_exceeded(self) -> bool:
-        """Over the bound, unless the trainer has committed nothing for ``backlog_stall_s``:
-        then it is waiting for groups that paused intake would never finish (the backlog it
-        holds uncommitted is partial groups), so intake goes on."""
+        """Over the bound, unless the trainer has moved neither its read position nor its
+        committed offsets for ``backlog_stall_s``: then it is waiting for groups that paused
+        intake would never finish, so intake goes on."""
         bound = self.cfg.max_backlog_chunks
         if bound is None or self.backlog is None or self.backlog <= bound:
             return False

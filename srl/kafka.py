@@ -332,6 +332,28 @@ def watermarks(
         c.close()
 
 
+def position_group(group: str) -> str:
+    """Where the consumer group ``group`` shares how far it has *read* (not how far it has
+    made durable): its members commit their positions there, nobody consumes with it. Lag
+    against it is the unconsumed backlog; lag against ``group`` is the undurable one."""
+    return f"{group}.position"
+
+
+def share_positions(sharer: Consumer, consumer: Consumer, asynchronous: bool = True) -> None:
+    """Commit ``consumer``'s current read positions to ``sharer``'s group (partitions with no
+    position yet are skipped). ``sharer`` is a consumer that never subscribes, made with
+    ``make_consumer(cfg, position_group(group))``."""
+    parts = consumer.assignment()
+    if not parts:
+        return
+    pos = [tp for tp in consumer.position(parts) if tp.offset >= 0]
+    if pos:
+        if asynchronous:
+            sharer.commit(offsets=pos, asynchronous=True)
+        else:
+            sharer.commit(offsets=pos, asynchronous=False)
+
+
 def committed_offsets(
     cfg: CommonConfig, group_id: str, partitions: Iterable[tuple[str, int]], timeout_s: float = 10.0
 ) -> dict[tuple[str, int], int | None]:

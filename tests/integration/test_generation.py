@@ -130,8 +130,10 @@ class Workers:
 
 
 @contextmanager
-def workers(*cfgs: GenerateConfig) -> Iterator[Workers]:
-    """Generator workers in threads (engines built here, in the main thread); stopped on exit."""
+def workers(*cfgs: GenerateConfig, no_eos: bool = False) -> Iterator[Workers]:
+    """Generator workers in threads (engines built here, in the main thread); stopped on exit.
+    ``no_eos``: every sequence runs to ``max_new_tokens`` (the random tiny model otherwise
+    stops after a random number of tokens, which makes a test's timing a matter of luck)."""
     stop = threading.Event()
     ws = Workers()
 
@@ -141,7 +143,12 @@ def workers(*cfgs: GenerateConfig) -> Iterator[Workers]:
         except BaseException as e:
             ws.errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(c, make_engine(c))) for c in cfgs]
+    engines = [make_engine(c) for c in cfgs]
+    for e in engines if no_eos else []:
+        e.eos_ids = set()
+    threads = [
+        threading.Thread(target=run, args=(c, e)) for c, e in zip(cfgs, engines, strict=True)
+    ]
     for th in threads:
         th.start()
     try:
@@ -256,7 +263,9 @@ def test_weights_published_mid_generation_are_followed_and_a_corrupt_version_ref
     )
     create_topics(cfg)
     t = Trajectories(cfg)
-    with workers(cfg) as ws:
+    # every trajectory runs its 400 tokens, so the one in flight when v1 is published is
+    # still decoding when the worker swaps to it
+    with workers(cfg, no_eos=True) as ws:
         run_dispatcher(dcfg, prompts(2), BaselinePredictor(10))
 
         def mid_trajectory(t: Trajectories) -> bool:

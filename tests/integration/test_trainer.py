@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from pathlib import Path
 from typing import Any
@@ -12,11 +13,11 @@ import torch
 from consumers.config import TrainConfig
 from consumers.trainer import run_trainer
 from schemas.records import TrajectoryChunk
-from srl.kafka import committed_offsets, create_topics, watermarks
+from srl.kafka import committed_offsets, create_topics, position_group, watermarks
 from srl.store import open_store
 from srl.topics import Layout
 from srl.weights import latest_announcement, load_manifest, materialize
-from tests.chunks import group_chunks, metric_events, produce, read_topic, text_ids
+from tests.chunks import group_chunks, metric_events, produce, read_topic, text_ids, traj_chunks
 
 
 def make_groups(
@@ -86,6 +87,34 @@ def test_trains_publishes_hf_loadable_versions_and_commits_offsets(
     marks = watermarks(cfg, [layout.trajectories])
     committed = committed_offsets(cfg, cfg.consumer_group, list(marks))
     assert all(committed[tp] == hi for tp, (_, hi) in marks.items() if hi > 0)
+
+
+def test_the_trainer_shares_how_far_it_has_read_past_an_unfinished_trajectory(
+    make_cfg: Any, tiny_model: Path
+) -> None:
+    from producers.backlog import GroupLag
+
+    cfg = train_cfg(make_cfg, tiny_model, max_steps=2, reward="consumers.rewards:first_line_match")
+    layout = Layout.from_config(cfg)
+    create_topics(cfg)
+    # the first chunk of a long trajectory that never finishes, then four complete groups
+    long = traj_chunks("long", 0, 4, text_ids("1+1="), text_ids("2\n") * 8, chunk_tokens=2)
+    produce(cfg, [long[0], *make_groups(4)])
+    assert run_trainer(cfg).steps == 2
+    marks = watermarks(cfg, [layout.trajectories])
+    parts = [tp for tp, (_, hi) in marks.items() if hi > 0]
+    committed = committed_offsets(cfg, cfg.consumer_group, parts)
+    read = committed_offsets(cfg, position_group(cfg.consumer_group), parts)
+    # durable offsets stop at the unfinished trajectory; the shared position is past it
+    assert any((committed[tp] or 0) < marks[tp][1] for tp in parts)
+    assert all(read[tp] == marks[tp][1] for tp in parts)
+    group = cfg.consumer_group
+    with contextlib.closing(GroupLag(cfg, [group], [layout.trajectories])) as durable:
+        assert durable.lag() > 0
+    with contextlib.closing(
+        GroupLag(cfg, [group, position_group(group)], [layout.trajectories])
+    ) as backlog:  # what a generator's max_backlog_chunks is measured against
+        assert backlog.lag() == 0
 
 
 def test_max_staleness_1_trains_no_sample_with_v_minus_b_over_1(
