@@ -332,11 +332,15 @@ def watermarks(
         c.close()
 
 
+POSITION_SUFFIX = ".position"
+
+
 def position_group(group: str) -> str:
     """Where the consumer group ``group`` shares how far it has *read* (not how far it has
-    made durable): its members commit their positions there, nobody consumes with it. Lag
-    against it is the unconsumed backlog; lag against ``group`` is the undurable one."""
-    return f"{group}.position"
+    made durable): its members commit their positions there, nobody consumes with it (it
+    never has members). Lag against it is the unconsumed backlog; against ``group``, the
+    undurable one."""
+    return group + POSITION_SUFFIX
 
 
 def share_positions(sharer: Consumer, consumer: Consumer, asynchronous: bool = True) -> None:

@@ -32,7 +32,7 @@ from schemas.codec import SchemaError
 from schemas.records import MetricEvent, PromptTask, TrajectoryChunk, decode, decode_as, now_ms
 from srl.config import CommonConfig
 from srl.errors import SrlError
-from srl.kafka import _short, admin, base_settings, wait_for_broker
+from srl.kafka import POSITION_SUFFIX, _short, admin, base_settings, wait_for_broker
 from srl.topics import Layout
 
 FRESH_MS = 30_000  # a gen_stats / train_step event older than this no longer counts as "now"
@@ -325,7 +325,9 @@ class Monitor:
             behind = r["lag"] if r["lag"] is not None else 0
             if not behind:
                 continue
-            if r["consumer_id"] is None:
+            # a position group (srl.kafka.position_group) never has members: only its offset
+            # standing still means something
+            if r["consumer_id"] is None and not r["group"].endswith(POSITION_SUFFIX):
                 reason = "no consumer assigned"
             elif now - since >= self.stall_after_ms:
                 reason = f"committed offset unchanged for {(now - since) / 1000:.0f}s"

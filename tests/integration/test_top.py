@@ -199,6 +199,15 @@ def test_a_partition_whose_offset_does_not_move_is_flagged(cfg) -> None:  # type
         moved = {**row, "current_offset": 6, "lag": 2}
         assert monitor.stalled([moved], now=1_062_000) == []
         assert monitor.stalled([{**moved, "lag": 0}], now=1_200_000) == []  # caught up: fine
+        # the trainer's position group has no members by design: flagged only when it stops
+        pos = {**row, "group": "srl-trainer-r.position", "consumer_id": None}
+        assert monitor.stalled([pos], now=2_000_000) == []
+        assert monitor.stalled([pos], now=2_061_000)[0]["reason"].startswith(
+            "committed offset unchanged"
+        )
+        assert monitor.stalled([{**pos, "group": "g2"}], now=2_062_000)[0]["reason"] == (
+            "no consumer assigned"
+        )
     finally:
         monitor.close()
 
