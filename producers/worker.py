@@ -14,9 +14,8 @@ iteration in this order:
    ``producers.backlog``) is over its bound only the prompt topics are paused: resume tasks
    finish trajectories the trainer is waiting for; a task that may have been started by a
    previous owner of its partition (offset below the high watermark seen at assignment) is
-   first read back
-   (``producers.recovery``): complete samples are skipped, partial ones resumed from their
-   published prefix with the same trajectory id and the next seq;
+   first read back (``producers.recovery``): complete samples are skipped, partial ones
+   resumed from their published prefix with the same trajectory id and the next seq;
 4. **admit** waiting samples, longest-predicted first, into the engine's free slots — but only
    while ``loaded version >= latest - max_staleness``, after reading every weights
    announcement made before the task arrived (``WeightFollower.sync``);
