@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from confluent_kafka import KafkaException
+
 from consumers import checkpoint as ckpts
 from consumers.assembler import Assembler, BadChunk, BadTrajectory, Partial, Trajectory
 from consumers.batcher import Row, StepBatcher
@@ -43,6 +45,7 @@ from consumers.rewards import Scorer, load_reward
 from schemas.codec import SchemaError
 from schemas.records import TrajectoryChunk, decode_as
 from srl.errors import ConfigError
+from srl.kafka import position_group, share_positions
 from srl.metrics import Metrics, dead_letter
 from srl.topics import Layout
 
@@ -136,15 +139,7 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        from confluent_kafka import KafkaException
-
-        from srl.kafka import (
-            create_topics,
-            make_consumer,
-            next_batch,
-            position_group,
-            share_positions,
-        )
+        from srl.kafka import create_topics, make_consumer, next_batch
 
         create_topics(
             self.cfg,
@@ -382,10 +377,6 @@ class Trainer:
             self._admit(group)
 
     def _tick(self, now: float) -> None:
-        from confluent_kafka import KafkaException
-
-        from srl.kafka import share_positions
-
         self.next_tick = now + 1.0
         try:
             share_positions(self.sharer, self.consumer)

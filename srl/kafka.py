@@ -160,10 +160,6 @@ class Producer:
                 if len(self.errors) < 100:
                     self.errors.append(err.str())
 
-    def _on_delivery(self, err: KafkaError | None, msg: Any, user: DeliveryCallback) -> None:
-        self._counted(err, msg)
-        user(err, msg)
-
     def produce(
         self,
         topic: str,
@@ -180,7 +176,8 @@ class Producer:
         else:
 
             def cb(err: KafkaError | None, msg: Any) -> None:
-                self._on_delivery(err, msg, on_delivery)
+                self._counted(err, msg)
+                on_delivery(err, msg)
 
         p = self._p
         part = -1 if partition is None else partition
