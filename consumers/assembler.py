@@ -63,6 +63,8 @@ class Trajectory:
     started_ms: int
     last_created_ms: int
     assembled_ms: int = field(default_factory=now_ms)
+    step: int | None = None  # trainer step its group was released for (null: unscheduled)
+    step_groups: int | None = None  # groups released for that step
 
     @property
     def behaviour_version(self) -> int:
@@ -92,6 +94,12 @@ class Partial:
     last_seq: int | None = None
     last_arrival: float = 0.0
 
+    @property
+    def step(self) -> tuple[int | None, int | None]:
+        """``(step, step_groups)`` from seq 0, if it has arrived."""
+        first = self.chunks.get(0)
+        return (first.step, first.step_groups) if first is not None else (None, None)
+
 
 def validate_chunk(c: TrajectoryChunk) -> None:
     """BadChunk if ``c`` is malformed on its own (before any stitching)."""
@@ -112,6 +120,10 @@ def validate_chunk(c: TrajectoryChunk) -> None:
     lp = c.logprob_values()
     if lp.size and not (np.isfinite(lp).all() and float(lp.max()) <= 1e-3):
         raise BadChunk("behaviour log-probs must be finite and <= 0")
+    if (c.step is None) != (c.step_groups is None) or (
+        c.step is not None and (c.step < 1 or c.step_groups is None or c.step_groups < 1)
+    ):
+        raise BadChunk(f"step {c.step} / step_groups {c.step_groups}: both or neither, both >= 1")
     if c.seq == 0:
         if c.prompt_tokens is None or len(c.prompt_tokens) % 4:
             raise BadChunk("seq 0 carries no (or malformed) prompt_tokens")
@@ -193,7 +205,8 @@ class Assembler:
             versions=tuple(int(c.policy_version) for c in chunks), finish_reason=last.finish_reason,
             metadata=orjson.loads(first.metadata) if first.metadata else {},
             workers=tuple(dict.fromkeys(c.worker_id for c in chunks)), started_ms=first.started_ms,
-            last_created_ms=max(c.created_ms for c in chunks),
+            last_created_ms=max(c.created_ms for c in chunks), step=first.step,
+            step_groups=first.step_groups,
         )  # fmt: skip
 
     def expire(self, now: float | None = None) -> list[Partial]:

@@ -1,9 +1,8 @@
-"""Dynamic batches: a step of a fixed number of groups, micro-batches packed by token budget.
+"""Dynamic batches: one step's admitted groups, micro-batches packed by token budget.
 
-Owns when work becomes a micro-batch (StreamRL's dynamic-batch pipelining). What must hold:
+Owns when work becomes a micro-batch (StreamRL's dynamic-batch pipelining); which groups make
+up a step is ``consumers.steps``'s decision. What must hold:
 
-* a step holds exactly ``groups_per_step`` admitted groups (groups with at least one sample
-  to train), whatever the timing, so the algorithm's semantics do not depend on it;
 * a micro-batch's padded cost, ``rows × longest row``, stays within ``budget`` tokens, except
   a single row longer than the budget, which runs alone;
 * streaming (``pipeline=True``): rows join the open micro-batch in arrival order and a
@@ -76,8 +75,7 @@ def pack(lengths: list[int], budget: int) -> list[list[int]]:
 class StepBatcher:
     """Accumulates one step's groups and hands out micro-batches of rows."""
 
-    def __init__(self, groups_per_step: int, budget: int, pipeline: bool = True) -> None:
-        self.groups_per_step = groups_per_step
+    def __init__(self, budget: int, pipeline: bool = True) -> None:
         self.budget = budget
         self.pipeline = pipeline
         self.reset()
@@ -88,16 +86,10 @@ class StepBatcher:
         self.rows = 0
         self.loss_tokens = 0
 
-    @property
-    def full(self) -> bool:
-        return len(self.groups) >= self.groups_per_step
-
     def add(self, admitted: Admitted) -> list[list[Row]]:
         """Take an admitted group; return the micro-batches that filled (maybe none)."""
         if not admitted.trains:
             return []
-        if self.full:
-            raise RuntimeError("step is full: the trainer must step before adding more groups")
         self.groups.append(admitted)
         ready: list[list[Row]] = []
         for sample, adv in zip(admitted.train, admitted.advantages, strict=True):
@@ -113,7 +105,7 @@ class StepBatcher:
         return ready
 
     def drain(self) -> list[list[Row]]:
-        """The step's remaining rows as micro-batches (call once the step is full)."""
+        """The step's remaining rows as micro-batches (call once the step is complete)."""
         rows, self.pending = self.pending, []
         if not self.pipeline:
             rows = sorted(rows, key=lambda r: -r.length)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from srl.config import CommonConfig
+from srl.errors import ConfigError
 
 
 class TrainConfig(CommonConfig):
@@ -79,8 +80,14 @@ class TrainConfig(CommonConfig):
         "drop",
         description="drop: a group with a stale sample is dropped whole; correct: only stale samples are dropped, the rest train with importance correction.",
     )
+    batching: Literal["windows", "groups"] = Field(
+        "windows",
+        description="windows: step t trains exactly the groups the dispatcher released for step t (no sample outlives k; docs/trainer.md); groups: each step takes the first groups_per_step complete groups (a trainer not paced by the dispatcher, e.g. of another run).",
+    )
     groups_per_step: int = Field(
-        4, ge=1, description="Groups per optimizer step (fixed, whatever the timing)."
+        4,
+        ge=1,
+        description="Groups per optimizer step for groups the dispatcher did not schedule (batching groups, hand-made records).",
     )
     micro_batch_tokens: int = Field(
         4096,
@@ -125,19 +132,22 @@ class TrainConfig(CommonConfig):
             raise ValueError(f"expected module:function, got {v!r}")
         return v
 
-    @field_validator("sync_barrier")
-    @classmethod
-    def _barrier_is_k0(cls, v: bool, info: ValidationInfo) -> bool:
-        if v and info.data.get("max_staleness") != 0:
-            raise ValueError("the synchronous baseline is k = 0: add --max-staleness 0")
-        return v
-
-    @field_validator("publish_every")
-    @classmethod
-    def _barrier_publishes_every_step(cls, v: int, info: ValidationInfo) -> int:
-        if info.data.get("sync_barrier") and v != 1:
-            raise ValueError("--sync-barrier publishes every step: use --publish-every 1")
-        return v
+    # Cross-field rules raise ConfigError (not ValueError), so pydantic passes the one-line
+    # message through unchanged instead of wrapping it.
+    @model_validator(mode="after")
+    def _cross_field(self) -> TrainConfig:
+        if self.sync_barrier and self.max_staleness != 0:
+            raise ConfigError("the synchronous baseline is k = 0: add --max-staleness 0")
+        if self.sync_barrier and self.publish_every != 1:
+            raise ConfigError("--sync-barrier publishes every step: use --publish-every 1")
+        if self.batching == "windows" and self.publish_every > self.max_staleness + 1:
+            # step t's prompts are released once step t-1-k is announced: announcing less
+            # often than every k+1 steps would leave the next step with nothing to train
+            raise ConfigError(
+                f"--publish-every {self.publish_every} with --max-staleness {self.max_staleness}: "
+                "windows need --publish-every <= max_staleness + 1 (or --batching groups)"
+            )
+        return self
 
     @property
     def consumer_group(self) -> str:

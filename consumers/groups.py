@@ -40,6 +40,8 @@ class Group:
     samples: dict[int, Sample] = field(default_factory=dict)  # sample_index -> sample
     missing: dict[int, str] = field(default_factory=dict)  # sample_index -> expired trajectory id
     last_arrival: float = 0.0
+    step: int | None = None  # the trainer step it was released for (None: unscheduled)
+    step_groups: int | None = None  # groups released for that step
 
     @property
     def filled(self) -> int:
@@ -88,16 +90,20 @@ class GroupBuffer:
         t = sample.traj
         g = self._slot(t.prompt_id, t.sample_index, t.group_size, now)
         g.samples[t.sample_index] = sample
+        if g.step is None:
+            g.step, g.step_groups = t.step, t.step_groups
         return self._close_if_complete(g)
 
     def add_missing(
         self, prompt_id: str, sample_index: int, group_size: int, trajectory_id: str,
-        now: float | None = None,
+        now: float | None = None, step: tuple[int | None, int | None] = (None, None),
     ) -> Group | None:  # fmt: skip
         """An expired trajectory fills its slot, so the rest of its group is not held forever."""
         now = time.monotonic() if now is None else now
         g = self._slot(prompt_id, sample_index, group_size, now)
         g.missing[sample_index] = trajectory_id
+        if g.step is None:
+            g.step, g.step_groups = step
         return self._close_if_complete(g)
 
     def expire(self, now: float | None = None) -> list[Group]:

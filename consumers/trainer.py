@@ -37,11 +37,19 @@ from consumers import checkpoint as ckpts
 from consumers.assembler import Assembler, BadChunk, BadTrajectory, Partial, Trajectory
 from consumers.batcher import Row, StepBatcher
 from consumers.config import TrainConfig
-from consumers.engine import Engine, extra_files, make_engine, make_micro_batch, resolve_device
+from consumers.engine import (
+    Engine,
+    StepStats,
+    extra_files,
+    make_engine,
+    make_micro_batch,
+    resolve_device,
+)
 from consumers.gate import Admitted, gate_group, staleness
 from consumers.groups import Group, GroupBuffer, Sample
 from consumers.offsets import OffsetTracker
 from consumers.rewards import Scorer, load_reward
+from consumers.steps import StepPlanner
 from schemas.codec import SchemaError
 from schemas.records import TrajectoryChunk, decode_as
 from srl.errors import ConfigError
@@ -121,9 +129,9 @@ class Trainer:
         self.dirty = False  # steps since the last checkpoint
         self.assembler = Assembler(self.ledger, cfg.expire_s)
         self.groups = GroupBuffer(cfg.expire_s)
-        self.batcher = StepBatcher(
-            cfg.groups_per_step, cfg.micro_batch_tokens, not cfg.sync_barrier
-        )
+        self.batcher = StepBatcher(cfg.micro_batch_tokens, not cfg.sync_barrier)
+        self.planner = StepPlanner(cfg.groups_per_step, cfg.expire_s, self.step + 1,
+                                   windows=cfg.batching == "windows")  # fmt: skip
         self.scorer = Scorer(load_reward(cfg.reward), load_tokenizer(cfg.model))
         self.tracker = OffsetTracker()
         self.files = extra_files(cfg.model)
@@ -175,7 +183,7 @@ class Trainer:
                         continue
                     group = self.groups.add(self._score(traj))
                     if group is not None:
-                        self._admit(group)
+                        self._plan(group)
                     if self._stop_now():
                         break
                 if msgs:
@@ -243,15 +251,22 @@ class Trainer:
             self._dead_letter(msg, f"bad chunk {tid}/{chunk.seq}: {e}")
             return None
         except BadTrajectory as e:
-            self._dead_letter(msg, str(e))
-            self._finalize(tid, chunk.prompt_id, chunk.bucket, "invalid", reason=str(e))
+            self._invalid(msg, chunk, str(e))
             return None
         if traj is not None and traj.length > self.max_len:
-            reason = f"trajectory {tid}: {traj.length} tokens > the model's {self.max_len}"
-            self._dead_letter(msg, reason)
-            self._finalize(tid, chunk.prompt_id, chunk.bucket, "invalid", reason=reason)
+            self._invalid(msg, chunk, f"trajectory {tid}: {traj.length} tokens > the model's {self.max_len}")
             return None
         return traj
+
+    def _invalid(self, msg: Any, chunk: TrajectoryChunk, reason: str) -> None:
+        """A trajectory that can never train: dead-lettered, and its slot in the group filled
+        so the rest of the group (and its step) is not held until expiry."""
+        self._dead_letter(msg, reason)
+        self._finalize(chunk.trajectory_id, chunk.prompt_id, chunk.bucket, "invalid", reason=reason)
+        group = self.groups.add_missing(chunk.prompt_id, chunk.sample_index, chunk.group_size,
+                                        chunk.trajectory_id, step=(chunk.step, chunk.step_groups))  # fmt: skip
+        if group is not None:
+            self._plan(group)
 
     def _score(self, traj: Trajectory) -> Sample:
         scored = self.scorer.score(traj)
@@ -261,7 +276,25 @@ class Trainer:
         return Sample(traj, scored.reward, scored.error)
 
     # -- groups → steps -------------------------------------------------------------------------
+    def _plan(self, group: Group) -> None:
+        """A complete (or expired) group joins its step, now or when that step opens."""
+        for g in self.planner.add(group):
+            self._admit(g)
+        self._steps()
+
+    def _steps(self) -> None:
+        """Take the open step while it is complete (held groups may complete the next one)."""
+        while not self._stop_now() and self.planner.complete():
+            self._take_step()
+            for g in self.planner.advance():
+                self._admit(g)
+
     def _admit(self, group: Group) -> None:
+        if not group.complete:  # expired before all its samples arrived: nothing of it trains
+            for s in [*group.scored(), *group.failed()]:
+                self._finalize_sample(s, "expired", self.step + 1, self._sample_values(s),
+                                      f"group incomplete for {self.cfg.expire_s:g}s")  # fmt: skip
+            return
         adm = gate_group(
             group, self.version, self.cfg.max_staleness, self.cfg.stale_policy, self.cfg.advantage
         )
@@ -271,8 +304,6 @@ class Trainer:
             return
         for rows in self.batcher.add(adm):
             self._run(rows)
-        if self.batcher.full:
-            self._take_step()
 
     def _run(self, rows: list[Row]) -> None:
         mb = make_micro_batch(rows, self.cfg.loss_agg == "seq_mean")
@@ -284,9 +315,16 @@ class Trainer:
             self._run(rows)
         b = self.batcher
         normalizer = float(b.rows if self.cfg.loss_agg == "seq_mean" else b.loss_tokens)
-        if self.dist is not None:
-            self.dist.step(self.step + 1, normalizer)
-        stats = self.engine.step(normalizer)
+        if b.groups:
+            if self.dist is not None:
+                self.dist.step(self.step + 1, normalizer)
+            stats = self.engine.step(normalizer)
+        else:  # nothing of the step trains (all lost or failed): same weights, next version
+            log.warning("step %d: no group to train (%d released groups missing); publishing "
+                        "the same weights so the run moves on", self.step + 1, self.planner.missing)  # fmt: skip
+            stats = StepStats()
+        if self.planner.missing:
+            self.metrics.incr("missing_groups", self.planner.missing)
         self.step += 1
         self.dirty = True
         samples = [s for adm in b.groups for s in adm.train]
@@ -372,9 +410,10 @@ class Trainer:
         values["staleness"] = self.version - values["behaviour_version"]
         self._finalize(p.trajectory_id, p.prompt_id, p.bucket, "expired", values=values,
                        reason=f"no chunk for {self.cfg.expire_s:g}s; have seqs {sorted(p.chunks)}")  # fmt: skip
-        group = self.groups.add_missing(p.prompt_id, p.sample_index, p.group_size, p.trajectory_id)
+        group = self.groups.add_missing(p.prompt_id, p.sample_index, p.group_size, p.trajectory_id,
+                                        step=p.step)  # fmt: skip
         if group is not None:
-            self._admit(group)
+            self._plan(group)
 
     def _tick(self, now: float) -> None:
         self.next_tick = now + 1.0
@@ -385,9 +424,8 @@ class Trainer:
         for p in self.assembler.expire():
             self._expire_partial(p)
         for g in self.groups.expire():
-            for s in [*g.scored(), *g.failed()]:
-                self._finalize_sample(s, "expired", self.step + 1, self._sample_values(s),
-                                      f"group incomplete for {self.cfg.expire_s:g}s")  # fmt: skip
+            self._plan(g)
+        self._steps()  # a step whose groups stopped arriving completes by expiry
         self.metrics.incr(
             "duplicates", self.assembler.duplicates - self.metrics.counters["duplicates"]
         )

@@ -8,7 +8,7 @@ contract of ``schemas/trajectory_chunk.avsc``):
 * a chunk holds at most ``chunk_tokens`` tokens, one behaviour log-prob per token, and tokens
   of a single policy version: tokens of a new version close the open chunk first (so does
   ``flush_all`` before a weight swap);
-* ``prompt_tokens`` and ``metadata`` ride on seq 0 only; ``finish_reason`` and ``is_last``
+* ``prompt_tokens``, ``metadata``, ``step`` and ``step_groups`` ride on seq 0 only; ``finish_reason`` and ``is_last``
   on the last chunk only; the last chunk may be empty only when it carries nothing but the
   end (an abort);
 * the one exception: :meth:`Chunker.hand_off` closes a trajectory this worker gives to another
@@ -42,6 +42,8 @@ class TrajectoryStart:
     prompt_tokens: bytes | None = None  # packed int32; sent on seq 0 only
     metadata: str | None = None  # task metadata JSON; sent on seq 0 only
     started_ms: int = field(default_factory=now_ms)
+    step: int | None = None  # the task's trainer step; sent on seq 0 only
+    step_groups: int | None = None  # groups released for that step; seq 0 only
 
 
 @dataclass
@@ -132,6 +134,7 @@ class Chunker:
             is_last=finish_reason is not None if is_last is None else is_last, finish_reason=finish_reason, worker_id=self.worker_id,
             bucket=s.bucket, started_ms=s.started_ms, predicted_length=s.predicted_length,
             prompt_tokens=s.prompt_tokens if first else None, metadata=s.metadata if first else None,
+            step=s.step if first else None, step_groups=s.step_groups if first else None,
         )  # fmt: skip
         t.seq += 1
         t.offset += n

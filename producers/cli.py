@@ -91,19 +91,23 @@ def _csv(value: str | None) -> list[str] | None:
     type=click.Choice(["baseline", "oracle", "ranker"]),
     help="Length predictor. Default baseline.",
 )
-@click.option("--window", type=int, help="Prompts ordered together before publishing. Default 64.")
 @click.option(
-    "--sync-barrier/--no-sync-barrier",
-    default=None,
-    help="Wait for new weights after each groups_per_step prompts.",
+    "--max-staleness",
+    type=int,
+    metavar="K",
+    help="Release trainer step t's prompts once step t-1-K is announced (0: synchronous). Default 1.",
 )
 @click.option(
-    "--groups-per-step", type=int, help="Sync barrier: prompts per trainer step. Default 8."
+    "--unpaced",
+    is_flag=True,
+    help="Do not pace by trainer steps: windows of --window prompts under --max-pending.",
 )
+@click.option("--groups-per-step", type=int, help="Prompts per trainer step. Default 8.")
+@click.option("--window", type=int, help="Unpaced: prompts ordered together. Default 64.")
 @click.option(
     "--max-pending",
     type=int,
-    help="Async: most unconsumed tasks on the prompt topics. Default 256.",
+    help="Unpaced: most unconsumed tasks on the prompt topics. Default 256.",
 )
 @click.option(
     "--pools",
@@ -111,13 +115,14 @@ def _csv(value: str | None) -> list[str] | None:
 )
 @click.option("--epochs", type=int, help="Passes over the prompts. Default 1.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def dispatch(as_json: bool, pools: str | None, **kw: Any) -> None:
+def dispatch(as_json: bool, pools: str | None, unpaced: bool, **kw: Any) -> None:
     """Publish prompt tasks to the length-bucket prompt topics, longest-predicted first.
 
     Each prompt becomes one task of --group-size samples on {prefix}.prompts.{bucket}, the
-    bucket chosen by the length predictor. With --sync-barrier the next --groups-per-step
-    prompts wait for the next weights announcement; otherwise at most --max-pending tasks
-    stay unconsumed.
+    bucket chosen by the length predictor. The prompts of trainer step t (--groups-per-step
+    of them) are released once the trainer has announced step t-1-K, and that step trains
+    exactly them (K = --max-staleness; 0 is the synchronous barrier). --unpaced publishes
+    windows while at most --max-pending tasks stay unconsumed.
     """
     from producers.config import DispatchConfig
     from producers.dispatcher import run_dispatcher
@@ -129,6 +134,8 @@ def dispatch(as_json: bool, pools: str | None, **kw: Any) -> None:
         if k not in ("config", "bootstrap", "topic_prefix", "run", "store", "kafka_setting")
     }
     cfg = config_from(DispatchConfig, kw, **own, pools=_csv(pools))
+    if unpaced:
+        cfg = cfg.model_copy(update={"max_staleness": None})
     prompts = load_source(cfg)
     if cfg.task == "sim":
         click.echo(

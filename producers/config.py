@@ -66,29 +66,33 @@ class DispatchConfig(CommonConfig):
     baseline_length: int | None = Field(
         None, ge=1, description="The baseline predictor's length; null: max_new_tokens."
     )
+    max_staleness: int | None = Field(
+        1,
+        ge=0,
+        le=1_000_000,
+        description="k: release each trainer step's groups_per_step prompts once the trainer has announced step t-1-k (0: the synchronous barrier); the trainer's step t trains exactly them, so no sample is dropped as stale. null: unpaced (window and max_pending).",
+    )
+    groups_per_step: int = Field(
+        8, ge=1, description="Prompts (groups) per trainer step: the size of each released step."
+    )
     window: int = Field(
         64,
         ge=1,
-        description="Prompts ordered together (longest-predicted first per bucket) before publishing; sync mode uses groups_per_step.",
-    )
-    sync_barrier: bool = Field(
-        False,
-        description="Publish groups_per_step prompts, then wait for the next weights announcement before the next ones.",
-    )
-    groups_per_step: int = Field(
-        8, ge=1, description="Prompts (groups) per trainer step in sync-barrier mode."
+        description="Unpaced (max_staleness null): prompts ordered together (longest-predicted first) before publishing.",
     )
     max_pending: int | None = Field(
         256,
         ge=1,
-        description="Async mode: stop publishing while this many tasks are unconsumed by the pools; null: no bound.",
+        description="Unpaced (max_staleness null): stop publishing while this many tasks are unconsumed by the pools; null: no bound.",
     )
     pools: tuple[str, ...] = Field(
         ("regular",),
         description="Generator pools whose progress counts for max_pending (their groups: {prefix}.gen.{pool}).",
     )
     barrier_timeout_s: float = Field(
-        3600.0, gt=0, description="Sync mode: give up when no new weights arrive for this long."
+        3600.0,
+        gt=0,
+        description="Paced: give up when the trainer announces no step a release waits for within this long.",
     )
     epochs: int = Field(1, ge=1, le=100_000, description="Passes over the prompt source.")
 

@@ -12,11 +12,19 @@ Owns ``srl-producer dispatch``. In order, for each window of prompts from the so
    ``group_size`` samples and carries the prediction, the predictor's version and the
    prompt's metadata (JSON);
 3. wait for permission to publish:
-   * **sync barrier** (``sync_barrier``, window = ``groups_per_step``): every window after the
-     first waits for a weights announcement newer than the one the previous window was
-     published under, so no generator runs ahead of the trainer;
-   * **async**: while the pools' unconsumed backlog (``GroupLag`` over the prompt topics)
-     reaches ``max_pending``, wait; the backlog stays bounded instead of holding the dataset;
+   * **by trainer step** (``max_staleness`` = k, the default): a window is one trainer step's
+     ``groups_per_step`` prompts, numbered from the step after the newest announced one. Step
+     t is released once the trainer has announced step ``t-1-k``; its tasks carry ``step``,
+     ``step_groups`` and ``min_version`` (the newest announced version: no worker starts
+     them with older weights), and the trainer's step t trains exactly them
+     (``consumers.steps``). So every trained sample is within k of the trainer by
+     construction, and at most k+1 steps of prompts are ever out. k = 0 is the synchronous
+     barrier;
+   * **unpaced** (``max_staleness`` null): windows of ``window`` prompts, published while the
+     pools' unconsumed backlog (``GroupLag`` over the prompt topics) stays under
+     ``max_pending``; the trainer takes whichever groups complete first, so a long sample
+     can outlive its staleness window and be dropped (kept for comparison:
+     docs/benchmarks.md, "Asynchrony that keeps the long tail");
 4. publish (key = prompt id, topic ``{prefix}.prompts.{bucket}``) and flush.
 
 Windows keep order local: sorting a whole dataset longest-first would hand the trainer all
@@ -26,6 +34,7 @@ long prompts first. The prompt source is an argument (any iterable of ``PromptLi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -103,24 +112,23 @@ class DispatchSummary:
     tasks: int = 0
     windows: int = 0
     by_bucket: dict[str, int] = field(default_factory=dict)
-    waited_s: float = 0.0  # time spent at the barrier or the backlog bound
-    versions_seen: list[int] = field(
-        default_factory=list
-    )  # sync mode: version each window waited for
+    waited_s: float = 0.0  # time spent waiting for the trainer or the backlog bound
+    versions_seen: list[int] = field(default_factory=list)  # paced: min_version of each step
+    first_step: int | None = None  # paced: the step number of the first window
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 class Announcements:
-    """The newest weights version announced for a run, read from the weights topic."""
+    """The newest weights version (and its trainer step) announced for a run."""
 
     def __init__(self, cfg: DispatchConfig, layout: Layout) -> None:
         from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
         from srl.kafka import consumer_settings
 
-        self.run, self.latest = cfg.run, 0
+        self.run, self.latest, self.step = cfg.run, 0, 0
         self._c = Consumer(consumer_settings(cfg, "srl-dispatch-weights", "dispatch-weights"))
         self._tp = TopicPartition(layout.weights, 0)
         self._c.assign([TopicPartition(layout.weights, 0, OFFSET_BEGINNING)])
@@ -146,6 +154,7 @@ class Announcements:
             ann = decode_as(msg.value() or b"", WeightsAnnouncement)
             if ann.run == self.run:
                 self.latest = max(self.latest, ann.version)
+                self.step = max(self.step, ann.trainer_step)
 
     def close(self) -> None:
         self._c.close()
@@ -163,35 +172,34 @@ def run_dispatcher(
     layout = Layout.from_config(cfg)
     create_topics(cfg)
     summary, by_bucket = DispatchSummary(), Counter[str]()
-    size = cfg.groups_per_step if cfg.sync_barrier else cfg.window
+    paced = cfg.max_staleness is not None
     with contextlib.ExitStack() as stack:
         producer = stack.enter_context(Producer(cfg, "dispatcher"))
-        anns = Announcements(cfg, layout) if cfg.sync_barrier else None
+        anns = Announcements(cfg, layout) if paced else None
         if anns is not None:
             stack.callback(anns.close)
         room = None
-        if not cfg.sync_barrier and cfg.max_pending is not None:
+        if not paced and cfg.max_pending is not None:
             lag = GroupLag(cfg, [pool_group(cfg.topic_prefix, p) for p in cfg.pools],
                            [layout.prompts(b) for b in layout.buckets])  # fmt: skip
             stack.callback(lag.close)
             room = Room(lag, cfg.max_pending)
-        version = anns.latest if anns is not None else 0
+        step = anns.step + 1 if anns is not None else None  # the trainer's next step
+        summary.first_step = step
         for epoch in range(cfg.epochs):
-            for window in windows(source, size):
+            for window in windows(source, cfg.groups_per_step if paced else cfg.window):
                 if stop.is_set():
                     return summary
-                tasks = plan_window(
-                    window,
-                    predictor.predict([p.text for p in window]),
-                    layout,
-                    cfg,
-                    predictor.version,
-                    epoch,
-                )
+                tasks = plan_window(window, predictor.predict([p.text for p in window]), layout,
+                                    cfg, predictor.version, epoch)  # fmt: skip
                 t0 = time.monotonic()
-                if anns is not None and summary.windows > 0:
-                    version = _wait_for_weights(anns, version, cfg.barrier_timeout_s, stop)
-                    summary.versions_seen.append(version)
+                if anns is not None and step is not None:
+                    assert cfg.max_staleness is not None
+                    min_version = release(anns, step, cfg.max_staleness, cfg.barrier_timeout_s, stop)
+                    summary.versions_seen.append(min_version)
+                    tasks = [dataclasses.replace(t, step=step, step_groups=len(tasks),
+                                                 min_version=min_version) for t in tasks]  # fmt: skip
+                    step += 1
                 for task in tasks:
                     if room is not None:
                         room.take(producer, stop)
@@ -209,18 +217,27 @@ def run_dispatcher(
     return summary
 
 
-def _wait_for_weights(
-    anns: Announcements, version: int, timeout_s: float, stop: threading.Event
+def release_after(step: int, k: int) -> int:
+    """The trainer step whose announcement releases ``step``'s prompts: ``step - 1 - k``."""
+    return step - 1 - k
+
+
+def release(
+    anns: Announcements, step: int, k: int, timeout_s: float, stop: threading.Event
 ) -> int:
+    """Wait until step ``step`` may be released; the newest announced version (its tasks'
+    ``min_version``)."""
+    need = release_after(step, k)
     deadline = time.monotonic() + timeout_s
-    while anns.latest <= version:
+    while anns.step < need:
         if stop.is_set():
-            return version
+            return anns.latest
         if time.monotonic() > deadline:
             raise SrlError(
-                f"sync barrier: no weights newer than v{version} for {timeout_s:g}s; is the trainer running?"
+                f"step {step} waits for the trainer's step {need}, but none came for {timeout_s:g}s; "
+                "is the trainer running?"
             )
-        anns.poll(0.2)
+        anns.poll(0.05)
     return anns.latest
 
 

@@ -16,8 +16,9 @@ iteration in this order:
    previous owner of its partition (offset below the high watermark seen at assignment) is
    first read back (``producers.recovery``): complete samples are skipped, partial ones
    resumed from their published prefix with the same trajectory id and the next seq;
-4. **admit** waiting samples, longest-predicted first, into the engine's free slots — but only
-   while ``loaded version >= latest - max_staleness``, after reading every weights
+4. **admit** waiting samples into the engine's free slots, resumed ones first, then by trainer
+   step and longest-predicted first, each only with weights no older than ``latest - k`` and
+   its task's ``min_version`` (``producers.admission``), after reading every weights
    announcement made before the task arrived (``WeightFollower.sync``);
 5. **one decode step**; its outputs go through the chunker into the producer, key =
    trajectory id, partition = ``Layout.partition_for(bucket, trajectory_id)``; with
@@ -46,12 +47,12 @@ from typing import Any
 import orjson
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
+from producers.admission import may_start, order_key
 from producers.chunker import Chunker, TrajectoryStart
 from producers.config import GenerateConfig
 from producers.engines.base import Emitted, Engine, Request, RequestError
 from producers.migration import Stragglers
 from producers.tasks import OffsetTracker, SamplePlan, TaskState, TopicPart
-from ranker.migrate import admission_priority
 from schemas.records import (
     PromptTask,
     SchemaError,
@@ -392,26 +393,28 @@ class GeneratorWorker:
     def _admit(self) -> None:
         if not self.pending or self.stopping:
             return
-        if self.engine.version < self.follower.latest - self.cfg.max_staleness:
-            return  # newer weights are on their way; start nothing with these
         room = self.cfg.max_batch - self.engine.running - len(self.engine.waiting)
-        self.pending.sort(key=lambda s: -(admission_priority(s.task) or 0.0))  # resumes first, LPT
-        while room > 0 and self.pending:
-            st = self.pending[0]
-            plan = st.todo.pop(0)
-            if not st.todo:
-                self.pending.pop(0)
-            t = st.task
-            self.engine.add(self._request(t, st.prompt_ids, st.target_length, plan))
-            self.chunker.open(TrajectoryStart(
-                plan.trajectory_id, t.prompt_id, t.task_id, plan.sample_index, t.group_size, t.bucket,
-                t.predicted_length, plan.next_seq, len(plan.prefix), pack_tokens(st.prompt_ids), t.metadata,
-                plan.started_ms or now_ms(),
-            ))  # fmt: skip
-            self.by_tid[plan.trajectory_id] = st
-            if self.stragglers is not None:
-                self.stragglers.start(t, plan.trajectory_id, plan.sample_index, plan.prefix)
-            room -= 1
+        if room <= 0:
+            return
+        self.pending.sort(key=lambda s: order_key(s.task))  # resumes, earliest step, LPT
+        loaded, latest, k = self.engine.version, self.follower.latest, self.cfg.max_staleness
+        for st in [st for st in self.pending if may_start(st.task, loaded, latest, k)]:
+            while room > 0 and st.todo:
+                self._start(st, st.todo.pop(0))
+                room -= 1
+        self.pending = [st for st in self.pending if st.todo]
+
+    def _start(self, st: TaskState, plan: SamplePlan) -> None:
+        t = st.task
+        self.engine.add(self._request(t, st.prompt_ids, st.target_length, plan))
+        self.chunker.open(TrajectoryStart(
+            plan.trajectory_id, t.prompt_id, t.task_id, plan.sample_index, t.group_size, t.bucket,
+            t.predicted_length, plan.next_seq, len(plan.prefix), pack_tokens(st.prompt_ids), t.metadata,
+            plan.started_ms or now_ms(), t.step, t.step_groups,
+        ))  # fmt: skip
+        self.by_tid[plan.trajectory_id] = st
+        if self.stragglers is not None:
+            self.stragglers.start(t, plan.trajectory_id, plan.sample_index, plan.prefix)
 
     @staticmethod
     def _request(

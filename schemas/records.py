@@ -131,6 +131,9 @@ class PromptTask(Record):
     ranker_version: int | None = None
     metadata: str | None = None
     resume: ResumePrefix | None = None
+    step: int | None = None  # trainer step that trains this group (null: unscheduled)
+    step_groups: int | None = None  # groups released for that step
+    min_version: int | None = None  # oldest policy version a worker may start it with
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PromptTask:
@@ -172,6 +175,8 @@ class TrajectoryChunk(Record):
     predicted_length: int | None = None
     prompt_tokens: bytes | None = None
     metadata: str | None = None
+    step: int | None = None  # seq 0 only: the task's trainer step
+    step_groups: int | None = None  # seq 0 only: groups released for that step
 
     @property
     def n_tokens(self) -> int:

@@ -18,11 +18,12 @@ Owns the orchestration a new user meets first. In order:
 
 Modes (``--mode``) map onto the roles' own switches:
 
-* ``sync``: the dispatcher releases one step's prompts per weights version and the trainer
-  runs ``--sync-barrier`` (k = 0, the whole batch before the backward pass): the baseline;
+* ``sync``: the dispatcher releases step t's prompts once step t-1 is announced (k = 0) and
+  the trainer runs ``--sync-barrier`` (the whole batch before the backward pass): the baseline;
 * ``stream``: the same barrier, but the trainer runs micro-batches as they fill (StreamRL);
-* ``async``: no barrier; generators run ahead by at most ``--max-staleness`` versions and the
-  dispatcher keeps a bounded backlog.
+* ``async``: step t's prompts are released once step t-1-k is announced (k =
+  ``--max-staleness``), so generation runs up to k steps ahead of training; step t still
+  trains exactly its own prompts, so nothing is dropped as stale.
 
 Ctrl-C stops every process and still writes the report of what was done. Called by
 ``srl demo`` (``srl.cli``).
@@ -219,21 +220,19 @@ class Plan:
 
     def role_tables(self) -> dict[str, dict[str, Any]]:
         c = self.cfg
-        barrier = c.mode in ("sync", "stream")
-        k = 0 if barrier else c.max_staleness
-        extra_rounds = 0 if barrier else 2  # async: replacements for groups dropped as stale
+        k = 0 if c.mode in ("sync", "stream") else c.max_staleness
         return {
             "dispatch": {
                 "task": "demo",
                 "seed": c.seed,
-                "num_prompts": c.steps * c.groups_per_step * (1 + extra_rounds),
+                # step t's prompts are released once step t-1-k is announced and step t trains
+                # exactly them: one step of prompts per step, nothing dropped as stale
+                "num_prompts": c.steps * c.groups_per_step,
                 "group_size": c.group_size,
                 "max_new_tokens": c.max_new_tokens,
                 "temperature": c.temperature,
-                "sync_barrier": barrier,
+                "max_staleness": k,
                 "groups_per_step": c.groups_per_step,
-                "window": c.groups_per_step,
-                "max_pending": None if barrier else 2 * c.groups_per_step,
                 "pools": ["regular", "longtail"],
                 "predictor": "ranker",
                 "longtail_bucket": LONGTAIL_BUCKETS[0],
@@ -247,9 +246,6 @@ class Plan:
                 "seed": c.seed,
                 "stats_interval_s": 2.0,
                 "drain_timeout_s": 20.0,
-                # pause intake while the trainer lags by more than ~1.5 steps of chunks: what
-                # is generated further ahead would only go stale in the topic
-                "max_backlog_chunks": None if barrier else 3 * c.groups_per_step * c.group_size,
             },
             "train": {
                 "model": str(self.model_dir),

@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from srl.bench.pipemodel import DESIGNS, MODES
 from srl.cli_common import common_options, config_from, echo_json
 
 
@@ -161,13 +162,18 @@ def weights(sizes: str, repeats: int, swaps: int, as_json: bool) -> None:
               help="Simulated seconds per wall-clock second.")  # fmt: skip
 @click.option("--max-staleness", type=click.IntRange(1, 100), default=1, show_default=True,
               help="k of the async modes (1: StreamRL-Async).")  # fmt: skip
+@click.option("--modes", default=",".join(MODES), show_default=True,
+              help="Comma-separated modes to run (ratios need colocated / sync in the same run).")  # fmt: skip
+@click.option("--design", type=click.Choice(sorted(DESIGNS)), default="paced", show_default=True,
+              help="How the async modes keep samples within k (docs/benchmarks.md).")  # fmt: skip
 @click.option("--plot", type=click.Path(dir_okay=False), default="bench-pipeline.png", show_default=True,
               help="PNG written unless --json.")  # fmt: skip
 @click.option("--bootstrap", help="Use this Kafka instead of an embedded broker.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")  # fmt: skip
 def pipeline(lengths: str, scale: float, devices: int, b_max: int, groups: int, group_size: int,
-             iterations: int, compression: float, max_staleness: int, plot: str, bootstrap: str | None, as_json: bool) -> None:  # fmt: skip
-    """sync / stream / async / async+skew side by side (SIMULATED engine and trainer).
+             iterations: int, compression: float, max_staleness: int, modes: str, design: str,
+             plot: str, bootstrap: str | None, as_json: bool) -> None:  # fmt: skip
+    """colocated / sync / stream / async / async+skew side by side (SIMULATED engine and trainer).
 
     The broker, codec, dispatcher, generator workers, trainer loop, staleness gate and weights
     protocol are real; decode steps and trainer compute sleep their modelled time
@@ -175,24 +181,29 @@ def pipeline(lengths: str, scale: float, devices: int, b_max: int, groups: int, 
     """
     from producers.workload import LengthHistogram
     from srl.bench import pipeline as p
+    from srl.errors import ConfigError
 
     LengthHistogram.load(lengths, scale)  # a bad file is a one-line error before anything starts
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    if not chosen or any(m not in MODES for m in chosen):
+        raise ConfigError(f"--modes {modes!r}: choose from {', '.join(MODES)}")
     w = p.Workload(lengths=lengths, scale=scale, devices=devices, b_max=b_max, groups_per_step=groups,
                    group_size=group_size, iterations=iterations, compression=compression,
-                   max_staleness=max_staleness)  # fmt: skip
+                   max_staleness=max_staleness, design=design)  # fmt: skip
 
     def progress(mode: str, split: dict[str, Any]) -> None:
         click.echo(f"{mode}: {split['instances']} generator instance(s) + {split['trainer_devices']} "
                    f"trainer device(s) (modelled iteration {split['model_iteration_s']} s) …", err=True)  # fmt: skip
 
-    r = p.run(w, bootstrap, progress)
+    r = p.run(w, bootstrap, progress, chosen)
     if as_json:
         echo_json(r)
         return
     p.plot(r, plot)
     click.echo(f"SIMULATED engine and trainer, time compressed {compression:g}x; plot: {plot}")
     for mode, m in r["modes"].items():
-        click.echo(f"{mode:>10}: {m['samples_per_s']:.2f} samples/s  x{m['ratio_vs_sync']} vs sync "
-                   f"(trained tokens/s x{m['tokens_ratio_vs_sync']}, {m['dropped_token_fraction']:.0%} of tokens dropped)  "
-                   f"{m['fraction_of_bound']:.0%} of bound  gen idle {m['gen_idle']:.0%}  "
-                   f"train idle {m['train_idle']:.0%}  staleness mean {m['staleness_mean']} max {m['staleness_max']}")  # fmt: skip
+        click.echo(f"{mode:>10}: {m['trained_tokens_per_s']:,.0f} trained tokens/s  "
+                   f"x{m['tokens_ratio_vs_colocated']} colocated  x{m['tokens_ratio_vs_sync']} sync  "
+                   f"{m['dropped_token_fraction']:.1%} of tokens dropped  mean trained {m['mean_trained_tokens']:.0f} "
+                   f"(generated {m['mean_generated_tokens']:.0f})  {m['fraction_of_bound']:.0%} of bound  "
+                   f"gen idle {m['gen_idle']:.0%}  staleness max {m['staleness_max']}")  # fmt: skip

@@ -1,0 +1,39 @@
+"""Which waiting samples a generator worker may start now, and in which order.
+
+Owns the worker's half of the admission rule (DESIGN.md, "Staleness"); the dispatcher's
+half is ``producers.dispatcher.release`` and the trainer's ``consumers.steps``. What must hold:
+
+* a fresh task never starts with weights older than ``latest - k`` (the newest version the
+  worker knows of, minus its ``max_staleness``);
+* nor older than its ``min_version`` (the version whose announcement released its trainer
+  step), unless that version is not available to this worker (refused as corrupt, say):
+  then ``latest`` is the floor, and the trainer's staleness gate judges what comes of it;
+* a resumed trajectory (migration, recovery) may continue with any weights: its behaviour
+  version is already the oldest of its prefix, and newer tokens cannot make it older;
+* order: resumed trajectories first (they are late and known long), then the earliest
+  trainer step (its deadline comes first; unscheduled tasks last), then the longest
+  predicted (LPT: a long sample started last finishes last).
+
+Pure; called by ``producers.worker`` before each decode step.
+"""
+
+from __future__ import annotations
+
+import math
+
+from schemas.records import PromptTask
+
+
+def may_start(task: PromptTask, loaded: int, latest: int, k: int) -> bool:
+    """Whether a worker running weights ``loaded`` may start a sample of ``task`` now."""
+    if task.resume is not None:
+        return True
+    if loaded < latest - k:
+        return False
+    return task.min_version is None or loaded >= min(task.min_version, latest)
+
+
+def order_key(task: PromptTask) -> tuple[int, float, float]:
+    """Sort key: resumes first, then earliest step, then longest predicted."""
+    step = float(task.step) if task.step is not None else math.inf
+    return (0 if task.resume is not None else 1, step, -float(task.predicted_length or 0))

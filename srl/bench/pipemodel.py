@@ -1,0 +1,218 @@
+"""The pipeline benchmark's time model: modes, splits, and the bound each mode is held to.
+
+Pure (numpy only). All times are SIMULATED seconds from WORKLOAD.md's models: a decode step
+of ``BS`` running sequences lasts ``PTL(BS) = 8.1 + 0.056·BS`` ms per token; training costs
+``F·P / (peak·MFU)`` seconds per completion token on one device.
+
+The modes (WORKLOAD.md, "Fair comparison"):
+
+* ``colocated`` (verl-like): every device generates the step's samples, then every device
+  trains on them; the split is all devices for each phase in turn;
+* ``sync``: disaggregated (n generator instances + D-n trainer devices), a barrier per step
+  (k = 0), random dispatch, FIFO, the trainer waits for the whole batch;
+* ``stream`` (StreamRL-Sync): the same barrier, longest-predicted-first order, micro-batches
+  train as groups complete;
+* ``async`` / ``async+skew`` (StreamRL-Async at k = 1): step t's prompts are released once
+  step t-1-k is announced, so generation runs k steps ahead; random dispatch / LPT.
+
+:func:`model_iteration` is a mode's modelled iteration; :func:`best_split` picks each mode's
+split by it. :func:`span_bound` is what no schedule of the generated workload could beat on
+a split over a measured span of steps (docs/benchmarks.md gives the formulas); a measured
+fraction of it above 1.0 would mean the bound or the accounting is wrong.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ranker.schedule import PtlModel
+
+MODES = ("colocated", "sync", "stream", "async", "async+skew")
+BARRIER = ("colocated", "sync", "stream")  # k = 0: one step of prompts per policy version
+LPT_MODES = ("stream", "async+skew")  # longest-predicted first (oracle lengths)
+PTL = PtlModel()
+
+# How the async modes keep samples within k (docs/benchmarks.md, "Asynchrony that keeps the
+# long tail"): dispatcher settings, trainer settings.
+DESIGNS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    # step t's prompts released once step t-1-k is announced; step t trains exactly them
+    "paced": ({}, {"batching": "windows", "stale_policy": "correct"}),
+    # the same release (starts per version bounded), but each step takes the first B groups
+    "paced-groups": ({}, {"batching": "groups", "stale_policy": "correct"}),
+    # main before: a backlog bound on the prompt topics, first B complete groups per step,
+    # a group with a stale sample dropped whole / only the stale samples dropped
+    "unpaced": ({"max_staleness": None}, {"batching": "groups", "stale_policy": "drop"}),
+    "unpaced-correct": ({"max_staleness": None}, {"batching": "groups", "stale_policy": "correct"}),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One benchmark setting (simulated seconds unless named ``_wall``)."""
+
+    lengths: str
+    scale: float = 0.25
+    devices: int = 6  # generator instances + trainer devices, the same for every mode
+    b_max: int = 16  # KV-capped decode batch of an instance
+    groups_per_step: int = 12
+    group_size: int = 8
+    iterations: int = 12  # optimizer steps per mode (the first is warm-up, not measured)
+    params: float = 7e9  # the modelled policy (WORKLOAD.md: 7B)
+    flops_per_token: float = 9.0  # F per parameter (GRPO)
+    peak_flops: float = 989e12  # H800 bf16 dense
+    mfu: float = 0.3
+    compression: float = 20.0  # simulated seconds per wall second
+    tokens_per_step: int = 16  # sim engine tokens per decode step
+    chunk_tokens: int = 256
+    max_staleness: int = 1  # k of the async modes (1: StreamRL-Async)
+    design: str = "paced"  # how the async modes keep staleness (srl.bench.pipeline.DESIGNS)
+    seed: int = 0
+
+    @property
+    def batch(self) -> int:
+        return self.groups_per_step * self.group_size
+
+    @property
+    def train_s_per_token(self) -> float:
+        """Simulated training seconds per completion token on one device."""
+        return self.flops_per_token * self.params / (self.peak_flops * self.mfu)
+
+    def k(self, mode: str) -> int:
+        return 0 if mode in BARRIER else self.max_staleness
+
+
+# -- modelled iterations ------------------------------------------------------------------------
+def finish_times(lengths: np.ndarray, cap: int, ptl: PtlModel = PTL) -> np.ndarray:
+    """Seconds at which each sample of one instance finishes, admitted in the given order."""
+    finish = np.zeros(len(lengths))
+    running: list[tuple[int, int]] = []  # (decode step at which it finishes, index)
+    step, t_ms, nxt = 0, 0.0, 0
+    while nxt < len(lengths) or running:
+        while nxt < len(lengths) and len(running) < cap:
+            heapq.heappush(running, (step + max(1, int(lengths[nxt])), nxt))
+            nxt += 1
+        end = running[0][0]
+        t_ms += (end - step) * ptl(len(running))
+        step = end
+        while running and running[0][0] == step:
+            finish[heapq.heappop(running)[1]] = t_ms / 1000.0
+    return finish
+
+
+def group_finish(w: Workload, group_lengths: np.ndarray, instances: int, lpt: bool) -> np.ndarray:
+    """When each group of one barrier step is complete: groups dealt to instances by key
+    (random), each instance admitting its share FIFO or longest first."""
+    deal = np.random.default_rng(w.seed).permutation(len(group_lengths))
+    done = np.zeros(len(group_lengths))
+    for i in range(instances):
+        mine = deal[i::instances]
+        if lpt:
+            mine = mine[np.argsort(-group_lengths[mine], kind="stable")]
+        samples = np.repeat(group_lengths[mine], w.group_size)
+        per_sample = finish_times(samples, w.b_max).reshape(len(mine), w.group_size)
+        done[mine] = per_sample.max(axis=1)
+    return done
+
+
+def model_iteration(w: Workload, mode: str, group_lengths: np.ndarray, instances: int,
+                    devices: int) -> dict[str, float]:  # fmt: skip
+    """Modelled seconds of one iteration of ``mode`` on ``instances`` + ``devices``.
+
+    Barrier modes: generation is the step's makespan, tail included; ``sync`` and
+    ``colocated`` then train, ``stream`` trains each group as it completes (when the trainer
+    is free). Async modes run in steady state (the next steps' prompts fill the tail), every
+    instance at ``B_max``, but no faster than the longest sample allows: it must finish within
+    the ``k + 1`` steps between its release and its step.
+    """
+    per_group = group_lengths * w.group_size * w.train_s_per_token / devices
+    train_s = float(per_group.sum())
+    if mode not in BARRIER:
+        steady = float(group_lengths.sum()) * w.group_size * PTL(w.b_max) / (instances * w.b_max)
+        window = float(group_lengths.max()) * PTL(w.b_max) / (1 + w.k(mode))
+        gen_s = max(steady, window) / 1000.0
+        return {"gen_s": gen_s, "train_s": train_s, "iteration_s": max(gen_s, train_s)}
+    done = group_finish(w, group_lengths, instances, lpt=mode in LPT_MODES)
+    gen_s = float(done.max())
+    if mode != "stream":
+        return {"gen_s": gen_s, "train_s": train_s, "iteration_s": gen_s + train_s}
+    t = 0.0
+    for j in np.argsort(done, kind="stable"):
+        t = max(t, done[j]) + per_group[j]
+    return {"gen_s": gen_s, "train_s": train_s, "iteration_s": float(t)}
+
+
+def best_split(w: Workload, mode: str, batches: list[np.ndarray]) -> dict[str, Any]:
+    """The (instances, trainer devices) split minimising ``mode``'s modelled iteration time,
+    averaged over ``batches`` (per-group lengths of sampled steps: one step's longest sample
+    varies a lot). ``colocated`` has one split: every device, for each phase in turn."""
+    options = [(w.devices, w.devices)] if mode == "colocated" else [
+        (n, w.devices - n) for n in range(1, w.devices)]  # fmt: skip
+    best: dict[str, Any] | None = None
+    for n, g in options:
+        ms = [model_iteration(w, mode, b, n, g) for b in batches]
+        mean = {k: float(np.mean([m[k] for m in ms])) for k in ("iteration_s", "gen_s", "train_s")}
+        if best is None or mean["iteration_s"] < best["model_iteration_s"]:
+            best = {"instances": n, "trainer_devices": g,
+                    "model_iteration_s": round(mean["iteration_s"], 2),
+                    "model_gen_s": round(mean["gen_s"], 2), "model_train_s": round(mean["train_s"], 2)}  # fmt: skip
+    assert best is not None
+    return best
+
+
+# -- the bound of a measured span -------------------------------------------------------------
+@dataclass(frozen=True)
+class StepWork:
+    """What one trainer step of a run generated and trained (completion tokens)."""
+
+    step: int
+    lengths: Sequence[int]  # every sample finalized in the step (trained or not)
+    trained_tokens: int
+
+
+def gen_throughput_s(tokens: float, instances: int, b_max: int) -> float:
+    """Seconds ``instances`` need for ``tokens`` at their best rate (every one at ``B_max``)."""
+    return tokens * PTL(b_max) / (instances * b_max) / 1000.0
+
+
+def longest_s(lengths: Sequence[int]) -> float:
+    """Seconds the longest sample needs on its own (``PTL(1)`` per token)."""
+    return max(lengths, default=0) * PTL(1) / 1000.0
+
+
+def span_bound(w: Workload, mode: str, split: dict[str, Any], work: list[StepWork],
+               span_tokens: float | None = None, paced: bool = True) -> dict[str, float]:  # fmt: skip
+    """Simulated seconds no schedule could beat for steps ``work[1:]`` (the measured span,
+    from the end of the first step to the end of the last), on ``split``.
+
+    * barrier modes: each step's prompts are released when the previous step ends, so each
+      step takes at least ``max(generation, longest sample, training)`` on a disaggregated
+      split, and ``max(generation, longest sample) + training`` colocated (the same devices
+      do both in turn);
+    * async: training of step i's samples happens inside the span (they join step i, after
+      step i-1); generation is at least ``span_tokens`` (the tokens the engines decoded inside
+      the span) at the best rate; and when paced, step i's longest sample was released at the
+      end of step i-1-k and done by the end of step i, so the samples of steps ``k+2..N``
+      need ``Σ longest / (k+1)``.
+    """
+    n, g = split["instances"], split["trainer_devices"]
+    s = w.train_s_per_token
+    measured = work[1:]
+    train = [x.trained_tokens * s / g for x in measured]
+    if mode in BARRIER:
+        gen = [max(gen_throughput_s(sum(x.lengths), n, w.b_max), longest_s(x.lengths))
+               for x in measured]  # fmt: skip
+        per_step = [
+            a + b if mode == "colocated" else max(a, b) for a, b in zip(gen, train, strict=True)
+        ]
+        return {"bound_s": sum(per_step), "gen_s": sum(gen), "train_s": sum(train)}
+    k = w.k(mode)
+    tail = [longest_s(x.lengths) for x in work if x.step >= work[0].step + k + 1] if paced else []
+    gen = gen_throughput_s(span_tokens or 0.0, n, w.b_max)
+    long_s = sum(tail) / (k + 1)
+    return {"bound_s": max(sum(train), gen, long_s), "gen_s": gen, "train_s": sum(train),
+            "longest_s": long_s}  # fmt: skip
