@@ -75,6 +75,10 @@ class DispatchConfig(CommonConfig):
     groups_per_step: int = Field(
         8, ge=1, description="Prompts (groups) per trainer step: the size of each released step."
     )
+    partitioning: Literal["balanced", "key"] = Field(
+        "balanced",
+        description="Prompt partition of a task: balanced (the partition with the least predicted tokens so far, so a pool's workers get even shares) or key (hash of the prompt id: random).",
+    )
     window: int = Field(
         64,
         ge=1,

@@ -25,7 +25,10 @@ Owns ``srl-producer dispatch``. In order, for each window of prompts from the so
      ``max_pending``; the trainer takes whichever groups complete first, so a long sample
      can outlive its staleness window and be dropped (kept for comparison:
      docs/benchmarks.md, "Asynchrony that keeps the long tail");
-4. publish (key = prompt id, topic ``{prefix}.prompts.{bucket}``) and flush.
+4. publish (key = prompt id, topic ``{prefix}.prompts.{bucket}``) and flush; with
+   ``partitioning = "balanced"`` each task goes to the partition of its topic with the least
+   predicted work so far (``Balancer``: greedy LPT over the partitions, so each worker of a
+   pool gets an even share of the predicted tokens), otherwise by key hash (random).
 
 Windows keep order local: sorting a whole dataset longest-first would hand the trainer all
 long prompts first. The prompt source is an argument (any iterable of ``PromptLike``).
@@ -184,6 +187,7 @@ def run_dispatcher(
                            [layout.prompts(b) for b in layout.buckets])  # fmt: skip
             stack.callback(lag.close)
             room = Room(lag, cfg.max_pending)
+        balancer = Balancer(layout.prompt_partitions) if cfg.partitioning == "balanced" else None
         step = anns.step + 1 if anns is not None else None  # the trainer's next step
         summary.first_step = step
         for epoch in range(cfg.epochs):
@@ -205,7 +209,9 @@ def run_dispatcher(
                         room.take(producer, stop)
                     if stop.is_set():
                         break
-                    producer.produce(layout.prompts(task.bucket), encode(task), key=task.prompt_id)
+                    part = balancer.assign(task) if balancer is not None else None
+                    producer.produce(layout.prompts(task.bucket), encode(task), key=task.prompt_id,
+                                     partition=part)  # fmt: skip
                     summary.tasks += 1
                     by_bucket[task.bucket] += 1
                 producer.flush()
@@ -239,6 +245,21 @@ def release(
             )
         anns.poll(0.05)
     return anns.latest
+
+
+class Balancer:
+    """Greedy LPT over the partitions of each prompt topic: a task goes to the partition with
+    the least predicted tokens so far (tasks arrive longest first within a window)."""
+
+    def __init__(self, partitions: int) -> None:
+        self.partitions = partitions
+        self.load: dict[str, list[float]] = {}
+
+    def assign(self, task: PromptTask) -> int:
+        load = self.load.setdefault(task.bucket, [0.0] * self.partitions)
+        p = min(range(self.partitions), key=load.__getitem__)
+        load[p] += float(task.predicted_length or 1) * len(task.samples())
+        return p
 
 
 class Room:

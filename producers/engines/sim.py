@@ -108,9 +108,12 @@ class SimEngine(Engine):
         return out
 
     def _pace(self, seconds: float) -> None:
-        """Sleep so that consecutive steps start ``seconds`` apart (worker overhead included)."""
+        """Sleep until this step's modelled end. A step that follows the previous one within
+        its own duration starts where the previous one ended: the worker's work between steps
+        (chunks, Kafka, admission) overlaps the modelled decode, as a GPU engine's CPU-side
+        work overlaps its kernels. A later step (the engine sat idle) starts now."""
         now = time.monotonic()
-        start = max(now, self._next_step_at)
+        start = self._next_step_at if now < self._next_step_at + seconds else now
         self._next_step_at = start + seconds
         if self._next_step_at > now:
             time.sleep(self._next_step_at - now)

@@ -40,6 +40,7 @@ from srl.bench.pipemodel import (
     DESIGNS,
     LPT_MODES,
     MODES,
+    RANDOM_DISPATCH,
     StepWork,
     Workload,
     best_split,
@@ -53,10 +54,14 @@ MODEL_BATCHES = 32  # sampled steps the split model averages over
 
 # -- the simulated parts ----------------------------------------------------------------------
 class SimTrainEngine:
-    """Stand-in for ``consumers.engine.Engine``: sleeps the modelled compute; tiny real tensors.
+    """Stand-in for ``consumers.engine.Engine``: the modelled compute as a device queue; tiny
+    real tensors.
 
-    ``stream``: each micro-batch's time is spent when it arrives (``backward``); otherwise all
-    of a step's time is spent in ``step`` (the synchronous trainer that waits for the batch).
+    A micro-batch's compute is queued on a simulated device (``busy_until``) as CUDA kernels
+    are: the trainer's Python goes on while the device works, and waits only when it queues a
+    second micro-batch behind a running one, and at the step's end. ``stream``: each
+    micro-batch is queued when it arrives (``backward``); otherwise all of a step's compute is
+    queued in ``step`` (the synchronous trainer that waits for the batch).
     """
 
     def __init__(self, s_per_token_wall: float, stream: bool) -> None:
@@ -65,19 +70,29 @@ class SimTrainEngine:
         self.s_per_token = s_per_token_wall
         self.stream = stream
         self.busy_s = 0.0
+        self.busy_until = 0.0
         self._pending = 0
         self._tensors = {"sim.weight": torch.zeros(1024)}  # published as a real version
         self.model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1 << 30))
 
-    def _spend(self, tokens: int) -> None:
+    def _queue(self, tokens: int) -> None:
         seconds = tokens * self.s_per_token
         self.busy_s += seconds
-        time.sleep(seconds)
+        now = time.monotonic()
+        if self.busy_until > now:  # one micro-batch in flight at most: wait for it
+            time.sleep(self.busy_until - now)
+            now = self.busy_until
+        self.busy_until = now + seconds
+
+    def _sync(self) -> None:
+        now = time.monotonic()
+        if self.busy_until > now:
+            time.sleep(self.busy_until - now)
 
     def backward(self, mb: Any) -> None:
         tokens = int((mb.weight > 0).sum())
         if self.stream:
-            self._spend(tokens)
+            self._queue(tokens)
         else:
             self._pending += tokens
 
@@ -85,7 +100,8 @@ class SimTrainEngine:
         from consumers.engine import StepStats
 
         t0 = time.monotonic()
-        self._spend(self._pending)
+        self._queue(self._pending)
+        self._sync()
         self._pending = 0
         return StepStats(compute_s=time.monotonic() - t0)
 
@@ -142,6 +158,7 @@ def mode_configs(w: Workload, mode: str, split: dict[str, Any], top: dict[str, A
                           num_prompts=B * (w.iterations + k + 2), epochs=1000, group_size=w.group_size,
                           max_new_tokens=max_len, seed=w.seed, predictor="oracle" if mode in LPT_MODES else "baseline",
                           max_staleness=k, groups_per_step=B, window=B, max_pending=2 * B, pools=("gen",),
+                          partitioning="key" if mode in RANDOM_DISPATCH else "balanced",
                           **d_over)  # fmt: skip
     gcfgs = [GenerateConfig(**top, pool="gen", worker_id=f"gen-{i}", engine="sim", max_batch=w.b_max,
                             chunk_tokens=w.chunk_tokens, max_staleness=k, time_scale=1.0 / w.compression,

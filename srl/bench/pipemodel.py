@@ -35,6 +35,7 @@ from ranker.schedule import PtlModel
 MODES = ("colocated", "sync", "stream", "async", "async+skew")
 BARRIER = ("colocated", "sync", "stream")  # k = 0: one step of prompts per policy version
 LPT_MODES = ("stream", "async+skew")  # longest-predicted first (oracle lengths)
+RANDOM_DISPATCH = ("sync", "async")  # tasks to prompt partitions by key hash (the others: balanced)
 PTL = PtlModel()
 
 # How the async modes keep samples within k (docs/benchmarks.md, "Asynchrony that keeps the

@@ -78,8 +78,11 @@ def test_exact_bytes_for_a_fixed_chunk() -> None:
         + avro_bytes(tokens) + avro_bytes(logprobs) + zz(3) + b"\x00" + b"\x00"  # is_last false, finish_reason null
         + avro_str("w") + avro_str("le256") + b"\x00" + b"\x00" + b"\x00"  # predicted_length, prompt_tokens, metadata null
         + zz(1_700_000_000_000) + zz(1_700_000_000_123)
+        + b"\x00" + b"\x00"  # step, step_groups null
     )  # fmt: skip
     assert encode(chunk()) == expected
+    stepped = TrajectoryChunk(**{**chunk().to_dict(), "step": 7, "step_groups": 12})
+    assert encode(stepped) == expected[:-2] + b"\x02" + zz(7) + b"\x02" + zz(12)
     assert tokens == bytes.fromhex("01000000020000002c010000")
 
 

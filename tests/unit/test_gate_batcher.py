@@ -91,19 +91,17 @@ def test_packing_respects_the_padded_token_budget() -> None:
 
 
 def test_streaming_batcher_hands_out_micro_batches_as_they_fill() -> None:
-    b = StepBatcher(groups_per_step=2, budget=24, pipeline=True)
+    b = StepBatcher(budget=24, pipeline=True)
     g1 = gate_group(full_group([1.0, 0.0, 1.0]), v=0, k=0)  # rows of 2 + 4 = 6 tokens
     assert b.add(g1) == []  # 3 rows x 6 = 18 <= 24
     ready = b.add(gate_group(full_group([0.0, 1.0, 0.0]), v=0, k=0))
     assert [len(mb) for mb in ready] == [4]  # the 5th row would make 30 > 24
-    assert b.full and b.rows == 6 and b.loss_tokens == 24
+    assert len(b.groups) == 2 and b.rows == 6 and b.loss_tokens == 24
     assert [len(mb) for mb in b.drain()] == [2]
-    with pytest.raises(RuntimeError):
-        b.add(g1)
 
 
 def test_barrier_batcher_waits_for_the_whole_step() -> None:
-    b = StepBatcher(groups_per_step=2, budget=24, pipeline=False)
+    b = StepBatcher(budget=24, pipeline=False)
     assert b.add(gate_group(full_group([1.0, 0.0, 1.0]), v=0, k=0)) == []
     assert b.add(gate_group(full_group([0.0, 1.0, 0.0]), v=0, k=0)) == []
     assert [len(mb) for mb in b.drain()] == [4, 2]
@@ -137,11 +135,17 @@ def test_sync_barrier_config_rules() -> None:
     from consumers.config import TrainConfig
     from srl.config import load_config
 
-    with pytest.raises(ConfigError, match="sync_barrier: .*k = 0"):
+    with pytest.raises(ConfigError, match="synchronous baseline is k = 0"):
         load_config(TrainConfig, cli={"sync_barrier": True}, env={})
-    with pytest.raises(ConfigError, match="publish_every: .*every step"):
+    with pytest.raises(ConfigError, match="windows need --publish-every <= max_staleness"):
+        load_config(TrainConfig, cli={"max_staleness": 1, "publish_every": 3}, env={})
+    cfg = load_config(TrainConfig, cli={"max_staleness": 1, "publish_every": 3, "batching": "groups"}, env={})
+    assert cfg.publish_every == 3
+    with pytest.raises(ConfigError, match="--sync-barrier publishes every step"):
         load_config(
-            TrainConfig, cli={"sync_barrier": True, "max_staleness": 0, "publish_every": 2}, env={}
+            TrainConfig,
+            cli={"sync_barrier": True, "max_staleness": 0, "publish_every": 2, "batching": "groups"},
+            env={},
         )
     with pytest.raises(ConfigError, match="reward: .*module:function"):
         load_config(TrainConfig, cli={"reward": "nocolon"}, env={})

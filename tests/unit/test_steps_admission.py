@@ -1,0 +1,110 @@
+"""The admission rule's three halves, against exact decisions: the dispatcher's release
+(``producers.dispatcher.release_after``), the worker's start (``producers.admission``) and
+the trainer's steps (``consumers.steps.StepPlanner``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from consumers.groups import Group
+from consumers.steps import StepPlanner
+from producers.admission import may_start, order_key
+from producers.dispatcher import release_after
+from schemas.records import PromptTask, ResumePrefix
+
+
+@pytest.mark.parametrize(
+    ("step", "k", "after"),
+    [(1, 0, 0), (2, 0, 1), (1, 1, -1), (2, 1, 0), (3, 1, 1), (5, 2, 2)],
+)
+def test_step_t_is_released_by_the_announcement_of_step_t_minus_1_minus_k(
+    step: int, k: int, after: int
+) -> None:
+    assert release_after(step, k) == after
+
+
+def task(step: int | None = None, min_version: int | None = None, predicted: int | None = None,
+         resume: bool = False) -> PromptTask:  # fmt: skip
+    prefix = ResumePrefix("t", 0, 3, b"", 1, "migrate") if resume else None
+    return PromptTask("id", "p", "x", 4, 16, "le256", step=step, step_groups=None if step is None else 4,
+                      min_version=min_version, predicted_length=predicted, resume=prefix)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("min_version", "loaded", "latest", "k", "ok"),
+    [
+        (None, 3, 3, 1, True),
+        (None, 2, 3, 1, True),  # latest - k
+        (None, 1, 3, 1, False),  # older than latest - k
+        (3, 2, 3, 1, False),  # its step was released by v3: wait for it
+        (3, 3, 3, 1, True),
+        (3, 4, 4, 1, True),
+        (5, 4, 4, 1, True),  # v5 is not available here (refused): latest is the floor
+        (0, 0, 0, 0, True),
+        (1, 0, 1, 0, False),  # k = 0: the barrier's next step needs the new weights
+    ],
+)
+def test_a_fresh_task_starts_only_with_weights_its_step_allows(
+    min_version: int | None, loaded: int, latest: int, k: int, ok: bool
+) -> None:
+    assert may_start(task(step=1, min_version=min_version), loaded, latest, k) is ok
+
+
+def test_a_resumed_trajectory_continues_with_any_weights() -> None:
+    assert may_start(task(step=1, min_version=9, resume=True), loaded=0, latest=9, k=0)
+
+
+def test_order_resumes_then_earliest_step_then_longest() -> None:
+    tasks = {"s2-long": task(step=2, predicted=900), "s1-short": task(step=1, predicted=10),
+             "s1-long": task(step=1, predicted=500), "resume": task(step=3, predicted=1, resume=True),
+             "unscheduled": task(predicted=10_000)}  # fmt: skip
+    order = sorted(tasks, key=lambda n: order_key(tasks[n]))
+    assert order == ["resume", "s1-long", "s1-short", "s2-long", "unscheduled"]
+
+
+def group(step: int | None, of: int | None = 3, prompt: str = "p") -> Group:
+    return Group(prompt, 2, step=step, step_groups=of if step is not None else None)
+
+
+def test_a_step_trains_exactly_the_groups_released_for_it() -> None:
+    pl = StepPlanner(groups_per_step=2, expire_s=100, step=1)
+    assert pl.add(group(2), now=0) == []  # step 2's group waits for step 2
+    assert pl.add(group(1), now=1) and not pl.complete(now=1)
+    assert pl.add(group(1), now=2) and not pl.complete(now=2)  # 2 of 3, although 2 = groups_per_step
+    assert pl.add(group(1), now=3) and pl.complete(now=3)
+    joined = pl.advance(now=4)
+    assert [g.step for g in joined] == [2] and pl.step == 2 and pl.arrived == 1
+    assert not pl.complete(now=4)
+
+
+def test_unscheduled_groups_fill_the_open_step_at_groups_per_step() -> None:
+    pl = StepPlanner(groups_per_step=2, expire_s=100)
+    assert pl.add(group(None), now=0) and not pl.complete(now=0)
+    assert pl.add(group(None), now=0) and pl.complete(now=0)
+    pl.advance(now=0)
+    # once a group released for the open step is seen, the step waits for all of them
+    pl.add(group(2, of=2), now=0)
+    pl.add(group(None), now=0)
+    assert pl.size == 2 and not pl.complete(now=1)
+    pl.add(group(2, of=2), now=1)
+    assert pl.complete(now=1)
+
+
+def test_a_late_group_joins_the_open_step_and_windows_off_ignores_steps() -> None:
+    pl = StepPlanner(groups_per_step=3, expire_s=100, step=5)
+    assert pl.add(group(4), now=0) and pl.others == 1
+    off = StepPlanner(groups_per_step=1, expire_s=100, step=1, windows=False)
+    assert off.add(group(7), now=0) and off.complete(now=0)
+
+
+def test_a_step_whose_groups_stop_arriving_completes_by_expiry() -> None:
+    pl = StepPlanner(groups_per_step=2, expire_s=10, step=1)
+    pl.add(group(1, of=3), now=0)
+    assert not pl.complete(now=9.9)
+    assert pl.complete(now=10) and pl.missing == 2
+    pl.advance(now=10)
+    assert not pl.complete(now=100)  # nothing arrived and nothing waits: idle, not a step
+    pl.advance(now=100)  # (the trainer took no step: a fresh open step for the example)
+    pl.step = 2
+    pl.add(group(3, of=1), now=105)  # a later step is waiting: step 2 was lost whole
+    assert not pl.complete(now=109) and pl.complete(now=110) and pl.size == 0
