@@ -76,7 +76,15 @@ def _flag(name: str) -> Any:
     help="drop: drop a group with a stale sample; correct: drop only stale samples. Default drop.",
 )
 @click.option(
-    "--groups-per-step", type=int, metavar="G", help="Groups per optimizer step. Default 4."
+    "--batching",
+    type=click.Choice(["windows", "groups"]),
+    help="windows: step t trains the groups released for step t; groups: the first G complete. Default windows.",
+)
+@click.option(
+    "--groups-per-step",
+    type=int,
+    metavar="G",
+    help="Groups per step for groups the dispatcher did not schedule. Default 4.",
 )
 @click.option("--micro-batch-tokens", type=int, help="Token budget of a micro-batch. Default 4096.")
 @click.option(

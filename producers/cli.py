@@ -103,6 +103,11 @@ def _csv(value: str | None) -> list[str] | None:
     help="Do not pace by trainer steps: windows of --window prompts under --max-pending.",
 )
 @click.option("--groups-per-step", type=int, help="Prompts per trainer step. Default 8.")
+@click.option(
+    "--partitioning",
+    type=click.Choice(["balanced", "key"]),
+    help="Prompt partition: least predicted work so far (balanced) or key hash. Default balanced.",
+)
 @click.option("--window", type=int, help="Unpaced: prompts ordered together. Default 64.")
 @click.option(
     "--max-pending",

@@ -33,6 +33,8 @@ def traj_chunks(
     trajectory_id: str | None = None,
     bucket: str = "le256",
     worker_id: str = "w0",
+    step: int | None = None,
+    step_groups: int | None = None,
 ) -> list[TrajectoryChunk]:
     tid = trajectory_id or uuid.uuid4().hex
     lp = np.full(len(completion), -1.0, np.float32) if logprobs is None else np.asarray(logprobs)
@@ -52,6 +54,7 @@ def traj_chunks(
             bucket=bucket, started_ms=1, finish_reason="stop" if last else None,
             prompt_tokens=pack_tokens(prompt) if seq == 0 else None,
             metadata=orjson.dumps(metadata).decode() if seq == 0 and metadata is not None else None,
+            step=step if seq == 0 else None, step_groups=step_groups if seq == 0 else None,
         ))  # fmt: skip
     return out
 

@@ -310,7 +310,7 @@ def test_weights_published_mid_generation_are_followed_and_a_corrupt_version_ref
 def test_sync_barrier_publishes_one_step_of_prompts_per_weights_version(
     make_cfg: Any, tiny_model: Path
 ) -> None:
-    dcfg = make_cfg(DispatchConfig, prompts="unused.jsonl", group_size=2, max_new_tokens=40, sync_barrier=True,
+    dcfg = make_cfg(DispatchConfig, prompts="unused.jsonl", group_size=2, max_new_tokens=40, max_staleness=0,
                     groups_per_step=2, barrier_timeout_s=60)  # fmt: skip
     cfg = gen_cfg(make_cfg, tiny_model, max_staleness=0, worker_id="ws")
     layout = Layout.from_config(dcfg)
@@ -343,12 +343,18 @@ def test_sync_barrier_publishes_one_step_of_prompts_per_weights_version(
         assert {c.policy_version for c in cs} == {step}, (
             f"{pid}: step {step} generated with {cs[0].policy_version}"
         )
-    assert result["s"].versions_seen == [1, 2] and result["s"].tasks == 6
+    # step t is released by the announcement of step t - 1 and may not start with older weights
+    assert result["s"].versions_seen == [0, 1, 2] and result["s"].tasks == 6
+    assert result["s"].first_step == 1
+    seq0 = {(c.prompt_id, c.sample_index): c for cs in done.values() for c in cs if c.seq == 0}
+    assert {(pid, c.step, c.step_groups) for (pid, _s), c in seq0.items()} == {
+        (f"p{i}", i // 2 + 1, 2) for i in range(6)
+    }
 
 
 def test_async_dispatch_keeps_the_backlog_bounded(make_cfg: Any) -> None:
     dcfg = make_cfg(DispatchConfig, task="sim", lengths=HIST, length_scale=0.01, num_prompts=12, group_size=2,
-                    max_new_tokens=500, max_pending=3)  # fmt: skip
+                    max_new_tokens=500, max_pending=3).model_copy(update={"max_staleness": None})  # fmt: skip
     cfg = make_cfg(
         GenerateConfig,
         engine="sim",
