@@ -213,7 +213,7 @@ def span_bound(w: Workload, mode: str, split: dict[str, Any], work: list[StepWor
         return {"bound_s": sum(per_step), "gen_s": sum(gen), "train_s": sum(train)}
     k = w.k(mode)
     tail = [longest_s(x.lengths) for x in work if x.step >= work[0].step + k + 1] if paced else []
-    gen = gen_throughput_s(span_tokens or 0.0, n, w.b_max)
+    gen_s = gen_throughput_s(span_tokens or 0.0, n, w.b_max)
     long_s = sum(tail) / (k + 1)
-    return {"bound_s": max(sum(train), gen, long_s), "gen_s": gen, "train_s": sum(train),
+    return {"bound_s": max(sum(train), gen_s, long_s), "gen_s": gen_s, "train_s": sum(train),
             "longest_s": long_s}  # fmt: skip
