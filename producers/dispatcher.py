@@ -129,12 +129,13 @@ class Announcements:
     def __init__(self, cfg: DispatchConfig, layout: Layout) -> None:
         from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-        from srl.kafka import consumer_settings
+        from srl.kafka import QuietTail, consumer_settings
 
         self.run, self.latest, self.step = cfg.run, 0, 0
         self._c = Consumer(consumer_settings(cfg, "srl-dispatch-weights", "dispatch-weights"))
         self._tp = TopicPartition(layout.weights, 0)
         self._c.assign([TopicPartition(layout.weights, 0, OFFSET_BEGINNING)])
+        self._tail = QuietTail(self._c, self._tp)
         self.catch_up(cfg.connect_timeout_s)
 
     def catch_up(self, timeout_s: float) -> int:
@@ -150,7 +151,7 @@ class Announcements:
         return pos if pos >= 0 else 0
 
     def poll(self, timeout_s: float) -> None:
-        msg = self._c.poll(timeout_s)
+        msg = self._tail.poll(timeout_s)
         if msg is None or msg.error():
             return
         with contextlib.suppress(SchemaError):

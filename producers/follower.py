@@ -29,7 +29,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from schemas.records import SchemaError, WeightsAnnouncement, decode_as
 from srl.errors import SrlError, StoreError, WeightsError
-from srl.kafka import consumer_settings
+from srl.kafka import QuietTail, consumer_settings
 from srl.weights import fetch_tensors, load_manifest
 
 if TYPE_CHECKING:
@@ -74,6 +74,7 @@ class WeightFollower:
     # -- worker side ---------------------------------------------------------------------
     def start(self) -> WeightFollower:
         self._consumer.assign([TopicPartition(self.layout.weights, 0, OFFSET_BEGINNING)])
+        self._tail = QuietTail(self._consumer, TopicPartition(self.layout.weights, 0))
         self._thread.start()
         return self
 
@@ -133,7 +134,7 @@ class WeightFollower:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                msg = self._consumer.poll(0.2)
+                msg = self._tail.poll(0.2)
                 if msg is not None and not msg.error():
                     self._on_message(msg)
                 self._fetch_newest()

@@ -245,6 +245,54 @@ def next_batch(consumer: Consumer, max_messages: int, timeout_s: float) -> list[
     return [first, *consumer.consume(max_messages - 1, 0)] if max_messages > 1 else [first]
 
 
+class QuietTail:
+    """Reads one assigned partition as it grows, without fetching while caught up.
+
+    A Kafka broker holds a fetch at the end of a partition for ``fetch.wait.max.ms``; the
+    embedded broker (noida-db 0.2.3) answers it at once, so an idle consumer re-fetches
+    continuously: about 0.4 core on each side per idle consumer on a 2-core machine, measured
+    (docs/broker.md). So while the position is at the high watermark the partition is paused,
+    and the watermark is probed every ``probe_s`` instead (one ListOffsets request): the cost
+    of an idle tail drops to ~1 % of a core, the delay to a new record to at most ``probe_s``.
+    For low-rate single-partition topics (the weights topic); the consumer must be assigned
+    ``tp`` and used from one thread.
+    """
+
+    def __init__(self, consumer: Consumer, tp: TopicPartition, probe_s: float = 0.01) -> None:
+        self.consumer, self.tp, self.probe_s = consumer, tp, probe_s
+        self.paused = False
+        self.end = -1  # the highest high watermark seen (probed or fetched)
+
+    def _position(self) -> int:
+        pos = self.consumer.position([self.tp])[0].offset
+        return pos if pos >= 0 else 0
+
+    def poll(self, timeout_s: float) -> Any:
+        """The next record, or None after at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.paused:
+                _low, high = self.consumer.get_watermark_offsets(self.tp, timeout=10, cached=False)
+                self.end = max(self.end, high)
+                pos = self._position()
+                if self.end > pos:
+                    self.consumer.resume([self.tp])
+                    # a resumed partition waits for the next fetch cycle (~500 ms) unless sought
+                    self.consumer.seek(TopicPartition(self.tp.topic, self.tp.partition, pos))
+                    self.paused = False
+            left = max(0.0, deadline - time.monotonic())
+            msg = self.consumer.poll(min(left, self.probe_s) if self.paused else left)
+            if msg is not None:
+                return msg
+            if not self.paused:
+                self.end = max(self.end, self.consumer.get_watermark_offsets(self.tp, cached=True)[1])
+                if self.end >= 0 and self._position() >= self.end:  # caught up: stop fetching
+                    self.consumer.pause([self.tp])
+                    self.paused = True
+            if time.monotonic() >= deadline:
+                return None
+
+
 def make_consumer(
     cfg: CommonConfig, group_id: str, role: str = "consumer", **overrides: Any
 ) -> Consumer:
