@@ -154,12 +154,12 @@ def mode_configs(w: Workload, mode: str, split: dict[str, Any], top: dict[str, A
     hist = LengthHistogram.load(w.lengths, w.scale)
     max_len = int(math.ceil(float(np.max(hist.hi)) * w.scale)) + 1
     B = w.groups_per_step
+    dispatch = {"max_staleness": k, "groups_per_step": B, "window": B, "max_pending": 2 * B,
+                "partitioning": "key" if mode in RANDOM_DISPATCH else "balanced"} | d_over  # fmt: skip
     dcfg = DispatchConfig(**top, task="sim", lengths=w.lengths, length_scale=w.scale,
                           num_prompts=B * (w.iterations + w.max_staleness + 2), epochs=1000, group_size=w.group_size,
                           max_new_tokens=max_len, seed=w.seed, predictor="oracle" if mode in LPT_MODES else "baseline",
-                          max_staleness=k, groups_per_step=B, window=B, max_pending=2 * B, pools=("gen",),
-                          partitioning="key" if mode in RANDOM_DISPATCH else "balanced",
-                          **d_over)  # fmt: skip
+                          pools=("gen",), **dispatch)  # fmt: skip
     gcfgs = [GenerateConfig(**top, pool="gen", worker_id=f"gen-{i}", engine="sim", max_batch=w.b_max,
                             chunk_tokens=w.chunk_tokens, max_staleness=k, time_scale=1.0 / w.compression,
                             sim_tokens_per_step=w.tokens_per_step, seed=w.seed + i, stats_interval_s=2.0,
