@@ -132,7 +132,7 @@ def test_sigkill_of_a_worker_mid_trajectory_is_resumed_by_another(
     ):
         wait_running(logs["wa"], logs["wb"])
         time.sleep(3)  # both members of the group
-        out = run("srl-producer", "dispatch", "--unpaced", "--prompts", str(tmp_path / "p.jsonl"), "--group-size", "4",
+        out = run("srl-producer", "dispatch", "--unpaced", "--partitioning", "key", "--prompts", str(tmp_path / "p.jsonl"), "--group-size", "4",
                   "--max-new-tokens", "400", env=cli_env)  # fmt: skip
         assert out.returncode == 0, out.stderr
         until(t, lambda t: len(incomplete_of(t, "wa")) >= 2, {"wa": wa, "wb": wb}, logs, 60)
@@ -179,7 +179,7 @@ def test_sigkill_then_a_replacement_under_a_new_group_resumes_the_dead_workers_t
     assert run("srl", "topics", "create", env=cli_env).returncode == 0
     (tmp_path / "d.toml").write_text("[dispatch]\nbaseline_length = 400\n")  # all in le1024
     for file, n in (("s.jsonl", "4"), ("p.jsonl", "400")):
-        out = run("srl-producer", "dispatch", "--unpaced", "--config", str(tmp_path / "d.toml"), "--prompts",
+        out = run("srl-producer", "dispatch", "--unpaced", "--partitioning", "key", "--config", str(tmp_path / "d.toml"), "--prompts",
                   str(tmp_path / file), "--group-size", "4", "--max-new-tokens", n, env=cli_env)  # fmt: skip
         assert out.returncode == 0, out.stderr
     t = Trajectories(cfg)
@@ -233,7 +233,7 @@ def test_sigterm_hands_off_in_flight_work_and_exits_cleanly(
     ids = balanced_prompts(tmp_path / "p.jsonl", 4)
     cfg = cfg_from_env(cli_env)
     assert run("srl", "topics", "create", env=cli_env).returncode == 0
-    out = run("srl-producer", "dispatch", "--unpaced", "--prompts", str(tmp_path / "p.jsonl"), "--group-size", "4",
+    out = run("srl-producer", "dispatch", "--unpaced", "--partitioning", "key", "--prompts", str(tmp_path / "p.jsonl"), "--group-size", "4",
               "--max-new-tokens", "400", env=cli_env)  # fmt: skip
     assert out.returncode == 0, out.stderr
     t = Trajectories(cfg)
