@@ -11,8 +11,6 @@ Owns the decision and the hand-off record, both pure:
   ``reason="migrate"``), addressed to the long-tail bucket. The long-tail worker prefills
   prompt + prefix and continues the same trajectory id at ``next_seq``, so the trainer sees
   one trajectory whose chunks happen to come from two workers.
-* :func:`admission_priority`: resumed tasks jump the long-tail worker's LPT queue (they are
-  known long and already late); fresh tasks rank by prediction.
 
 Exactly once: the regular worker (1) publishes its open chunk as a non-final chunk and waits
 for the broker's acknowledgement, (2) produces the migration task and waits for its
@@ -112,10 +110,3 @@ def migration_task(
         temperature=task.temperature, top_p=task.top_p, predicted_length=task.predicted_length,
         ranker_version=task.ranker_version, metadata=task.metadata, resume=resume,
     )  # fmt: skip
-
-
-def admission_priority(task: PromptTask) -> float | None:
-    """Key for the worker's ``LptQueue``: resumed trajectories first, then by prediction."""
-    if task.resume is not None:
-        return math.inf
-    return None if task.predicted_length is None else float(task.predicted_length)

@@ -126,3 +126,23 @@ def test_token_logprobs_with_temperature() -> None:
     # T = 2: logits / 2 -> p = sqrt(3) / (1 + sqrt(3))
     s3 = math.sqrt(3)
     assert token_logprobs(logits, target, 2.0).item() == pytest.approx(L(s3 / (1 + s3)), rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_in_slices_equals_the_whole_with_gradients(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 7, 11, generator=g).to(dtype)
+    target = torch.randint(0, 11, (3, 7), generator=g)
+    whole_in = base.clone().requires_grad_(True)
+    sliced_in = base.clone().requires_grad_(True)
+    whole = token_logprobs(whole_in, target, 0.7, positions=10_000)  # one slice
+    sliced = token_logprobs(sliced_in, target, 0.7, positions=4)  # slices of 1 position x 3 rows
+    assert sliced.dtype == torch.float32 and sliced.shape == (3, 7)
+    assert torch.allclose(whole, sliced, atol=1e-6)
+    weights = torch.randn(3, 7, generator=g)
+    (whole * weights).sum().backward()
+    (sliced * weights).sum().backward()
+    assert whole_in.grad is not None and sliced_in.grad is not None
+    assert torch.allclose(whole_in.grad.float(), sliced_in.grad.float(), atol=1e-6)
+    with torch.no_grad():  # the reference model's path: no checkpointing
+        assert torch.allclose(token_logprobs(base, target, 0.7, positions=4), whole.detach(), atol=1e-6)

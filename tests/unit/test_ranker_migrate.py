@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import math
-
-from ranker.migrate import MigrationPolicy, admission_priority, migration_task
-from ranker.schedule import LptQueue
+from ranker.migrate import MigrationPolicy, migration_task
 from schemas.records import PromptTask, decode_as, encode, unpack_tokens
 
 
@@ -36,17 +33,6 @@ def test_migration_task_resumes_the_same_trajectory_in_the_longtail_bucket() -> 
     assert list(unpack_tokens(again.prompt_tokens or b"")) == [1, 2]
     assert again.samples() == (2,)  # exactly one sample: the migrated one
     assert again.predicted_length == 40 and again.metadata == task.metadata
-
-
-def test_resumed_tasks_jump_the_lpt_queue() -> None:
-    fresh = PromptTask(task_id="a", prompt_id="a", prompt="", group_size=1, max_new_tokens=9,
-                       bucket="b", predicted_length=10_000)  # fmt: skip
-    moved = migration_task(fresh, "tr", 0, 1, [1], 0, "b")
-    assert admission_priority(moved) == math.inf and admission_priority(fresh) == 10_000
-    q: LptQueue[PromptTask] = LptQueue()
-    q.push(fresh, admission_priority(fresh))
-    q.push(moved, admission_priority(moved))
-    assert q.pop() is moved
 
 
 def test_migrator_picks_each_straggler_once() -> None:
