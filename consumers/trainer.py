@@ -53,7 +53,7 @@ from consumers.steps import StepPlanner
 from schemas.codec import SchemaError
 from schemas.records import TrajectoryChunk, decode_as
 from srl.errors import ConfigError
-from srl.kafka import position_group, share_positions
+from srl.kafka import commit_sync, position_group, share_positions
 from srl.metrics import Metrics, dead_letter
 from srl.topics import Layout
 
@@ -470,14 +470,10 @@ class Trainer:
         if offsets:
             tps = [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
             try:
-                self.consumer.commit(offsets=tps, asynchronous=False)
+                commit_sync(self.consumer, tps)
                 self.tracker.mark_committed(offsets)
-            except (
-                Exception
-            ) as e:  # the ledger covers a missed commit: records are re-read, deduped
-                log.warning(
-                    "offset commit failed (records will be re-read and deduplicated): %s", e
-                )
+            except KafkaException as e:  # the ledger covers it: records are re-read, deduped
+                log.warning("offset commit failed (records will be re-read and deduplicated): %s", e)
         self.window, self.undurable, self.dirty = [], set(), False
         self.metrics.incr("checkpoints")
         log.info(

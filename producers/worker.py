@@ -64,6 +64,7 @@ from schemas.records import (
     unpack_tokens,
 )
 from srl.errors import ConfigError, SrlError, WeightsError
+from srl.kafka import commit_sync
 
 log = logging.getLogger("srl.generate")
 
@@ -602,7 +603,7 @@ class GeneratorWorker:
             return True
         try:
             if force:
-                self.consumer.commit(offsets=offsets, asynchronous=False)
+                commit_sync(self.consumer, offsets)
             else:
                 self.consumer.commit(offsets=offsets, asynchronous=True)
         except (

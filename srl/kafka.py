@@ -293,6 +293,21 @@ class QuietTail:
                 return None
 
 
+def commit_sync(consumer: Consumer, offsets: list[TopicPartition]) -> None:
+    """Commit ``offsets`` synchronously; KafkaException if the request or any partition failed.
+
+    librdkafka raises only when the whole request fails; a partition the coordinator refused
+    (e.g. UNKNOWN_MEMBER_ID, OFFSET_METADATA_TOO_LARGE) comes back with its ``error`` set in
+    the returned list, and would otherwise pass for committed.
+    """
+    result = consumer.commit(offsets=offsets, asynchronous=False) or []
+    bad = [tp for tp in result if tp.error is not None]
+    if bad:
+        first = bad[0]
+        raise KafkaException(first.error if isinstance(first.error, KafkaError) else
+                             KafkaError(KafkaError._FAIL, f"{len(bad)} partition(s): {first.error}"))  # fmt: skip
+
+
 def make_consumer(
     cfg: CommonConfig, group_id: str, role: str = "consumer", **overrides: Any
 ) -> Consumer:

@@ -176,3 +176,58 @@ def test_weights_topic_is_compacted_and_latest_announcement_wins(
     res = client.describe_configs([ConfigResource("topic", layout.weights)])
     conf = next(iter(res.values())).result()
     assert conf["cleanup.policy"].value == "compact"
+
+
+def test_commit_sync_fails_when_a_partition_is_refused(cfg: CommonConfig) -> None:
+    from confluent_kafka import KafkaException, TopicPartition
+
+    from srl.kafka import commit_sync
+
+    layout = Layout.from_config(cfg)
+    create_topics(cfg)
+    group = f"commit-{time.monotonic_ns()}"
+    consumer = make_consumer(cfg, group)
+    try:
+        good = TopicPartition(layout.trajectories, 0, 0)
+        commit_sync(consumer, [good])  # an existing partition: committed
+        assert committed_offsets(cfg, group, [(layout.trajectories, 0)]) == {
+            (layout.trajectories, 0): 0
+        }
+        missing = TopicPartition(layout.trajectories, 999, 1)  # no such partition
+        with pytest.raises(KafkaException):
+            commit_sync(consumer, [TopicPartition(layout.trajectories, 0, 1), missing])
+    finally:
+        consumer.close()
+
+
+def test_quiet_tail_reads_every_record_in_order_while_idle_in_between(cfg: CommonConfig) -> None:
+    from confluent_kafka import Consumer, TopicPartition
+
+    from srl.kafka import QuietTail, consumer_settings
+
+    layout = Layout.from_config(cfg)
+    create_topics(cfg)
+    c = Consumer(consumer_settings(cfg, "tail-test", "tail"))
+    tp = TopicPartition(layout.weights, 0)
+    c.assign([TopicPartition(layout.weights, 0, -2)])
+    tail = QuietTail(c, tp)
+    try:
+        for _ in range(25):  # once a fetch has shown the end of the empty partition: paused
+            assert tail.poll(0.2) is None
+            if tail.paused:
+                break
+        assert tail.paused
+        got = []
+        with Producer(cfg, "test") as p:
+            for i in range(3):
+                p.produce(layout.weights, f"r{i}".encode(), key=b"k", partition=0)
+                p.flush()
+                deadline = time.monotonic() + 10
+                while len(got) < i + 1 and time.monotonic() < deadline:
+                    msg = tail.poll(0.2)
+                    if msg is not None and not msg.error():
+                        got.append(msg.value())
+                assert tail.poll(0.1) is None and tail.paused
+        assert got == [b"r0", b"r1", b"r2"]
+    finally:
+        c.close()
