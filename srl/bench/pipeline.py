@@ -44,7 +44,7 @@ from srl.bench.pipemodel import (
     StepWork,
     Workload,
     best_split,
-    span_bound,
+    run_bound,
 )
 from srl.errors import SrlError
 
@@ -122,8 +122,8 @@ class SimTrainEngine:
 
 
 class LoggedSimEngine(SimEngine):
-    """The sim engine, recording each decode step's wall-clock start, end and tokens (the
-    tokens decoded inside a measured span bound the async modes' generation time)."""
+    """The sim engine, recording each decode step's wall-clock start, end and tokens (a run's
+    time for the bound is measured from its first decode step)."""
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
@@ -254,17 +254,18 @@ def summarize(w: Workload, mode: str, split: dict[str, Any], events: list[Any], 
     measured_tokens = sum(x[1] for x in measured)
     work = [StepWork(s, [x[1] for x in samples.values() if x[2] == s],
                      sum(x[1] for x in trained if x[2] == s)) for s in order]  # fmt: skip
-    in_span = sum(n for t0, t1, n in decoded if t0 >= first and t1 <= last)
     paced = mode in BARRIER or DESIGNS[w.design][0].get("max_staleness", 0) is not None
-    bound = span_bound(w, mode, split, work, in_span * 1.0, paced)
+    bound = run_bound(w, mode, split, work, paced)
+    # the whole run, from the first decode step (nothing can be generated before it)
+    run_s = (last - min((t0 for t0, _t1, _n in decoded), default=first)) * w.compression
     gen_tokens = sum(x[1] for x in samples.values())
     stale = [x[3] for x in trained]
     run_sim = wall * w.compression
     rate = len(measured) / span_sim if span_sim > 0 else 0.0
-    return {
+    out = {
         "samples_per_s": round(rate, 3),
         "trained_tokens_per_s": round(measured_tokens / span_sim, 1) if span_sim > 0 else 0.0,
-        "fraction_of_bound": round(bound["bound_s"] / span_sim, 3) if span_sim > 0 else 0.0,
+        "fraction_of_bound": round(bound["bound_s"] / run_s, 3) if run_s > 0 else 0.0,
         "generated_tokens": gen_tokens, "trained_tokens": sum(x[1] for x in trained),
         "dropped_tokens": sum(x[1] for x in dropped),
         "dropped_token_fraction": round(sum(x[1] for x in dropped) / max(1, gen_tokens), 4),
@@ -275,12 +276,15 @@ def summarize(w: Workload, mode: str, split: dict[str, Any], events: list[Any], 
         "staleness_max": max(stale, default=0),
         "gen_idle": round(max(0.0, 1 - gen_busy_sim_s / (split["instances"] * run_sim)), 3),
         "train_idle": round(max(0.0, 1 - train_busy_sim_s / run_sim), 3),
-        "span_s": round(span_sim, 2), "bound_s": round(bound["bound_s"], 2),
-        "bound": {k: round(v, 2) for k, v in bound.items()},
-        "measured_tokens": measured_tokens, "bound_tokens_per_s": round(measured_tokens / bound["bound_s"], 1)
-        if bound["bound_s"] > 0 else None,
+        "span_s": round(span_sim, 2), "run_s": round(run_s, 2), "bound_s": round(bound["bound_s"], 2),
+        "bound_steps_s": bound["steps_s"], "measured_tokens": measured_tokens,
         "steps": len(order), "measured_steps": len(order) - 1, "wall_s": round(wall, 1), "split": split,
     }  # fmt: skip
+    # the trained tokens/s this mode would reach at the bound (for the plot)
+    out["bound_tokens_per_s"] = (
+        round(out["trained_tokens_per_s"] / out["fraction_of_bound"], 1) if out["fraction_of_bound"] else None
+    )
+    return out
 
 
 def ratio(a: float, b: float | None) -> float | None:

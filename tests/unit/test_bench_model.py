@@ -86,30 +86,43 @@ def steps() -> list[p.StepWork]:
             p.StepWork(3, [200, 200], 400), p.StepWork(4, [300], 300)]  # fmt: skip
 
 
-def test_span_bound_of_the_barrier_modes_is_per_step_and_skips_the_first() -> None:
+def test_run_bound_of_the_barrier_modes_chains_each_step_after_the_previous() -> None:
     w = workload(b_max=2)
     split = {"instances": 2, "trainer_devices": 1}
     s = w.train_s_per_token
-    gen = {2: max(500 * PTL(2) / 4, 400 * PTL(1)), 3: max(400 * PTL(2) / 4, 200 * PTL(1)),
-           4: max(300 * PTL(2) / 4, 300 * PTL(1))}  # fmt: skip
-    train = {2: 500 * s, 3: 400 * s, 4: 300 * s}
-    b = p.span_bound(w, "stream", split, steps())
-    assert b["bound_s"] == pytest.approx(sum(max(gen[i] / 1000, train[i]) for i in (2, 3, 4)))
-    b = p.span_bound(w, "colocated", {"instances": 3, "trainer_devices": 3}, steps())
-    gen3 = {2: max(500 * PTL(2) / 6, 400 * PTL(1)), 3: max(400 * PTL(2) / 6, 200 * PTL(1)),
-            4: max(300 * PTL(2) / 6, 300 * PTL(1))}  # fmt: skip
-    assert b["bound_s"] == pytest.approx(sum(gen3[i] / 1000 + train[i] / 3 for i in (2, 3, 4)))
+
+    def gen(tokens: int, longest: int, instances: int) -> float:
+        return max(tokens * PTL(2) / (instances * 2), longest * PTL(1)) / 1000
+
+    work = steps()
+    g = [gen(sum(x.lengths), max(x.lengths), 2) for x in work]
+    r = [x.trained_tokens * s for x in work]
+    b = p.run_bound(w, "sync", split, work)
+    assert b["bound_s"] == pytest.approx(sum(a + c for a, c in zip(g, r, strict=True)))
+    stream = p.run_bound(w, "stream", split, work)
+    assert stream["bound_s"] == pytest.approx(sum(max(a, c) for a, c in zip(g, r, strict=True)))
+    colo = p.run_bound(w, "colocated", {"instances": 3, "trainer_devices": 3}, work)
+    g3 = [gen(sum(x.lengths), max(x.lengths), 3) for x in work]
+    assert colo["bound_s"] == pytest.approx(sum(a + c / 3 for a, c in zip(g3, r, strict=True)))
 
 
-def test_span_bound_of_async_counts_decoded_tokens_and_the_longest_over_k_plus_1() -> None:
+def test_run_bound_of_async_releases_step_j_at_the_end_of_step_j_minus_1_minus_k() -> None:
     w = workload(b_max=2, max_staleness=1)
     split = {"instances": 2, "trainer_devices": 1}
     s = w.train_s_per_token
-    b = p.span_bound(w, "async", split, steps(), span_tokens=1000.0)
-    assert b["train_s"] == pytest.approx(1200 * s)
-    assert b["gen_s"] == pytest.approx(1000 * PTL(2) / 4 / 1000)
-    # steps k+2.. = 3 and 4 were released inside the span: their longest over k + 1
-    assert b["longest_s"] == pytest.approx((200 + 300) * PTL(1) / 1000 / 2)
-    assert b["bound_s"] == pytest.approx(max(b["train_s"], b["gen_s"], b["longest_s"]))
-    unpaced = p.span_bound(w, "async", split, steps(), span_tokens=1000.0, paced=False)
-    assert unpaced["longest_s"] == 0.0
+    work = steps()
+    G = [sum(x.lengths) * PTL(2) / 4 / 1000 for x in work]
+    L = [max(x.lengths) * PTL(1) / 1000 for x in work]
+    R = [x.trained_tokens * s for x in work]
+    T: list[float] = []
+    for j in range(4):  # by hand: T_j over the three constraints, T_i = 0 before the run
+        at = [0.0, 0.0, *T]  # at[i + 2] = T_i for i = -1, 0, 1, …
+        gen = max(at[m - 2 + 2 - 1] + sum(G[m - 1 : j + 1]) for m in range(1, j + 2))
+        T.append(max(at[j + 1] + R[j], at[j - 1 + 1] + L[j], gen))
+    b = p.run_bound(w, "async", split, work)
+    assert b["steps_s"] == pytest.approx([round(t, 2) for t in T], abs=0.01)
+    assert b["bound_s"] == pytest.approx(T[-1])
+    # k = 1 allows more overlap than the barrier: never a higher bound than stream's
+    assert b["bound_s"] <= p.run_bound(w, "stream", split, work)["bound_s"] + 1e-9
+    unpaced = p.run_bound(w, "async", split, work, paced=False)
+    assert unpaced["bound_s"] == pytest.approx(max(sum(R), sum(G)))
