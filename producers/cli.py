@@ -104,6 +104,11 @@ def _csv(value: str | None) -> list[str] | None:
 )
 @click.option("--groups-per-step", type=int, help="Prompts per trainer step. Default 8.")
 @click.option(
+    "--tasks-per-group",
+    type=int,
+    help="Split each group into this many tasks (sample runs) that may go to different workers. Default 1.",
+)
+@click.option(
     "--partitioning",
     type=click.Choice(["balanced", "key"]),
     help="Prompt partition: least predicted work so far (balanced) or key hash. Default balanced.",

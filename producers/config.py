@@ -75,6 +75,12 @@ class DispatchConfig(CommonConfig):
     groups_per_step: int = Field(
         8, ge=1, description="Prompts (groups) per trainer step: the size of each released step."
     )
+    tasks_per_group: int = Field(
+        1,
+        ge=1,
+        le=4096,
+        description="Tasks each group is split into (near-equal runs of sample indices), so a long group's samples can run on several workers; the trainer still groups by prompt id.",
+    )
     partitioning: Literal["balanced", "key"] = Field(
         "balanced",
         description="Prompt partition of a task: balanced (the partition with the least predicted tokens so far, so a pool's workers get even shares) or key (hash of the prompt id: random).",

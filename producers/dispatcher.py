@@ -88,14 +88,27 @@ def plan_window(
     else:
         buckets = [layout.bucket_for(n) for n in lengths]
     tasks = []
+    parts = split_group(cfg.group_size, cfg.tasks_per_group)
     for p, length, bucket in zip(prompts, lengths, buckets, strict=True):
-        tasks.append(PromptTask(
-            task_id=uuid.uuid4().hex, prompt_id=p.prompt_id if epoch == 0 else f"{p.prompt_id}.e{epoch}", prompt=p.text, group_size=cfg.group_size,
-            max_new_tokens=cfg.max_new_tokens, bucket=bucket, temperature=cfg.temperature,
-            top_p=cfg.top_p, predicted_length=length, ranker_version=ranker_version,
-            metadata=orjson.dumps(p.metadata).decode() if p.metadata else None,
-        ))  # fmt: skip
+        for indices in parts:
+            tasks.append(PromptTask(
+                task_id=uuid.uuid4().hex, prompt_id=p.prompt_id if epoch == 0 else f"{p.prompt_id}.e{epoch}", prompt=p.text, group_size=cfg.group_size,
+                max_new_tokens=cfg.max_new_tokens, bucket=bucket, temperature=cfg.temperature,
+                top_p=cfg.top_p, predicted_length=length, ranker_version=ranker_version,
+                metadata=orjson.dumps(p.metadata).decode() if p.metadata else None,
+                sample_indices=indices,
+            ))  # fmt: skip
     return sorted(tasks, key=lambda t: -(t.predicted_length or 0))
+
+
+def split_group(group_size: int, tasks: int) -> list[tuple[int, ...] | None]:
+    """The sample indices of each task of a group: ``[None]`` (all) for one task, otherwise
+    ``tasks`` near-equal contiguous runs (each task can go to another worker)."""
+    tasks = max(1, min(tasks, group_size))
+    if tasks == 1:
+        return [None]
+    bounds = [round(i * group_size / tasks) for i in range(tasks + 1)]
+    return [tuple(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def windows(source: Iterable[PromptLike], size: int) -> Iterator[list[PromptLike]]:
@@ -202,7 +215,7 @@ def run_dispatcher(
                     assert cfg.max_staleness is not None
                     min_version = release(anns, step, cfg.max_staleness, cfg.barrier_timeout_s, stop)
                     summary.versions_seen.append(min_version)
-                    tasks = [dataclasses.replace(t, step=step, step_groups=len(tasks),
+                    tasks = [dataclasses.replace(t, step=step, step_groups=len(window),
                                                  min_version=min_version) for t in tasks]  # fmt: skip
                     step += 1
                 for task in tasks:

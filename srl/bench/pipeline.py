@@ -155,7 +155,8 @@ def mode_configs(w: Workload, mode: str, split: dict[str, Any], top: dict[str, A
     max_len = int(math.ceil(float(np.max(hist.hi)) * w.scale)) + 1
     B = w.groups_per_step
     dispatch = {"max_staleness": k, "groups_per_step": B, "window": B, "max_pending": 2 * B,
-                "partitioning": "key" if mode in RANDOM_DISPATCH else "balanced"} | d_over  # fmt: skip
+                "partitioning": "key" if mode in RANDOM_DISPATCH else "balanced",
+                "tasks_per_group": w.tasks_per_group} | d_over  # fmt: skip
     dcfg = DispatchConfig(**top, task="sim", lengths=w.lengths, length_scale=w.scale,
                           num_prompts=B * (w.iterations + w.max_staleness + 2), epochs=1000, group_size=w.group_size,
                           max_new_tokens=max_len, seed=w.seed, predictor="oracle" if mode in LPT_MODES else "baseline",

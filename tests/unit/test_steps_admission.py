@@ -108,3 +108,16 @@ def test_a_step_whose_groups_stop_arriving_completes_by_expiry() -> None:
     pl.step = 2
     pl.add(group(3, of=1), now=105)  # a later step is waiting: step 2 was lost whole
     assert not pl.complete(now=109) and pl.complete(now=110) and pl.size == 0
+
+
+@pytest.mark.parametrize(
+    ("group_size", "tasks", "parts"),
+    [(8, 1, [None]), (8, 2, [(0, 1, 2, 3), (4, 5, 6, 7)]), (5, 2, [(0, 1), (2, 3, 4)]),
+     (3, 9, [(0,), (1,), (2,)])],  # fmt: skip
+)
+def test_a_group_is_split_into_near_equal_runs_of_sample_indices(
+    group_size: int, tasks: int, parts: list[tuple[int, ...] | None]
+) -> None:
+    from producers.dispatcher import split_group
+
+    assert split_group(group_size, tasks) == parts
