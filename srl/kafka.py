@@ -254,8 +254,9 @@ class QuietTail:
     (docs/broker.md). So while the position is at the high watermark the partition is paused,
     and the watermark is probed every ``probe_s`` instead (one ListOffsets request): the cost
     of an idle tail drops to ~1 % of a core, the delay to a new record to at most ``probe_s``.
-    For low-rate single-partition topics (the weights topic); the consumer must be assigned
-    ``tp`` and used from one thread.
+    It fetches normally until the first record is read (a partition resumed from a logical
+    start offset is fetched only ~1 s later). For low-rate single-partition topics (the
+    weights topic); the consumer must be assigned ``tp`` and used from one thread.
     """
 
     def __init__(self, consumer: Consumer, tp: TopicPartition, probe_s: float = 0.01) -> None:
@@ -264,8 +265,9 @@ class QuietTail:
         self.end = -1  # the highest high watermark seen (probed or fetched)
 
     def _position(self) -> int:
+        """The next offset to read; -1 until the first record (a logical start offset)."""
         pos = self.consumer.position([self.tp])[0].offset
-        return pos if pos >= 0 else 0
+        return pos if pos >= 0 else -1
 
     def poll(self, timeout_s: float) -> Any:
         """The next record, or None after at most ``timeout_s``."""
@@ -286,7 +288,10 @@ class QuietTail:
                 return msg
             if not self.paused:
                 self.end = max(self.end, self.consumer.get_watermark_offsets(self.tp, cached=True)[1])
-                if self.end >= 0 and self._position() >= self.end:  # caught up: stop fetching
+                # caught up: pause. Not before the first record: a partition resumed from a
+                # logical start offset is fetched only ~1 s later, even when sought
+                pos = self._position()
+                if pos >= 0 and self.end >= 0 and pos >= self.end:
                     self.consumer.pause([self.tp])
                     self.paused = True
             if time.monotonic() >= deadline:
