@@ -122,18 +122,16 @@ class SimTrainEngine:
 
 
 class LoggedSimEngine(SimEngine):
-    """The sim engine, recording each decode step's wall-clock start, end and tokens (a run's
-    time for the bound is measured from its first decode step)."""
+    """The sim engine, noting when its first decode step started: a run's time for the bound
+    is measured from the first decode step of any engine (nothing is generated before)."""
 
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.log: list[tuple[float, float, int]] = []
+    first_decode: float | None = None
 
     def step(self) -> list[Any]:
         t0 = time.time()
         out = super().step()
-        if out:
-            self.log.append((t0, time.time(), sum(len(e.tokens) for e in out)))
+        if out and self.first_decode is None:
+            self.first_decode = t0
         return out
 
 
@@ -225,15 +223,15 @@ def run_mode(
     if errors:
         raise SrlError(f"bench pipeline {mode}: {type(errors[0]).__name__}: {errors[0]}")
     events = metric_events(tcfg, tcfg.run)
-    decoded = [entry for e in engines for entry in e.log]
-    out = summarize(w, mode, split, events, wall, decoded,
+    decoded = [e.first_decode for e in engines if e.first_decode is not None]
+    out = summarize(w, mode, split, events, wall, min(decoded, default=None),
                     sum(e.simulated_ms for e in engines) / 1000.0, sim_train.busy_s * w.compression)  # fmt: skip
     out["design"] = "barrier" if mode in BARRIER else w.design
     return out
 
 
 def summarize(w: Workload, mode: str, split: dict[str, Any], events: list[Any], wall: float,
-              decoded: list[tuple[float, float, int]], gen_busy_sim_s: float,
+              first_decode: float | None, gen_busy_sim_s: float,
               train_busy_sim_s: float) -> dict[str, Any]:  # fmt: skip
     """One mode's figures from the trainer's metric events (see docs/benchmarks.md)."""
     steps = {int(e.step): e for e in events if e.kind == "train_step" and e.step is not None}
@@ -258,7 +256,7 @@ def summarize(w: Workload, mode: str, split: dict[str, Any], events: list[Any], 
     paced = mode in BARRIER or DESIGNS[w.design][0].get("max_staleness", 0) is not None
     bound = run_bound(w, mode, split, work, paced)
     # the whole run, from the first decode step (nothing can be generated before it)
-    run_s = (last - min((t0 for t0, _t1, _n in decoded), default=first)) * w.compression
+    run_s = (last - (first if first_decode is None else first_decode)) * w.compression
     gen_tokens = sum(x[1] for x in samples.values())
     stale = [x[3] for x in trained]
     run_sim = wall * w.compression
