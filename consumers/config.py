@@ -2,7 +2,7 @@
 
 Owns every knob of ``srl-consumer train`` and the cross-field rules between them, checked once
 at load (``TrainConfig`` is a :class:`~srl.config.CommonConfig`, so precedence and error
-messages are the shared ones). Called by ``consumers.cli`` and by tests that build a trainer
+messages are the shared ones). Called by ``app.cli.consumer`` and by tests that build a trainer
 in-process.
 """
 
@@ -25,7 +25,7 @@ class TrainConfig(CommonConfig):
         "", description="Hugging Face model directory the run starts from (policy version 0)."
     )
     reward: str = Field(
-        "srl.task:demo_reward",
+        "app.task:demo_reward",
         description="Reward function as module:function, called as fn(prompt, completion, metadata) -> float.",
     )
     group_id: str | None = Field(

@@ -17,7 +17,7 @@ A crash anywhere re-reads from the committed offsets; the ledger restored with t
 checkpoint drops what was already trained or dropped, so each trajectory is trained exactly
 once in effect. Steps after the last checkpoint are redone; published versions are never
 reused: a restart continues after the newest version in the store. Outcomes of a group that
-trains are recorded with its step, so a group is finalized whole. Called by ``consumers.cli``.
+trains are recorded with its step, so a group is finalized whole. Called by ``app.cli.consumer``.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class TrainResult:
 def run_trainer(cfg: TrainConfig) -> TrainResult:
     """Train until ``max_steps``, ``idle_exit_s`` without records, or SIGTERM/SIGINT."""
     from consumers.distributed import Dist, follow
-    from srl.store import open_store
+    from srl.stores import store_from_config
 
     if not cfg.model or not (Path(cfg.model) / "config.json").is_file():
         raise ConfigError(
@@ -89,7 +89,7 @@ def run_trainer(cfg: TrainConfig) -> TrainResult:
         check_supported(cfg)
     dist = Dist.from_env(resolve_device(cfg.device))
     try:
-        store = open_store(cfg.store)
+        store = store_from_config(cfg)
         engine = make_engine(cfg, dist)
         numbers = ckpts.complete(store, cfg.run) if dist is None or dist.rank == 0 else []
         number = numbers[-1] if numbers else 0

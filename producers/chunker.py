@@ -16,7 +16,7 @@ contract of ``schemas/trajectory_chunk.avsc``):
   whoever reads the topic back knows the prefix has a new owner.
 
 No Kafka here: the worker drains the returned records into its producer. Called by
-``producers.worker`` and ``producers.bench``.
+``producers.worker`` and ``app.bench.engine``.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ from srl.errors import SrlError
 if TYPE_CHECKING:
     from producers.backlog import GroupLag
     from producers.sources import PromptLike
-    from ranker.predictor import LengthPredictor
+    from ranker.api import LengthPredictor
     from srl.kafka import Producer
     from srl.topics import Layout
 
@@ -79,7 +79,7 @@ def plan_window(
         )
     lengths = [max(1, int(round(float(pred)))) for pred in predictions]
     if cfg.predictor == "ranker":  # Algorithm 2: the top alpha of the window is the long tail
-        from ranker.dispatch import assign_buckets
+        from ranker.api import assign_buckets
 
         longtail = cfg.longtail_bucket or layout.buckets[-1]
         layout.bucket_index(longtail)  # one-line error for an unknown bucket

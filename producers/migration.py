@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from producers.config import GenerateConfig
-from ranker.migrate import MigrationPolicy, Migrator, Running, migration_task
+from ranker.api import MigrationPolicy, Migrator, Running, migration_task
 from schemas.records import PromptTask
 
 

@@ -1,4 +1,5 @@
-"""Prompt sources for the dispatcher: a JSONL file, the built-in demo task, a simulated workload.
+"""Prompt sources for the dispatcher: a JSONL file or a simulated workload (the demo task's
+prompts come from the app layer: ``app.sources.load_source``).
 
 Owns the one shape every source yields (:class:`PromptLike`: ``prompt_id``, ``text``,
 ``metadata``), so the dispatcher takes any iterable of such objects as an argument:
@@ -6,7 +7,6 @@ Owns the one shape every source yields (:class:`PromptLike`: ``prompt_id``, ``te
 * ``read_jsonl(path)``: one JSON object per line, ``{"prompt_id": str, "prompt": str,
   "metadata": {...}}`` (metadata optional; it reaches the reward function through the seq-0
   chunk). A bad line stops the dispatcher with ``file:line: reason``; ids must be unique.
-* ``demo_prompts``: the synthetic task of ``srl.task`` (the demo's).
 * ``sim_prompts(n, lengths, seed)``: prompts whose ``metadata.sim_length`` is drawn from a
   length histogram: the oracle length the sim engine generates and the oracle predictor reads.
 """
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import orjson
 
 from producers.workload import LengthHistogram
-from ranker.predictor import BaselinePredictor, LengthPredictor, OraclePredictor
+from ranker.api import BaselinePredictor, LengthPredictor, OraclePredictor
 from srl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -86,36 +86,15 @@ def sim_prompts(n: int, lengths: LengthHistogram, seed: int = 0) -> list[SourceP
             for i, length in enumerate(drawn)]  # fmt: skip
 
 
-def demo_prompts(n: int, split: Literal["train", "eval"], seed: int) -> list[PromptLike]:
-    """The demo's synthetic task (``srl.task``)."""
-    from srl.task import demo_prompts as task_prompts
-
-    return list(task_prompts(n, split, seed))
-
-
-def load_source(cfg: DispatchConfig) -> list[PromptLike]:
-    """The prompts ``cfg`` names: ``--prompts FILE`` or ``--task demo|sim``."""
-    if cfg.prompts is not None:
-        return list(read_jsonl(cfg.prompts))
-    if cfg.task == "sim":
-        assert cfg.lengths is not None
-        return list(
-            sim_prompts(
-                cfg.num_prompts, LengthHistogram.load(cfg.lengths, cfg.length_scale), cfg.seed
-            )
-        )
-    return demo_prompts(cfg.num_prompts, cfg.split, cfg.seed)
-
-
 def make_predictor(cfg: DispatchConfig, prompts: list[PromptLike]) -> LengthPredictor:
     default = cfg.baseline_length or cfg.max_new_tokens
     if cfg.predictor == "baseline":
         return BaselinePredictor(default)
     if cfg.predictor == "ranker":
-        from ranker.dispatch import RankerPredictor
-        from srl.store import open_store
+        from ranker.api import RankerPredictor
+        from srl.stores import store_from_config
 
-        return RankerPredictor(open_store(cfg.store), cfg.run, BaselinePredictor(default))
+        return RankerPredictor(store_from_config(cfg), cfg.run, BaselinePredictor(default))
     known = {
         p.text: int(p.metadata["sim_length"])
         for p in prompts

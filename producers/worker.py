@@ -137,14 +137,14 @@ class GeneratorWorker:
         from producers.recovery import take_over_offsets
         from srl.kafka import Producer, create_topics, make_consumer, position_group
         from srl.metrics import Metrics
-        from srl.store import open_store
+        from srl.stores import store_from_config
 
         create_topics(self.cfg)
         with contextlib.ExitStack() as stack:
             self.producer = stack.enter_context(Producer(self.cfg, "generator"))
             self.metrics = Metrics(self.producer, self.layout, self.cfg.run, self.summary.worker_id)
             self.follower = WeightFollower(
-                self.cfg, self.layout, open_store(self.cfg.store)
+                self.cfg, self.layout, store_from_config(self.cfg)
             ).start()
             stack.callback(self.follower.stop)
             # the furthest of the trainer's read position (shared by the trainer) and its

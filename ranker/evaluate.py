@@ -3,9 +3,9 @@
 Owns what ``srl ranker train --demo``, ``srl ranker eval`` and ``srl ranker simulate``
 compute:
 
-* demo pairs: prompts of the demo task (``srl.task``) with their true lengths; ``train
-  --demo`` fits on the train split, ``eval`` scores a published version on the held-out eval
-  split (disjoint from train by construction);
+* pairs of prompts and true lengths (the app layer makes them from the demo task:
+  ``app.task.demo_pairs``): ``train_on_pairs`` fits and publishes a version,
+  ``evaluate_on_pairs`` scores a published version on held-out pairs;
 
 * pair files: CSV ``true,predicted`` rows (a ``#`` header), written by ``eval --pairs-out``;
 * :func:`simulate_report`: the SIMULATED makespan comparison of ``ranker.simulate`` on a
@@ -20,7 +20,7 @@ compute:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,50 +34,31 @@ if TYPE_CHECKING:
     from ranker.model import LengthRanker
 
 
-def demo_pairs(n: int, split: Literal["train", "eval"], seed: int) -> tuple[list[str], np.ndarray]:
-    """``n`` demo-task prompts of ``split`` and their true output lengths in tokens.
-
-    The true length is the reference answer's (``srl.task.reference_length``; one token per
-    character with the byte-level tokenizer) plus the end-of-sequence token the policy emits.
-    """
-    try:
-        from srl.task import demo_prompts, reference_length
-    except ImportError:
-        raise RankerError("the demo task (srl/task.py) is not in this build") from None
-
-    prompts = demo_prompts(n, split, seed)
-    return [p.text for p in prompts], np.array(
-        [reference_length(p.text) + 1 for p in prompts], dtype=np.float64
-    )
-
-
-def train_on_demo(cfg: RankerConfig, n: int, seed: int) -> LengthRanker:
-    """Bootstrap: fit on ``n`` training prompts of the demo task and publish the version."""
+def train_on_pairs(
+    cfg: RankerConfig, texts: list[str], lengths: np.ndarray, seed: int, source: str
+) -> LengthRanker:
+    """Bootstrap: fit on prompts with their true lengths and publish the version."""
     from ranker.dispatch import length_quantiles
+    from ranker.features import FeatureSpec
     from ranker.model import LengthRanker
     from ranker.publish import publish
-    from srl.store import open_store
-
-    texts, lengths = demo_pairs(n, "train", seed)
-    from ranker.features import FeatureSpec
+    from srl.stores import store_from_config
 
     ranker = LengthRanker.fit(texts, lengths, spec=FeatureSpec(cfg.buckets), hidden=cfg.hidden,
                               epochs=cfg.epochs, seed=seed)  # fmt: skip
     ranker.info["length_quantiles"] = length_quantiles(lengths)
-    ranker.info["source"] = f"demo task, {n} train prompts, seed {seed}"
-    return publish(open_store(cfg.store), cfg.run, ranker)
+    ranker.info["source"] = source
+    return publish(store_from_config(cfg), cfg.run, ranker)
 
 
-def evaluate_on_demo(
-    cfg: RankerConfig, version: int | None, n: int, seed: int
+def evaluate_on_pairs(
+    cfg: RankerConfig, version: int | None, texts: list[str], true: np.ndarray, seed: int
 ) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
-    """(report, true, predicted) of a published version on ``n`` held-out demo prompts."""
+    """(report, true, predicted) of a published version on held-out prompts and their lengths."""
     from ranker.metrics import ranking_report
     from ranker.publish import load_version
-    from srl.store import open_store
 
-    ranker = load_version(open_store(cfg.store), cfg.run, version)
-    texts, true = demo_pairs(n, "eval", seed)
+    ranker = load_version(store_from_config(cfg), cfg.run, version)
     pred = ranker.predict(texts)
     report: dict[str, Any] = dict(ranking_report(true, pred))
     report |= {"version": ranker.version, "run": cfg.run, "split": "eval", "seed": seed}

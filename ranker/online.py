@@ -230,10 +230,10 @@ class _VersionTrainer:
 
     def __init__(self, cfg: RankerConfig) -> None:
         from ranker.publish import RankerFollower
-        from srl.store import open_store
+        from srl.stores import store_from_config
 
         self.cfg = cfg
-        self.store = open_store(cfg.store)
+        self.store = store_from_config(cfg)
         self.decode_prompt = decoder_for(cfg.model_dir)
         self.window = TrainWindow(cfg.window, cfg.retrain_every, cfg.min_pairs)
         self.follower = RankerFollower(self.store, cfg.run)

@@ -30,8 +30,8 @@ from typing import Any, Protocol
 
 import fastavro
 
+from schemas.errors import SchemaError
 from schemas.flat import compile_flat
-from srl.errors import SchemaError
 
 SCHEMA_DIR = Path(__file__).resolve().parent
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"

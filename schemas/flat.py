@@ -25,7 +25,7 @@ from collections.abc import Callable
 from operator import index
 from typing import Any
 
-from srl.errors import SchemaError
+from schemas.errors import SchemaError
 
 PRIMITIVES = ("boolean", "int", "long", "float", "double", "bytes", "string")
 _INT32 = (-(2**31), 2**31 - 1)

@@ -12,7 +12,7 @@ Invariants:
 * the pid is recorded in ``{data_dir}/broker.json`` and ``stop`` kills only a process whose
   command line is that broker (a recycled pid is never signalled).
 
-Called by ``srl.cli`` (``srl broker``), ``srl demo`` and ``tests/conftest.py``.
+Called by ``app.cli.main`` (``srl broker``), ``srl demo`` and ``tests/conftest.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,19 @@
 """User-facing errors. The CLIs print ``str(e)`` on one line and exit non-zero; anything
-that is not an ``SrlError`` is a bug and keeps its traceback."""
+that is not an ``SrlError`` (or a ``SchemaError``, which ``schemas`` owns) is a bug and keeps
+its traceback."""
 
 from __future__ import annotations
+
+from schemas.errors import SchemaError
+
+__all__ = [
+    "BrokerUnavailable",
+    "ConfigError",
+    "SchemaError",
+    "SrlError",
+    "StoreError",
+    "WeightsError",
+]
 
 
 class SrlError(Exception):
@@ -26,7 +38,3 @@ class StoreError(SrlError):
 
 class WeightsError(SrlError):
     """A weights version is missing, corrupt or out of order."""
-
-
-class SchemaError(SrlError, ValueError):
-    """A record could not be encoded or decoded (``schemas.codec``). The message is one line."""

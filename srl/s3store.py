@@ -17,18 +17,19 @@ What must hold, as for ``LocalStore``:
   so the store sees that the object there is its own and the put counts as done.
 
 Where the server is and who we are: ``s3_endpoint_url`` / ``s3_region`` / ``s3_profile`` from the
-config (``srl.cli_common.config_from`` installs them with ``configure``), else the usual AWS
+config (``srl.stores.store_from_config``), else the usual AWS
 variables (``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_ACCESS_KEY_ID`` /
 ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``). Secrets never go in srl
 config files. The bucket must exist. boto3 is imported on first use, not at import.
 
-Called through ``srl.store.open_store`` / ``store_for_uri`` by the weights protocol, the
+Called through ``srl.stores.open_store`` / ``store_for_uri`` by the weights protocol, the
 trainer's checkpoints and the ranker.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import uuid
 from dataclasses import dataclass
@@ -65,15 +66,8 @@ class S3Settings:
         )  # fmt: skip
 
 
-_defaults = S3Settings()
 _modes: dict[tuple[str | None, str], str] = {}  # (endpoint, bucket) -> probed create-only mode
 _lock = threading.Lock()
-
-
-def configure(settings: S3Settings) -> None:
-    """Install the settings that ``open_store("s3://…")`` uses when none are passed."""
-    global _defaults
-    _defaults = settings
 
 
 def parse_url(url: str) -> tuple[str, str]:
@@ -98,7 +92,7 @@ class S3Store(ObjectStore):
     def __init__(self, bucket: str, prefix: str = "", settings: S3Settings | None = None) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        self.settings = settings or _defaults
+        self.settings = settings or S3Settings()
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self._client = _make_client(self.settings)
 
@@ -292,7 +286,7 @@ def _make_client(s: S3Settings) -> Any:
         raise ConfigError("store: s3:// needs boto3 (pip install boto3)") from None
 
     style = s.addressing_style
-    if style == "auto" and s.endpoint_url:
+    if style == "auto" and (s.endpoint_url or os.environ.get("AWS_ENDPOINT_URL")):
         style = "path"  # self-hosted servers rarely have wildcard DNS for virtual-host buckets
     config = Config(
         connect_timeout=s.connect_timeout_s, read_timeout=s.read_timeout_s,

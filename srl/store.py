@@ -6,7 +6,7 @@ Keys are ``/``-separated relative paths such as ``weights/run/v00000001/model.sa
 
 * ``file://DIR``: :class:`LocalStore`, a directory tree; an object is written to a temporary
   file, fsynced, then hard-linked into place (``link`` fails if the key exists).
-* ``s3://bucket/prefix``: see ``srl.s3store`` (registered by ``open_store``).
+* ``s3://bucket/prefix``: see ``srl.s3store`` (``srl.stores.open_store`` picks by URL).
 
 Called by ``srl.weights``, the trainer's checkpointing and the ranker.
 """
@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from srl.errors import ConfigError, StoreError
+from srl.errors import StoreError
 
 
 class ObjectExists(StoreError):
@@ -228,31 +228,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def open_store(url: str) -> ObjectStore:
-    """The store for ``url``: ``file://DIR`` (relative to the working directory) or ``s3://…``."""
-    if url.startswith("file://"):
-        return LocalStore(url[len("file://") :] or ".")
-    if url.startswith("s3://"):
-        from srl.s3store import S3Store
-
-        return S3Store.from_url(url)
-    if "://" not in url:
-        return LocalStore(url)
-    raise ConfigError(f"store: unsupported URL {url!r}; use file://DIR or s3://bucket/prefix")
-
-
-def store_for_uri(uri: str, default: ObjectStore | None = None) -> tuple[ObjectStore, str]:
-    """(store, key) for an object URI, reusing ``default`` when the URI lies in it."""
-    if default is not None and uri.startswith(default.uri("")):
-        return default, default.key_of(uri)
-    if uri.startswith("file://"):
-        path = Path(uri[len("file://") :])
-        return LocalStore(path.parent), path.name
-    if uri.startswith("s3://"):
-        from srl.s3store import S3Store, parse_url
-
-        bucket, key = parse_url(uri)
-        return S3Store(bucket), key
-    raise StoreError(f"cannot open object {uri}: not in the configured store")

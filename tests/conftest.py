@@ -167,12 +167,12 @@ def s3_server() -> Iterator[object]:
 @pytest.fixture
 def s3_url(s3_server, monkeypatch: pytest.MonkeyPatch) -> str:  # type: ignore[no-untyped-def]
     """``s3://BUCKET/store`` on a fresh bucket; the AWS variables and the endpoint are set."""
-    from srl import s3store
     from tests.s3server import TEST_CREDENTIALS
 
     for k, v in TEST_CREDENTIALS.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(s3store, "_defaults", s3store.S3Settings(endpoint_url=s3_server.endpoint))
+    # boto3 reads the endpoint from AWS_ENDPOINT_URL; srl uses path-style buckets then
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
     bucket = f"srl-{uuid.uuid4().hex[:12]}"
     s3_server.make_bucket(bucket)
     return f"s3://{bucket}/store"

@@ -29,11 +29,11 @@ from typing import Any
 
 import orjson
 
+from app.smoke import synthetic_chunks
 from schemas.records import TrajectoryChunk, decode_as, encode
 from srl.config import CommonConfig, load_config
 from srl.kafka import Producer, make_consumer
-from srl.smoke import synthetic_chunks
-from srl.store import open_store
+from srl.stores import store_from_config
 from srl.topics import Layout
 from srl.weights import announce, fetch_tensors, latest_announcement, load_manifest, publish
 
@@ -52,7 +52,7 @@ def produce(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
         if time.monotonic() > deadline:
             raise SystemExit("no weights announcement arrived")
         time.sleep(0.5)
-    store = open_store(cfg.store)
+    store = store_from_config(cfg)
     tensors = fetch_tensors(store, load_manifest(store, ann))
     return {"role": "produce", "chunks": len(chunks), "tokens": sum(c.n_tokens for c in chunks),
             "send_s": sent_s, "weights_version": ann.version, "tensors": len(tensors)}  # fmt: skip
@@ -94,7 +94,7 @@ def consume(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
     finally:
         consumer.close()
     torch.manual_seed(0)
-    pub = publish(open_store(cfg.store), cfg.run, 1, {"w": torch.randn(256, 256)}, trainer_step=1,
+    pub = publish(store_from_config(cfg), cfg.run, 1, {"w": torch.randn(256, 256)}, trainer_step=1,
                   parent_version=0)  # fmt: skip
     with Producer(cfg, "trainer") as p:
         announce(p, layout, pub)
@@ -138,7 +138,7 @@ def feed(cfg: CommonConfig, groups: int, timeout_s: float) -> dict[str, Any]:
         time.sleep(0.2)
     ann = latest_announcement(cfg, layout, cfg.run, 10)
     assert ann is not None
-    store = open_store(cfg.store)
+    store = store_from_config(cfg)
     tensors = fetch_tensors(store, load_manifest(store, ann))
     return {"role": "feed", "trajectories": 4 * groups, "chunks": sent,
             "weights_version": ann.version, "tensors": len(tensors)}  # fmt: skip
@@ -187,10 +187,6 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=300)
     args = ap.parse_args()
     cfg = load_config(CommonConfig, file=args.config)
-    if cfg.store.startswith("s3://"):
-        from srl.s3store import S3Settings, configure
-
-        configure(S3Settings.from_config(cfg))
     run = {"produce": produce, "consume": consume, "feed": feed, "audit": audit}[args.role]
     print(orjson.dumps(run(cfg, args.n, args.timeout_s)).decode(), flush=True)
 

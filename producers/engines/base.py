@@ -20,7 +20,7 @@ the same quantity with the same temperature. A resumed request (``prefix``) is p
 prompt + prefix and continues; ``max_new_tokens`` bounds prefix + new tokens together.
 
 ``generate`` / ``complete`` drive an engine without Kafka (evaluation, benchmarks, tests).
-Called by ``producers.worker``, ``producers.bench`` and the demo's evaluation.
+Called by ``producers.worker``, ``app.bench.engine`` and the demo's evaluation.
 """
 
 from __future__ import annotations

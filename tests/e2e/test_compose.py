@@ -25,9 +25,9 @@ def services() -> dict[str, dict[str, Any]]:
 
 
 def cli_groups() -> dict[str, click.Group]:
-    from consumers.cli import cli as consumer
-    from producers.cli import cli as producer
-    from srl.cli import cli as srl
+    from app.cli.consumer import cli as consumer
+    from app.cli.main import cli as srl
+    from app.cli.producer import cli as producer
 
     return {"srl": srl, "srl-producer": producer, "srl-consumer": consumer}
 

@@ -11,7 +11,7 @@ import torch
 from srl.broker import free_port
 from srl.config import CommonConfig
 from srl.kafka import create_topics
-from srl.store import open_store
+from srl.stores import open_store
 from srl.weights import Manifest, fetch_tensors, version_prefix
 from tests.chunks import produce
 from tests.conftest import bin_path
@@ -48,7 +48,7 @@ def two_ranks(env: dict[str, str], tiny_model: Path, *extra: str) -> str:
     """Run "two" on two gloo ranks under torchrun; returns its stdout."""
     two = subprocess.run(
         [bin_path("torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), "-m", "consumers", *ARGS, "--model", str(tiny_model), *extra],
+         "--master-port", str(free_port()), "-m", "app.cli.consumer", *ARGS, "--model", str(tiny_model), *extra],
         env={**env, "SRL_RUN": "two"}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert two.returncode == 0, two.stderr[-3000:]

@@ -22,7 +22,7 @@ from consumers import checkpoint as ckpts
 from schemas.records import TrajectoryChunk, WeightsAnnouncement, decode_as
 from srl.config import CommonConfig
 from srl.kafka import create_topics
-from srl.store import open_store
+from srl.stores import open_store
 from srl.topics import Layout
 from tests.chunks import metric_events, produce, read_topic, text_ids, traj_chunks
 from tests.conftest import bin_path
@@ -179,7 +179,7 @@ def test_sigkill_the_trainer_fed_by_a_sim_generator_and_every_trajectory_is_deci
     gen = generator(cli_env, glog)
     procs = [gen]
     try:
-        proc = train(cli_env, tiny_model, tlog, "srl.bench.pipeline:sim_reward", idle_exit_s=20)
+        proc = train(cli_env, tiny_model, tlog, "app.bench.pipeline:sim_reward", idle_exit_s=20)
         procs.append(proc)
         deadline = time.monotonic() + 120
         while len(published(store_dir)) < 4 and proc.poll() is None and time.monotonic() < deadline:
@@ -188,7 +188,7 @@ def test_sigkill_the_trainer_fed_by_a_sim_generator_and_every_trajectory_is_deci
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         before = published(store_dir)
-        proc = train(cli_env, tiny_model, tlog, "srl.bench.pipeline:sim_reward", idle_exit_s=20)
+        proc = train(cli_env, tiny_model, tlog, "app.bench.pipeline:sim_reward", idle_exit_s=20)
         procs.append(proc)
         assert proc.wait(240) == 0, tlog.read_text()[-3000:]
         gen.send_signal(signal.SIGTERM)

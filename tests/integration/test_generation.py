@@ -29,7 +29,7 @@ from ranker.predictor import BaselinePredictor
 from schemas.records import MetricEvent, PromptTask, TrajectoryChunk, decode_as, encode, now_ms
 from srl.config import CommonConfig
 from srl.kafka import Producer, base_settings, committed_offsets, create_topics, watermarks
-from srl.store import open_store
+from srl.stores import store_from_config
 from srl.tinymodel import load_model
 from srl.topics import Layout
 from srl.weights import announce, publish
@@ -178,7 +178,7 @@ def publish_weights(
     cfg: CommonConfig, version: int, tensors: dict[str, torch.Tensor], corrupt: bool = False
 ) -> Any:
     """The trainer's side of the weights protocol; ``corrupt`` flips a byte of the shard before announcing."""
-    store = open_store(cfg.store)
+    store = store_from_config(cfg)
     pub = publish(
         store, cfg.run, version, tensors, trainer_step=version, parent_version=version - 1
     )
@@ -365,7 +365,7 @@ def test_async_dispatch_keeps_the_backlog_bounded(make_cfg: Any) -> None:
     )
     layout = Layout.from_config(dcfg)
     create_topics(dcfg)
-    from producers.sources import load_source
+    from app.sources import load_source
 
     src = load_source(dcfg)
     th = threading.Thread(target=run_dispatcher, args=(dcfg, src, BaselinePredictor(100)))

@@ -6,13 +6,13 @@ import time
 
 import pytest
 
+from app.smoke import synthetic_chunks
 from schemas.records import TrajectoryChunk, decode_as, encode
 from srl.broker import free_port
 from srl.config import CommonConfig, load_config
 from srl.errors import BrokerUnavailable, SrlError
 from srl.kafka import Producer, committed_offsets, create_topics, make_consumer, watermarks
 from srl.metrics import Metrics, dead_letter
-from srl.smoke import synthetic_chunks
 from srl.topics import Layout
 
 
@@ -146,12 +146,12 @@ def test_weights_topic_is_compacted_and_latest_announcement_wins(
 ) -> None:
     import torch
 
-    from srl.store import open_store
+    from srl.stores import store_from_config
     from srl.weights import announce, latest_announcement, publish
 
     layout = Layout.from_config(cfg)
     create_topics(cfg)
-    store = open_store(cfg.store)
+    store = store_from_config(cfg)
     with Producer(cfg, "test") as p:
         for v in (1, 2):
             announce(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from producers.bench import run_bench
+from app.bench.engine import run_bench
 from producers.config import GenerateConfig
 
 

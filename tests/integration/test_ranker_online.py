@@ -11,7 +11,7 @@ from ranker.online import run_online
 from ranker.publish import load_version, versions
 from schemas.records import TrajectoryChunk, encode, pack_logprobs, pack_tokens
 from srl.kafka import Producer, committed_offsets, create_topics
-from srl.store import open_store
+from srl.stores import store_from_config
 from srl.tinymodel import build_tokenizer
 from srl.topics import Layout
 
@@ -54,7 +54,7 @@ def test_online_training_publishes_versions_and_commits(make_cfg) -> None:  # ty
     seen: list[dict[str, float]] = []
     n = run_online(cfg, max_versions=2, idle_timeout_s=15, on_version=lambda r, v: seen.append(v))
     assert n == 2 and [int(v["version"]) for v in seen] == [1, 2]
-    store = open_store(cfg.store)
+    store = store_from_config(cfg)
     assert versions(store, cfg.run) == [1, 2]
     v2 = load_version(store, cfg.run)
     assert v2.info["warm_start_from"] == 1 and len(v2.info["length_quantiles"]) == 101
@@ -72,4 +72,4 @@ def test_online_training_publishes_versions_and_commits(make_cfg) -> None:  # ty
     fallback = type("F", (), {"version": None, "predict": lambda self, ps: np.full(len(ps), 7)})()
     rp = RankerPredictor(store, cfg.run, fallback)
     assert rp.version == 2 and rp.predict(["count to 3"]).dtype == np.int64
-    assert RankerPredictor(open_store(cfg.store), "other-run", fallback).predict(["x"])[0] == 7
+    assert RankerPredictor(store_from_config(cfg), "other-run", fallback).predict(["x"])[0] == 7

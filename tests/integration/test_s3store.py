@@ -21,9 +21,8 @@ from srl.store import (
     ObjectExists,
     ObjectMissing,
     ObjectStore,
-    open_store,
-    store_for_uri,
 )
+from srl.stores import open_store, store_for_uri
 from srl.weights import fetch_tensors, load_manifest, read_announcements, version_prefix
 from tests.s3server import TEST_CREDENTIALS
 
@@ -185,20 +184,24 @@ def test_errors_are_one_line(s3_server, s3_url: str, monkeypatch: pytest.MonkeyP
         nocreds.get("k")
 
 
-def test_config_from_installs_the_s3_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from srl import s3store
-    from srl.cli_common import config_from
-    from srl.config import CommonConfig
+def test_a_role_started_from_python_gets_its_configs_s3_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No process-wide S3 state: the store a role opens follows its own config."""
+    from srl.config import CommonConfig, load_config
+    from srl.stores import store_from_config
 
-    monkeypatch.setattr(s3store, "_defaults", S3Settings())
-    monkeypatch.setenv("SRL_S3_ENDPOINT_URL", "http://127.0.0.1:1")
-    monkeypatch.setenv("SRL_S3_CREATE_ONLY", "check-then-put")
-    cfg = config_from(CommonConfig, {"store": "s3://bkt/p"})
-    assert cfg.s3_endpoint_url == "http://127.0.0.1:1"
-    assert s3store._defaults.endpoint_url == "http://127.0.0.1:1"
-    assert s3store._defaults.create_only == "check-then-put"
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    cli = {"store": "s3://bkt/p", "s3_endpoint_url": "http://127.0.0.1:1"}
+    cfg = load_config(CommonConfig, cli=cli | {"s3_create_only": "check-then-put"}, env={})
+    store = store_from_config(cfg)
+    assert isinstance(store, S3Store)
+    assert store.settings.endpoint_url == "http://127.0.0.1:1"
+    assert store.settings.create_only == "check-then-put"
+    other = store_from_config(load_config(CommonConfig, cli={"store": "s3://bkt/p"}, env={}))
+    assert isinstance(other, S3Store) and other.settings.endpoint_url is None
     with pytest.raises(ConfigError, match="s3_create_only"):
-        config_from(CommonConfig, {"store": "s3://bkt/p"}, s3_create_only="sometimes")
+        load_config(CommonConfig, cli=cli | {"s3_create_only": "sometimes"}, env={})
 
 
 # -- the weights protocol through S3, with crashes ---------------------------------------------

@@ -138,7 +138,7 @@ def test_metric_events_weights_and_dead_letters(s3_server, s3_url, make_cfg, cli
 
     from srl.kafka import Producer
     from srl.metrics import Metrics, dead_letter
-    from srl.store import open_store
+    from srl.stores import open_store
     from srl.weights import announce, publish, version_prefix
     from tests.s3server import TEST_CREDENTIALS
 
@@ -184,7 +184,7 @@ def test_metric_events_weights_and_dead_letters(s3_server, s3_url, make_cfg, cli
 
 
 def test_a_partition_whose_offset_does_not_move_is_flagged(cfg) -> None:  # type: ignore[no-untyped-def]
-    from srl.monitor import Monitor
+    from app.monitor import Monitor
 
     create_topics(cfg)
     monitor = Monitor(cfg, stall_after_s=60)

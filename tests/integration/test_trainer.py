@@ -14,7 +14,7 @@ from consumers.config import TrainConfig
 from consumers.trainer import run_trainer
 from schemas.records import TrajectoryChunk
 from srl.kafka import committed_offsets, create_topics, position_group, watermarks
-from srl.store import open_store
+from srl.stores import store_from_config
 from srl.topics import Layout
 from srl.weights import latest_announcement, load_manifest, materialize
 from tests.chunks import group_chunks, metric_events, produce, read_topic, text_ids, traj_chunks
@@ -54,7 +54,7 @@ def test_trains_publishes_hf_loadable_versions_and_commits_offsets(
     assert (result.steps, result.version) == (3, 3)
     assert result.outcomes == {"trained": 24}
 
-    store = open_store(cfg.store)
+    store = store_from_config(cfg)
     ann = latest_announcement(cfg, layout, cfg.run)
     assert (
         ann is not None and ann.version == 3 and ann.trainer_step == 3 and ann.parent_version == 2

@@ -1,12 +1,12 @@
-"""The pipeline benchmark's time model and bound (srl/bench/pipemodel.py), by hand."""
+"""The pipeline benchmark's time model and bound (app/bench/pipemodel.py), by hand."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from app.bench import pipemodel as p
 from ranker.schedule import PtlModel
-from srl.bench import pipemodel as p
 
 PTL = PtlModel()
 

@@ -8,9 +8,10 @@ import numpy as np
 import orjson
 import pytest
 
+from app.sources import load_source
 from producers.config import DispatchConfig
 from producers.dispatcher import plan_window, windows
-from producers.sources import SourcePrompt, load_source, make_predictor, read_jsonl, sim_prompts
+from producers.sources import SourcePrompt, make_predictor, read_jsonl, sim_prompts
 from producers.workload import LengthHistogram
 from ranker.predictor import BaselinePredictor, LengthPredictor, OraclePredictor
 from srl.config import load_config

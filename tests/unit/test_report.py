@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from srl.report import Audit, TrajSeen, plot
+from app.report import Audit, TrajSeen, plot
 
 
 def seen(partition: int, first: int, seqs: range, last: bool = True) -> TrajSeen:

@@ -1,4 +1,4 @@
-"""srl.rlcheck: its GRPO step moves the policy towards rewarded completions."""
+"""app.rlcheck: its GRPO step moves the policy towards rewarded completions."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from srl import rlcheck, task
+from app import rlcheck, task
 
 
 def _even_first_mass(model: Any, tok: Any, texts: list[str]) -> float:

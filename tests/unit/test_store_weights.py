@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from srl.errors import ConfigError, StoreError, WeightsError
-from srl.store import LocalStore, ObjectExists, ObjectMissing, open_store
+from srl.store import LocalStore, ObjectExists, ObjectMissing
+from srl.stores import open_store
 from srl.weights import (
     Manifest,
     VersionTracker,

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from srl import task
+from app import task
 
 
 def test_answers_and_reference_lengths() -> None:

@@ -2,7 +2,7 @@
 
 Each command turns its options into a :class:`~ranker.config.RankerConfig` and calls one
 function; numpy, torch and the Kafka client are imported inside the commands so
-``srl ranker --help`` answers at once. Registered on the umbrella CLI by ``srl/cli.py``.
+``srl ranker --help`` answers at once. Registered on the umbrella CLI by ``app/cli/main.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from srl.cli_common import common_options, config_from, echo_json
+from app.cli.common import common_options, config_from, echo_json
 
 DEFAULT_LENGTHS = Path("../shared/data/streamrl_output_length_hist.csv")
 
@@ -92,9 +92,12 @@ def train(demo_n: int | None, online: bool, max_versions: int | None, idle_timeo
     if (demo_n is None) == (not online):
         raise ConfigError("srl ranker train: give exactly one of --demo N or --online")
     if demo_n is not None:
-        from ranker.evaluate import train_on_demo
+        from app.task import demo_pairs
+        from ranker.evaluate import train_on_pairs
 
-        r = train_on_demo(cfg, demo_n, seed)
+        texts, lengths = demo_pairs(demo_n, "train", seed)
+        source = f"demo task, {demo_n} train prompts, seed {seed}"
+        r = train_on_pairs(cfg, texts, lengths, seed, source)
         click.echo(f"ranker v{r.version} published for run {cfg.run} ({demo_n} demo prompts)")
         return
     from ranker.online import run_online
@@ -139,10 +142,12 @@ def train(demo_n: int | None, online: bool, max_versions: int | None, idle_timeo
 def eval_(version: int | None, demo_n: int, seed: int, pairs_out: Path | None, as_json: bool,
           **kw: Any) -> None:  # fmt: skip
     """Recall of the truly longest 20/10/5 % and Spearman's rho on held-out prompts."""
-    from ranker.evaluate import evaluate_on_demo, write_pairs
+    from app.task import demo_pairs
+    from ranker.evaluate import evaluate_on_pairs, write_pairs
 
     cfg = _config(kw)
-    report, true, pred = evaluate_on_demo(cfg, version, demo_n, seed)
+    texts, lengths = demo_pairs(demo_n, "eval", seed)
+    report, true, pred = evaluate_on_pairs(cfg, version, texts, lengths, seed)
     if pairs_out is not None:
         write_pairs(pairs_out, true, pred)
     if as_json:
@@ -188,10 +193,10 @@ def plan(instances: int, b_max: int, batch: int, alpha: float, always_split: boo
     from ranker.publish import load_version
     from ranker.schedule import PtlModel, history_lengths, plan_pools
     from srl.errors import ConfigError
-    from srl.store import open_store
+    from srl.stores import store_from_config
 
     cfg = config_from(RankerConfig, kw)
-    ranker = load_version(open_store(cfg.store), cfg.run)
+    ranker = load_version(store_from_config(cfg), cfg.run)
     quantiles = ranker.info.get("length_quantiles")
     if not quantiles:
         raise ConfigError(f"ranker v{ranker.version} carries no length history; train a newer one")

@@ -15,7 +15,7 @@
   (docs/metrics.md) of the last ``window_s`` seconds; ``stalled``: partitions with lag whose
   group has no member on them, or whose committed offset has not moved for ``stall_after_s``.
 
-Reads only: it joins no group and commits nothing. Called by ``srl.top``.
+Reads only: it joins no group and commits nothing. Called by ``app.top``.
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ class Monitor:
 
     # -- weights -------------------------------------------------------------------------
     def weights(self) -> dict[str, Any]:
-        from srl.store import open_store, store_for_uri
+        from srl.stores import store_for_uri, store_from_config
         from srl.weights import latest_announcement, load_manifest
 
         out: dict[str, Any] = {"run": self.cfg.run, "version": None, "manifest_uri": None,
@@ -273,7 +273,7 @@ class Monitor:
             return out
         out.update(version=ann.version, manifest_uri=ann.manifest_uri, manifest_ok=False)
         try:
-            store, _ = store_for_uri(ann.manifest_uri, open_store(self.cfg.store))
+            store, _ = store_for_uri(ann.manifest_uri, store_from_config(self.cfg))
             manifest = load_manifest(store, ann)
             prefix = ann.manifest_uri[: -len("manifest.json")]
             missing = [

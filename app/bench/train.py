@@ -1,6 +1,6 @@
 """Trainer compute throughput: completion tokens per second of forward/backward + AdamW.
 
-``python -m consumers.bench [--steps 5] [--groups 4] [--n 4] [--budget 4096] [--spec default|test]``
+``python -m app.bench.train [--steps 5] [--groups 4] [--n 4] [--budget 4096] [--spec default|test]``
 builds the tiny HF model locally, makes synthetic rows (prompt 32 tokens, completion lengths
 log-normal around 128, clipped to [16, 512]) and times ``make_micro_batch`` →
 ``Engine.backward`` → ``Engine.step`` for each step, after one warm-up step. No Kafka: this is
@@ -28,10 +28,10 @@ def main(steps: int, groups: int, n: int, budget: int, spec: str, threads: int) 
     import numpy as np
     import torch
 
+    from app.cli.common import echo_json
     from consumers.batcher import Row, pack
     from consumers.config import TrainConfig
     from consumers.engine import Engine, make_micro_batch
-    from srl.cli_common import echo_json
     from srl.config import load_config
     from srl.tinymodel import TinyModelSpec, build_tiny_model
 

@@ -18,7 +18,7 @@ What must hold:
 * ``demo_reward`` is 1.0 for the exact reference answer (surrounding whitespace ignored)
   and 0.0 otherwise, and needs only the prompt: the metadata answer is a shortcut.
 
-Called by ``srl.warmstart`` (SFT corpus), the dispatcher (prompts), the trainer (reward),
+Called by ``app.warmstart`` (SFT corpus), the dispatcher (prompts), the trainer (reward),
 the ranker (true lengths) and the demo (held-out evaluation).
 """
 
@@ -30,6 +30,8 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import numpy as np
 
 from srl.errors import SrlError
 
@@ -193,3 +195,15 @@ def sft_pairs(seed: int, teacher_error: float = TEACHER_ERROR) -> Iterator[tuple
     for p in iter_prompts("train", seed, stream="sft"):
         meta = p.metadata
         yield p.text, teacher_answer(meta["op"], meta["operand"], rng, teacher_error)
+
+
+def demo_pairs(n: int, split: Literal["train", "eval"], seed: int) -> tuple[list[str], np.ndarray]:
+    """``n`` demo-task prompts of ``split`` and their true output lengths in tokens.
+
+    The true length is the reference answer's (:func:`reference_length`; one token per
+    character with the byte-level tokenizer) plus the end-of-sequence token the policy emits.
+    """
+    prompts = demo_prompts(n, split, seed)
+    return [p.text for p in prompts], np.array(
+        [reference_length(p.text) + 1 for p in prompts], dtype=np.float64
+    )

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from srl.cli_common import common_options, config_from, echo_json, run_main, setup_logging
+from app.cli.common import common_options, config_from, echo_json, run_main, setup_logging
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -134,9 +134,10 @@ def dispatch(as_json: bool, pools: str | None, unpaced: bool, **kw: Any) -> None
     exactly them (K = --max-staleness; 0 is the synchronous barrier). --unpaced publishes
     windows while at most --max-pending tasks stay unconsumed.
     """
+    from app.sources import load_source
     from producers.config import DispatchConfig
     from producers.dispatcher import run_dispatcher
-    from producers.sources import load_source, make_predictor
+    from producers.sources import make_predictor
 
     own = {
         k: kw.pop(k)
@@ -304,7 +305,7 @@ def bench(as_json: bool, requests_n: int, max_new_tokens: int, repeats: int, **k
     import tempfile
     from pathlib import Path
 
-    from producers.bench import run_bench
+    from app.bench.engine import run_bench
     from producers.config import GenerateConfig
 
     own = {k: kw.pop(k) for k in list(kw)

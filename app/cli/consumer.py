@@ -2,7 +2,7 @@
 
 ``srl-consumer train`` turns its options into a :class:`~consumers.config.TrainConfig` and
 calls :func:`consumers.trainer.run_trainer`; torch and transformers are imported there, so
-``--help`` answers at once. Several ranks: ``torchrun --nproc-per-node N -m consumers train …``.
+``--help`` answers at once. Several ranks: ``torchrun --nproc-per-node N -m app.cli.consumer train …``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from srl.cli_common import common_options, config_from, echo_json, run_main, setup_logging
+from app.cli.common import common_options, config_from, echo_json, run_main, setup_logging
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -138,3 +138,6 @@ def train(as_json: bool, **kw: Any) -> None:
 
 
 main = run_main(cli, "srl-consumer")
+
+if __name__ == "__main__":  # torchrun --nproc-per-node N -m app.cli.consumer train …
+    main()

@@ -1,7 +1,7 @@
 """``srl bench …``: the click commands; each builds a config and calls one benchmark.
 
 Heavy modules (torch, the benchmarks themselves) are imported inside the commands so that
-``srl --help`` stays fast. Registered on the ``srl`` group by ``srl.cli``.
+``srl --help`` stays fast. Registered on the ``srl`` group by ``app.cli.main``.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 import click
 
-from srl.bench.pipemodel import DESIGNS, MODES
-from srl.cli_common import common_options, config_from, echo_json
+from app.bench.pipemodel import DESIGNS, MODES
+from app.cli.common import common_options, config_from, echo_json
 
 
 def _external(kw: dict[str, Any]) -> bool:
@@ -75,7 +75,7 @@ def dataplane(trajectories: int, mean_tokens: int, chunk_tokens: int, batch: int
 
     Starts an embedded broker on a free port unless --bootstrap is given.
     """
-    from srl.bench.dataplane import run
+    from app.bench.dataplane import run
     from srl.config import CommonConfig
 
     cfg = config_from(CommonConfig, kw)
@@ -115,7 +115,7 @@ def dataplane(trajectories: int, mean_tokens: int, chunk_tokens: int, batch: int
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")  # fmt: skip
 def weights(sizes: str, repeats: int, swaps: int, as_json: bool) -> None:
     """Publish + fetch + verify + load against a plain file copy; a generator's swap pause."""
-    from srl.bench import weights as w
+    from app.bench import weights as w
     from srl.errors import ConfigError
 
     names = [s.strip() for s in sizes.split(",") if s.strip()]
@@ -179,8 +179,8 @@ def pipeline(lengths: str, scale: float, devices: int, b_max: int, groups: int, 
     protocol are real; decode steps and trainer compute sleep their modelled time
     (WORKLOAD.md), divided by --compression.
     """
+    from app.bench import pipeline as p
     from producers.workload import LengthHistogram
-    from srl.bench import pipeline as p
     from srl.errors import ConfigError
 
     LengthHistogram.load(lengths, scale)  # a bad file is a one-line error before anything starts

@@ -19,7 +19,7 @@ the weights topic (one small Kafka record) is not in these figures.
 it (``producers.worker``: flush the chunker's open chunks, then ``engine.load_weights``)
 between two ``engine.step()`` calls of an ``HFEngine`` decoding a batch, on the demo model's
 shape (``TinyModelSpec()``, fp32); the median over ``swaps`` swaps. Temporary files live in
-one directory that is removed at the end. Called by ``srl.bench.cli``.
+one directory that is removed at the end. Called by ``app.bench.cli``.
 """
 
 from __future__ import annotations

@@ -69,10 +69,6 @@ def config_from(cls: type[C], kwargs: dict[str, Any], **extra: Any) -> C:
         cli[key] = parse_kv(list(kwargs[opt])) if key == "kafka" else kwargs[opt]
     cli.update({k: v for k, v in extra.items() if v is not None})
     cfg = load_config(cls, file=kwargs.get("config"), cli=cli)
-    if cfg.store.startswith("s3://"):  # open_store("s3://…") uses these from here on
-        from srl.s3store import S3Settings, configure
-
-        configure(S3Settings.from_config(cfg))
     if cfg.schema_registry_url:  # records use Confluent framing from here on
         from schemas.codec import Codec
         from schemas.records import set_default_codec
@@ -101,7 +97,7 @@ def run_main(group: click.Group, prog: str) -> Callable[[], None]:
 
     @functools.wraps(group)
     def main() -> None:
-        from srl.errors import SrlError
+        from srl.errors import SchemaError, SrlError
 
         try:
             rc = group.main(prog_name=prog, standalone_mode=False)
@@ -114,7 +110,7 @@ def run_main(group: click.Group, prog: str) -> Callable[[], None]:
         except (click.exceptions.Abort, KeyboardInterrupt):
             click.echo(f"{prog}: interrupted", err=True)
             sys.exit(130)
-        except SrlError as e:
+        except (SrlError, SchemaError) as e:
             click.echo(f"{prog}: error: {e}", err=True)
             sys.exit(e.exit_code)
         except BrokenPipeError:

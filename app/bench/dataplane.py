@@ -17,7 +17,7 @@ generator does); the consuming side in this one. Throughput is tokens over the t
 the first produce to the last message consumed (raw) or trajectory assembled (codec).
 Latency pairs the child's wall-clock time just before it encodes a trajectory's last chunk
 with this process's wall-clock time when ``Assembler.add`` returns the trajectory.
-Called by ``srl.bench.cli``.
+Called by ``app.bench.cli``.
 """
 
 from __future__ import annotations

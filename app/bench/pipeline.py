@@ -12,10 +12,10 @@ Owns the pipeline figures of docs/benchmarks.md. What is real and what is simula
   sleeps ``F·P / (peak·MFU)`` seconds per completion token per device), both divided by the
   time-compression factor. Every figure is labelled simulated.
 
-The modes and their splits are ``srl.bench.pipemodel``'s; each runs on its own topics in one
+The modes and their splits are ``app.bench.pipemodel``'s; each runs on its own topics in one
 run. ``design`` says how the async modes keep their staleness bound (:data:`DESIGNS`; the
 default ``paced`` is what the roles do by default; the others are kept to measure against).
-Called by ``srl.bench.cli``.
+Called by ``app.bench.cli``.
 """
 
 from __future__ import annotations
@@ -33,9 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from producers.engines.sim import SimEngine
-from producers.workload import LengthHistogram
-from srl.bench.pipemodel import (
+from app.bench.pipemodel import (
     BARRIER,
     DESIGNS,
     LPT_MODES,
@@ -46,9 +44,11 @@ from srl.bench.pipemodel import (
     best_split,
     run_bound,
 )
+from producers.engines.sim import SimEngine
+from producers.workload import LengthHistogram
 from srl.errors import SrlError
 
-log = logging.getLogger("srl.bench")
+log = logging.getLogger("app.bench")
 MODEL_BATCHES = 32  # sampled steps the split model averages over
 
 
@@ -164,7 +164,7 @@ def mode_configs(w: Workload, mode: str, split: dict[str, Any], top: dict[str, A
                             sim_tokens_per_step=w.tokens_per_step, seed=w.seed + i, stats_interval_s=2.0,
                             commit_interval_s=0.5, drain_timeout_s=0.0)
              for i in range(split["instances"])]  # fmt: skip
-    tcfg = TrainConfig(**top, model=str(model_dir), reward="srl.bench.pipeline:sim_reward",
+    tcfg = TrainConfig(**top, model=str(model_dir), reward="app.bench.pipeline:sim_reward",
                        groups_per_step=B, max_staleness=k, sync_barrier=mode in ("colocated", "sync"),
                        max_steps=w.iterations, checkpoint_every=1000, micro_batch_tokens=65_536,
                        expire_s=600.0, idle_exit_s=120.0, **t_over)  # fmt: skip
@@ -174,13 +174,14 @@ def mode_configs(w: Workload, mode: str, split: dict[str, Any], top: dict[str, A
 def run_mode(
     w: Workload, mode: str, split: dict[str, Any], bootstrap: str, model_dir: Path, work: Path
 ) -> dict[str, Any]:
+    from app.report import metric_events
+    from app.sources import load_source
     from consumers.trainer import Trainer
     from producers.dispatcher import run_dispatcher
-    from producers.sources import load_source, make_predictor
+    from producers.sources import make_predictor
     from producers.worker import run_generator
     from srl.kafka import create_topics
-    from srl.report import metric_events
-    from srl.store import open_store
+    from srl.stores import store_from_config
 
     tag = uuid.uuid4().hex[:6]
     top = {"bootstrap_servers": bootstrap, "topic_prefix": f"bench.{mode.replace('+', '-')}.{tag}",
@@ -214,7 +215,7 @@ def run_mode(
     for th in threads:
         th.start()
     try:
-        Trainer(tcfg, sim_train, open_store(tcfg.store), None, None).run()  # type: ignore[arg-type]
+        Trainer(tcfg, sim_train, store_from_config(tcfg), None, None).run()  # type: ignore[arg-type]
     finally:
         wall = time.monotonic() - t0
         stop.set()

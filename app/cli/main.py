@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from srl.cli_common import common_options, config_from, echo_json, run_main, setup_logging
+from app.cli.common import common_options, config_from, echo_json, run_main, setup_logging
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -159,10 +159,10 @@ def store() -> None:
 def store_init(**kw: Any) -> None:
     """Create the store (the S3 bucket, or the directory) if missing; say how writes stay create-only."""
     from srl.config import CommonConfig
-    from srl.store import open_store
+    from srl.stores import store_from_config
 
     cfg = config_from(CommonConfig, kw)
-    st = open_store(cfg.store)
+    st = store_from_config(cfg)
     from srl.s3store import S3Store
 
     if isinstance(st, S3Store):
@@ -222,8 +222,8 @@ def top(once: bool, as_json: bool, prometheus: int | None, listen: str, interval
     verifies, policy versions in flight, the staleness histogram, drops and dead letters, and
     stalled partitions. Reads only: joins no group, commits nothing.
     """
+    from app.top import run_top
     from srl.config import CommonConfig
-    from srl.top import run_top
 
     cfg = config_from(CommonConfig, kw)
     run_top(cfg, once=once, as_json=as_json, prometheus=prometheus, listen=listen,
@@ -253,7 +253,7 @@ def init_model(out: str | None, seed: int, steps: int | None, force: bool) -> No
     """
     import orjson
 
-    from srl.warmstart import MARKER, SftSettings, cache_key, cached, default_dir, ensure_model
+    from app.warmstart import MARKER, SftSettings, cache_key, cached, default_dir, ensure_model
 
     sft = SftSettings() if steps is None else SftSettings(steps=steps)
     where = Path(out) if out else default_dir(seed)
@@ -278,8 +278,8 @@ def smoke(trajectories: int, **kw: Any) -> None:
     chunk by chunk through the real codec and topics, consumes them in a group, reassembles
     them, and checks that none is lost or duplicated. Nothing is trained.
     """
+    from app.smoke import run_smoke
     from srl.config import CommonConfig
-    from srl.smoke import run_smoke
 
     cfg = config_from(CommonConfig, kw)
     external = (
@@ -313,7 +313,7 @@ def smoke(trajectories: int, **kw: Any) -> None:
 @click.option(
     "--reward",
     metavar="MODULE:FUNCTION",
-    help="Reward fn(prompt, completion, metadata). Default srl.task:demo_reward.",
+    help="Reward fn(prompt, completion, metadata). Default app.task:demo_reward.",
 )
 @click.option("--seed", type=int, help="Seed of prompts, sampling and training. Default 0.")
 @click.option(
@@ -331,8 +331,8 @@ def demo(as_json: bool, config: str | None, bootstrap: str | None, **kw: Any) ->
     --steps steps with live progress, stops every process it started, and writes
     OUT/report.json and OUT/report.png. See docs/demo.md.
     """
+    from app.demo import DemoConfig, run_demo
     from srl.config import load_config
-    from srl.demo import DemoConfig, run_demo
 
     cli_values = {k: v for k, v in kw.items() if v is not None}
     if bootstrap is not None:
@@ -344,20 +344,20 @@ def demo(as_json: bool, config: str | None, bootstrap: str | None, **kw: Any) ->
     if as_json:
         echo_json({k: v for k, v in report.items() if k != "series"})
     else:
-        from srl.demo import summary
+        from app.demo import summary
 
         click.echo(summary(report))
 
 
-# -- ranker (ranker/cli.py) ----------------------------------------------------------------
+# -- ranker (app/cli/ranker.py) ----------------------------------------------------------------
 def _add_ranker() -> None:
-    from ranker.cli import ranker
+    from app.cli.ranker import ranker
 
     cli.add_command(ranker)
 
 
 def _add_bench() -> None:
-    from srl.bench.cli import bench
+    from app.bench.cli import bench
 
     cli.add_command(bench)
 

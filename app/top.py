@@ -7,9 +7,9 @@ Prometheus ``/metrics`` endpoint with kafka_exporter's names.
 * ``SnapshotCollector``: the Prometheus view of the latest snapshot. Lag metrics use
   kafka_exporter's names and labels (``kafka_consumergroup_lag{consumergroup,topic,partition}``
   …) so its dashboards work unchanged; srl's own metrics are ``srl_*``;
-* ``run_top``: the loop behind the command. The snapshot is built by ``srl.monitor.Monitor``.
+* ``run_top``: the loop behind the command. The snapshot is built by ``app.monitor.Monitor``.
 
-Called by ``srl top`` in ``srl/cli.py``.
+Called by ``srl top`` in ``app/cli/main.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 from srl.config import CommonConfig
 from srl.errors import SrlError
 
-log = logging.getLogger("srl.top")
+log = logging.getLogger("app.top")
 
 
 def _s(v: Any) -> str:
@@ -183,14 +183,14 @@ class SnapshotCollector:
 
 def run_top(cfg: CommonConfig, *, once: bool, as_json: bool, prometheus: int | None, listen: str,
             interval_s: float, window_s: float, stall_after_s: float) -> None:  # fmt: skip
-    from srl.monitor import Monitor
+    from app.monitor import Monitor
 
     monitor = Monitor(cfg, window_s=window_s, stall_after_s=stall_after_s)
     try:
         if once or as_json:
             snap = monitor.snapshot()
             if as_json:
-                from srl.cli_common import echo_json
+                from app.cli.common import echo_json
 
                 echo_json(snap)
             else:

@@ -4,7 +4,7 @@ and the object store.
 Owns the orchestration a new user meets first. In order:
 
 1. the policy: ``--model DIR`` or the cached warm-started tiny model (``srl init-model``);
-2. held-out accuracy before training (greedy, ``srl.warmstart.evaluate``);
+2. held-out accuracy before training (greedy, ``app.warmstart.evaluate``);
 3. the broker: the embedded one on a free loopback port with its data in ``OUT/broker``, or
    ``--bootstrap`` (then the demo's topics are left in place; a fresh topic prefix is drawn
    unless ``--topic-prefix`` is given, so runs never read each other's records);
@@ -14,7 +14,7 @@ Owns the orchestration a new user meets first. In order:
 5. live progress from the metrics topic (step, reward, tokens/s, policy version, staleness,
    trainer lag) until the trainer has done ``--steps`` steps;
 6. SIGTERM to everything it started (then SIGKILL after a grace period), the broker last;
-7. the audit and report (``srl.report``): ``OUT/report.json`` and ``OUT/report.png``.
+7. the audit and report (``app.report``): ``OUT/report.json`` and ``OUT/report.png``.
 
 Modes (``--mode``) map onto the roles' own switches:
 
@@ -26,7 +26,7 @@ Modes (``--mode``) map onto the roles' own switches:
   trains exactly its own prompts, so nothing is dropped as stale.
 
 Ctrl-C stops every process and still writes the report of what was done. Called by
-``srl demo`` (``srl.cli``).
+``srl demo`` (``app.cli.main``).
 """
 
 from __future__ import annotations
@@ -35,274 +35,25 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field
-
+from app.demoplan import (
+    DEMO_BUCKET_BOUNDS,
+    DemoConfig,
+    DemoError,
+    Fleet,
+    Plan,
+    Role,
+)
 from srl.config import CommonConfig
-from srl.errors import SrlError
 
-log = logging.getLogger("srl.demo")
-
-STOP_GRACE_S = 60.0  # SIGTERM → SIGKILL; generators drain in-flight work within this
-
-
-class DemoError(SrlError):
-    """The demo could not run (a role died, the run timed out …)."""
-
-
-class DemoConfig(CommonConfig):
-    """``srl demo``'s settings; the ``[demo]`` table of a config file or ``SRL_*`` variables."""
-
-    section = "demo"
-
-    steps: int = Field(60, ge=1, le=100_000, description="Optimizer steps to train.")
-    out: str = Field(
-        "runs/demo", description="Directory for the report, logs, store and broker data."
-    )
-    mode: Literal["sync", "stream", "async"] = Field("async", description="Pipeline mode.")
-    max_staleness: int = Field(1, ge=0, le=1000, description="k for --mode async.")
-    reward: str = Field("srl.task:demo_reward", description="Reward module:function.")
-    seed: int = Field(0, description="Seed of the prompts, sampling and training.")
-    model: str | None = Field(
-        None, description="HF model directory (policy v0); null: the cached `srl init-model` model."
-    )
-    group_size: int = Field(8, ge=2, le=256, description="Samples per prompt (GRPO group).")
-    groups_per_step: int = Field(8, ge=1, le=4096, description="Groups per optimizer step.")
-    lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
-    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
-    max_new_tokens: int = Field(72, ge=1, description="Max generated tokens per sample.")
-    eval_prompts: int = Field(256, ge=1, description="Held-out prompts for eval accuracy.")
-    eval_every: int = Field(
-        20,
-        ge=0,
-        description="Also evaluate every N-th published version (accuracy over time); 0: final only.",
-    )
-    chunk_tokens: int = Field(16, ge=1, description="Tokens per published chunk.")
-    regular_max_batch: int = Field(32, ge=1, description="Regular pool's decode batch.")
-    longtail_max_batch: int = Field(8, ge=1, description="Long-tail pool's decode batch.")
-    migrate_factor: float | None = Field(
-        2.0,
-        gt=1,
-        description="The regular pool hands a trajectory past this many times its predicted length (and 16 tokens) to the long-tail pool; null: never.",
-    )
-    timeout_s: float = Field(1800.0, gt=0, description="Give up when training takes longer.")
-    embedded: bool = Field(True, description="Start the embedded broker (false with --bootstrap).")
-
-
-# -- processes ---------------------------------------------------------------------------
-@dataclass
-class Role:
-    name: str
-    argv: list[str]
-    log_path: Path
-    proc: subprocess.Popen[bytes] | None = None
-    started: float = 0.0
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def tail(self, n: int = 15) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-n:])
-
-
-@dataclass
-class Fleet:
-    """The processes the demo started; every one is stopped, whatever happens."""
-
-    env: dict[str, str]
-    cwd: Path
-    roles: list[Role] = field(default_factory=list)
-
-    def start(self, role: Role) -> Role:
-        role.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with role.log_path.open("ab") as out:
-            role.proc = subprocess.Popen(
-                role.argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                cwd=self.cwd,
-                start_new_session=True,  # our Ctrl-C is not theirs: we stop them in order
-            )
-        role.started = time.monotonic()
-        self.roles.append(role)
-        log.info("started %s (pid %d): %s", role.name, role.proc.pid, " ".join(role.argv))
-        return role
-
-    def stop(self, roles: list[Role] | None = None, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM, wait up to ``grace_s``, then SIGKILL the process group."""
-        todo = [r for r in (roles or self.roles) if r.alive()]
-        for r in todo:
-            assert r.proc is not None
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(r.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        try:
-            for r in todo:
-                assert r.proc is not None
-                try:
-                    r.proc.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    log.warning("%s did not stop in %.0f s; killing it", r.name, grace_s)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(r.proc.pid, signal.SIGKILL)
-                    r.proc.wait(10)
-        except KeyboardInterrupt:  # a second Ctrl-C: no more grace
-            log.warning("interrupted again: killing every role")
-        for r in self.roles:  # anything a role left in its process group
-            if r.proc is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(r.proc.pid, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    r.proc.wait(10)
-
-
-def _script(name: str, *args: str) -> list[str]:
-    """The console script installed beside this interpreter (the same venv), else on PATH."""
-    here = Path(sys.executable).parent / name
-    found = str(here) if here.exists() else shutil.which(name)
-    if found is None:
-        raise DemoError(f"{name} not found beside {sys.executable} or on PATH; run `make install`")
-    return [found, *args]
-
-
-# -- config file ---------------------------------------------------------------------------
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def _toml(top: dict[str, Any], tables: dict[str, dict[str, Any]]) -> str:
-    lines = ["# Written by `srl demo`: every role of this run reads it (docs/configuration.md)."]
-    lines += [f"{k} = {_toml_value(v)}" for k, v in top.items() if v is not None]
-    for name, table in tables.items():
-        lines += ["", f"[{name}]"]
-        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
-    return "\n".join(lines) + "\n"
-
-
-# Demo answers are at most 64 tokens (+ EOS): buckets le16, le32 (regular pool), gt32 (long tail).
-DEMO_BUCKET_BOUNDS = (16, 32)
-REGULAR_BUCKETS = ("le16", "le32")
-LONGTAIL_BUCKETS = ("gt32",)
-
-
-@dataclass
-class Plan:
-    """Everything the processes need, derived from the config: written to OUT/srl.toml."""
-
-    cfg: DemoConfig
-    out: Path
-    model_dir: Path
-    bootstrap: str
-    prefix: str
-    run: str
-    store_url: str
-
-    def role_tables(self) -> dict[str, dict[str, Any]]:
-        c = self.cfg
-        k = 0 if c.mode in ("sync", "stream") else c.max_staleness
-        return {
-            "dispatch": {
-                "task": "demo",
-                "seed": c.seed,
-                # step t's prompts are released once step t-1-k is announced and step t trains
-                # exactly them: one step of prompts per step, nothing dropped as stale
-                "num_prompts": c.steps * c.groups_per_step,
-                "group_size": c.group_size,
-                "max_new_tokens": c.max_new_tokens,
-                "temperature": c.temperature,
-                "max_staleness": k,
-                "groups_per_step": c.groups_per_step,
-                "pools": ["regular", "longtail"],
-                "predictor": "ranker",
-                "longtail_bucket": LONGTAIL_BUCKETS[0],
-            },
-            "generate": {
-                "engine": "hf",
-                "model": str(self.model_dir),
-                "chunk_tokens": c.chunk_tokens,
-                "max_staleness": k,
-                "threads": 1,
-                "seed": c.seed,
-                "stats_interval_s": 2.0,
-                "drain_timeout_s": 20.0,
-            },
-            "train": {
-                "model": str(self.model_dir),
-                "reward": c.reward,
-                "lr": c.lr,
-                "groups_per_step": c.groups_per_step,
-                "max_staleness": k,
-                "sync_barrier": c.mode == "sync",
-                "max_steps": c.steps,
-                "temperature": c.temperature,
-                "seed": c.seed,
-                "device": "cpu",
-            },
-        }
-
-    def write(self) -> Path:
-        top = {
-            "bootstrap_servers": self.bootstrap,
-            "topic_prefix": self.prefix,
-            "run": self.run,
-            "store": self.store_url,
-            "bucket_bounds": list(DEMO_BUCKET_BOUNDS),
-            "linger_ms": 2.0,
-        }
-        tables = self.role_tables()
-        if self.cfg.kafka:  # librdkafka settings (security …) reach every role
-            tables = {"kafka": dict(self.cfg.kafka)} | tables
-        path = self.out / "srl.toml"
-        path.write_text(_toml(top, tables))
-        return path
-
-    def roles(self, config_file: Path) -> list[Role]:
-        c, logs, conf = self.cfg, self.out / "logs", ["--config", str(config_file)]
-        return [
-            Role("trainer", _script("srl-consumer", "train", *conf), logs / "trainer.log"),
-            Role(
-                "gen-regular",
-                _script(
-                    "srl-producer", "generate", *conf, "--pool", "regular",
-                    "--buckets", ",".join(REGULAR_BUCKETS),
-                    "--max-batch", str(c.regular_max_batch), "--worker-id", "regular-0",
-                    *(["--migrate-to", LONGTAIL_BUCKETS[0], "--migrate-factor", str(c.migrate_factor),
-                       "--migrate-min-tokens", "16"] if c.migrate_factor else []),
-                ),
-                logs / "gen-regular.log",
-            ),
-            Role(
-                "gen-longtail",
-                _script(
-                    "srl-producer", "generate", *conf, "--pool", "longtail",
-                    "--buckets", ",".join(LONGTAIL_BUCKETS),
-                    "--max-batch", str(c.longtail_max_batch), "--worker-id", "longtail-0",
-                ),
-                logs / "gen-longtail.log",
-            ),
-            Role("dispatcher", _script("srl-producer", "dispatch", *conf), logs / "dispatcher.log"),
-        ]  # fmt: skip
+log = logging.getLogger("app.demo")
 
 
 # -- live progress ---------------------------------------------------------------------------
@@ -407,8 +158,8 @@ def _fresh(out: Path) -> None:
 
 def run_demo(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
     """Run the demo end to end; returns the report (also written to OUT/report.json)."""
-    from srl import report as rep
-    from srl import task, warmstart
+    from app import report as rep
+    from app import task, warmstart
 
     t_total = time.monotonic()
     warmstart.quiet_transformers()
@@ -484,13 +235,16 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
 def _bootstrap_ranker(plan: Plan) -> None:
     """Publish ranker v1 for the run, fitted on training prompts of the demo task, so the
     dispatcher sends the predicted-longest 20 % of each window to the long-tail pool."""
+    from app.task import demo_pairs
     from ranker.config import RankerConfig
-    from ranker.evaluate import train_on_demo
+    from ranker.evaluate import train_on_pairs
     from srl.config import load_config
 
     rcfg = load_config(RankerConfig, cli={"store": plan.store_url, "run": plan.run}, env={})
     t0 = time.monotonic()
-    r = train_on_demo(rcfg, 2000, plan.cfg.seed)
+    texts, lengths = demo_pairs(2000, "train", plan.cfg.seed)
+    source = f"demo task, 2000 train prompts, seed {plan.cfg.seed}"
+    r = train_on_pairs(rcfg, texts, lengths, plan.cfg.seed, source)
     click_echo(
         f"length ranker v{r.version} fitted on 2000 training prompts ({time.monotonic() - t0:.1f} s)"
     )

@@ -14,7 +14,7 @@ is masked out so every sequence runs to its length and the work is identical):
 threads, librdkafka's included; the broker's CPU is not counted), which other jobs on a shared
 machine disturb far less than wall time. Each case runs ``repeats`` times, alternating, and
 the best run counts.
-Called by ``producers.cli``.
+Called by ``app.cli.producer``.
 """
 
 from __future__ import annotations

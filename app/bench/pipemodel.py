@@ -71,7 +71,7 @@ class Workload:
     tokens_per_step: int = 16  # sim engine tokens per decode step
     chunk_tokens: int = 256
     max_staleness: int = 1  # k of the async modes (1: StreamRL-Async)
-    design: str = "paced"  # how the async modes keep staleness (srl.bench.pipeline.DESIGNS)
+    design: str = "paced"  # how the async modes keep staleness (app.bench.pipeline.DESIGNS)
     tasks_per_group: int = 1  # the dispatcher's tasks_per_group (a group's samples over workers)
     seed: int = 0
 

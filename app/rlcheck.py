@@ -1,11 +1,11 @@
-"""``python -m srl.rlcheck``: can the demo's warm start learn under GRPO? (in-process, no Kafka)
+"""``python -m app.rlcheck``: can the demo's warm start learn under GRPO? (in-process, no Kafka)
 
 Owns the learnability evidence of docs/demo-task.md: it runs the demo's RL recipe in one
 process — sample groups from the current policy at temperature T, score them with
-``srl.task.demo_reward``, GRPO advantages, the trainer's own per-token policy loss
+``app.task.demo_reward``, GRPO advantages, the trainer's own per-token policy loss
 (``consumers.losses``: ``token_logprobs``, ``advantages``, ``policy_loss``, token-mean over the
 step, AdamW, gradient clipping as ``consumers.engine`` does) — and reports held-out greedy
-accuracy before and after (``srl.warmstart.evaluate`` on the demo's fixed eval prompts).
+accuracy before and after (``app.warmstart.evaluate`` on the demo's fixed eval prompts).
 
 What must hold: it trains only on the train split; sampling is on-policy (the behaviour
 log-probs are the policy's own at the start of each step, so the importance weight is 1, as
@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from srl import task
+from app import task
 
 
 @dataclass
@@ -117,9 +117,9 @@ def run(model_dir: Path, seed: int, s: RlSettings, log: Any = _progress) -> dict
     Progress lines go to stderr; the result is returned (``main`` prints JSON on stdout)."""
     import torch
 
-    from srl.report import EVAL_SEED
+    from app.report import EVAL_SEED
+    from app.warmstart import evaluate
     from srl.tinymodel import load_model, load_tokenizer
-    from srl.warmstart import evaluate
 
     torch.manual_seed(seed)
     random.seed(seed)
@@ -153,9 +153,9 @@ def run(model_dir: Path, seed: int, s: RlSettings, log: Any = _progress) -> dict
 def main(argv: list[str] | None = None) -> int:
     from dataclasses import fields
 
-    from srl.warmstart import ensure_model
+    from app.warmstart import ensure_model
 
-    ap = argparse.ArgumentParser(prog="python -m srl.rlcheck", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m app.rlcheck", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--model", help="Model directory (default: srl init-model's, seed 0).")
     for f in fields(RlSettings):

@@ -2,7 +2,7 @@
 
 Owns the warm start and the held-out evaluation the demo reports. The model is
 ``srl.tinymodel``'s (Qwen2 architecture, byte-level tokenizer, random init, built locally),
-then fine-tuned on ``srl.task.sft_pairs``: answers of an *imperfect demonstrator* that makes
+then fine-tuned on ``app.task.sft_pairs``: answers of an *imperfect demonstrator* that makes
 one plausible mistake per operation with probability ``TEACHER_ERROR`` (> 0.5). The model
 learns to execute every operation, but its most likely answer is the demonstrator's mistake,
 so greedy accuracy starts low while sampling finds the right answer often: exactly what a
@@ -33,10 +33,10 @@ from typing import Any
 
 import orjson
 
-from srl import task
+from app import task
 from srl.errors import SrlError
 
-log = logging.getLogger("srl.warmstart")
+log = logging.getLogger("app.warmstart")
 
 DEFAULT_DIR = Path("runs/models")
 MARKER = "WARMSTART.json"

@@ -16,7 +16,7 @@ left it, never from the roles' own summaries:
 * the object store: the last published version is materialised into ``OUT/final-model`` and
   evaluated greedily on the held-out prompts.
 
-Called by ``srl.demo``.
+Called by ``app.demo``.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 if TYPE_CHECKING:
+    from app.demoplan import Fleet, Plan
     from srl.config import CommonConfig
-    from srl.demo import Fleet, Plan
 
-log = logging.getLogger("srl.report")
+log = logging.getLogger("app.report")
 
 EVAL_SEED = 20261122  # the held-out evaluation prompts are the same for every run and seed
 SAMPLE_OUTCOMES = ("trained", "dropped_stale", "failed_reward", "expired", "invalid")
@@ -189,7 +189,7 @@ def final_policy(
     cfg: CommonConfig, run: str, model_dir: Path, out_dir: Path, version: int | None = None
 ) -> tuple[Path, int]:
     """A published version (default: the last) as a HF model directory (v0: ``model_dir``)."""
-    from srl.store import open_store
+    from srl.stores import store_from_config
     from srl.topics import Layout
     from srl.weights import load_manifest, materialize, read_announcements
 
@@ -199,7 +199,7 @@ def final_policy(
     if not anns:
         return model_dir, 0
     ann = max(anns, key=lambda a: a.version)
-    store = open_store(cfg.store)
+    store = store_from_config(cfg)
     manifest = load_manifest(store, ann)
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
@@ -236,7 +236,7 @@ def build(
     wall_run: float,
     status: str,
 ) -> dict[str, Any]:
-    from srl import warmstart
+    from app import warmstart
 
     events = metric_events(cfg, plan.run)
     samples = [e for e in events if e.kind == "sample"]
