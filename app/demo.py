@@ -43,6 +43,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from app import report as rep
+from app import task, warmstart
 from app.demoplan import (
     DEMO_BUCKET_BOUNDS,
     DemoConfig,
@@ -51,7 +53,14 @@ from app.demoplan import (
     Plan,
     Role,
 )
-from srl.config import CommonConfig
+from app.task import demo_pairs
+from ranker.config import RankerConfig
+from ranker.evaluate import train_on_pairs
+from schemas.records import MetricEvent, SchemaError, decode_as
+from srl.broker import EmbeddedBroker
+from srl.config import CommonConfig, load_config
+from srl.kafka import base_settings, committed_offsets, create_topics, wait_for_broker, watermarks
+from srl.topics import Layout
 
 log = logging.getLogger("app.demo")
 
@@ -74,9 +83,6 @@ class Watcher(threading.Thread):
     def run(self) -> None:  # noqa: D102 (thread body)
         from confluent_kafka import Consumer, TopicPartition
 
-        from schemas.records import MetricEvent, SchemaError, decode_as
-        from srl.kafka import base_settings, committed_offsets, watermarks
-        from srl.topics import Layout
 
         layout = Layout.from_config(self.cfg)
         c = Consumer(
@@ -139,7 +145,6 @@ def _broker(cfg: DemoConfig, out: Path) -> Iterator[str]:
     if not cfg.embedded:
         yield cfg.bootstrap_servers
         return
-    from srl.broker import EmbeddedBroker
 
     data = out / "broker"
     shutil.rmtree(data, ignore_errors=True)
@@ -158,8 +163,6 @@ def _fresh(out: Path) -> None:
 
 def run_demo(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
     """Run the demo end to end; returns the report (also written to OUT/report.json)."""
-    from app import report as rep
-    from app import task, warmstart
 
     t_total = time.monotonic()
     warmstart.quiet_transformers()
@@ -194,7 +197,6 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
                 "bucket_bounds": DEMO_BUCKET_BOUNDS,
             }
         )
-        from srl.kafka import create_topics, wait_for_broker
 
         wait_for_broker(live)
         create_topics(live)
@@ -235,10 +237,6 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
 def _bootstrap_ranker(plan: Plan) -> None:
     """Publish ranker v1 for the run, fitted on training prompts of the demo task, so the
     dispatcher sends the predicted-longest 20 % of each window to the long-tail pool."""
-    from app.task import demo_pairs
-    from ranker.config import RankerConfig
-    from ranker.evaluate import train_on_pairs
-    from srl.config import load_config
 
     rcfg = load_config(RankerConfig, cli={"store": plan.store_url, "run": plan.run}, env={})
     t0 = time.monotonic()

@@ -33,7 +33,9 @@ from schemas.records import MetricEvent, PromptTask, TrajectoryChunk, decode, de
 from srl.config import CommonConfig
 from srl.errors import SrlError
 from srl.kafka import POSITION_SUFFIX, _short, admin, base_settings, wait_for_broker
+from srl.stores import store_for_uri, store_from_config
 from srl.topics import Layout
+from srl.weights import latest_announcement, load_manifest
 
 FRESH_MS = 30_000  # a gen_stats / train_step event older than this no longer counts as "now"
 
@@ -263,8 +265,6 @@ class Monitor:
 
     # -- weights -------------------------------------------------------------------------
     def weights(self) -> dict[str, Any]:
-        from srl.stores import store_for_uri, store_from_config
-        from srl.weights import latest_announcement, load_manifest
 
         out: dict[str, Any] = {"run": self.cfg.run, "version": None, "manifest_uri": None,
                                "manifest_ok": None, "error": None}  # fmt: skip

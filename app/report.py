@@ -34,6 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from app import warmstart
+from schemas.records import MetricEvent, SchemaError, TrajectoryChunk, decode_as
+from srl.kafka import base_settings, committed_offsets, watermarks
+from srl.stores import store_from_config
+from srl.topics import Layout
+from srl.weights import load_manifest, materialize, read_announcements
+
 if TYPE_CHECKING:
     from app.demoplan import Fleet, Plan
     from srl.config import CommonConfig
@@ -51,7 +58,6 @@ def read_all(
     """Every record of ``topic`` up to the high watermarks at call time: (partition, offset, value)."""
     from confluent_kafka import Consumer, TopicPartition
 
-    from srl.kafka import base_settings, watermarks
 
     hw = {tp: (lo, hi) for tp, (lo, hi) in watermarks(cfg, [topic]).items() if hi > lo}
     if not hw:
@@ -125,9 +131,6 @@ class Audit:
 
 
 def audit_trajectories(cfg: CommonConfig, trainer_group: str, samples: list[Any]) -> Audit:
-    from schemas.records import SchemaError, TrajectoryChunk, decode_as
-    from srl.kafka import committed_offsets, watermarks
-    from srl.topics import Layout
 
     layout = Layout.from_config(cfg)
     seen: dict[str, TrajSeen] = {}
@@ -172,8 +175,6 @@ def audit_trajectories(cfg: CommonConfig, trainer_group: str, samples: list[Any]
 
 
 def metric_events(cfg: CommonConfig, run: str) -> list[Any]:
-    from schemas.records import MetricEvent, SchemaError, decode_as
-    from srl.topics import Layout
 
     out = []
     for _p, _o, value in read_all(cfg, Layout.from_config(cfg).metrics):
@@ -189,9 +190,6 @@ def final_policy(
     cfg: CommonConfig, run: str, model_dir: Path, out_dir: Path, version: int | None = None
 ) -> tuple[Path, int]:
     """A published version (default: the last) as a HF model directory (v0: ``model_dir``)."""
-    from srl.stores import store_from_config
-    from srl.topics import Layout
-    from srl.weights import load_manifest, materialize, read_announcements
 
     anns = [a for a in read_announcements(cfg, Layout.from_config(cfg)) if a.run == run]
     if version is not None:
@@ -236,7 +234,6 @@ def build(
     wall_run: float,
     status: str,
 ) -> dict[str, Any]:
-    from app import warmstart
 
     events = metric_events(cfg, plan.run)
     samples = [e for e in events if e.kind == "sample"]

@@ -28,6 +28,10 @@ from typing import Any
 import orjson
 
 from app import task
+from app.report import EVAL_SEED
+from app.warmstart import ensure_model, evaluate
+from consumers.losses import advantages, policy_loss, token_logprobs
+from srl.tinymodel import load_model, load_tokenizer
 
 
 @dataclass
@@ -71,7 +75,6 @@ def _step(model: Any, opt: Any, tok: Any, prompts: list[task.Prompt], s: RlSetti
     """One GRPO step over ``groups_per_step`` groups; returns the mean reward."""
     import torch
 
-    from consumers.losses import advantages, policy_loss, token_logprobs
 
     comps = _sample(model, tok, [p.text for p in prompts], s.group_size, s)
     rows: list[tuple[list[int], int, float]] = []  # ids, prompt length, advantage
@@ -117,9 +120,6 @@ def run(model_dir: Path, seed: int, s: RlSettings, log: Any = _progress) -> dict
     Progress lines go to stderr; the result is returned (``main`` prints JSON on stdout)."""
     import torch
 
-    from app.report import EVAL_SEED
-    from app.warmstart import evaluate
-    from srl.tinymodel import load_model, load_tokenizer
 
     torch.manual_seed(seed)
     random.seed(seed)
@@ -153,7 +153,6 @@ def run(model_dir: Path, seed: int, s: RlSettings, log: Any = _progress) -> dict
 def main(argv: list[str] | None = None) -> int:
     from dataclasses import fields
 
-    from app.warmstart import ensure_model
 
     ap = argparse.ArgumentParser(prog="python -m app.rlcheck", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

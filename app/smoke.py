@@ -17,6 +17,7 @@ import click
 import numpy as np
 
 from schemas.records import TrajectoryChunk, decode_as, encode, now_ms, pack_logprobs, pack_tokens
+from srl.broker import EmbeddedBroker
 from srl.config import CommonConfig
 from srl.errors import SrlError
 from srl.kafka import Producer, create_topics, make_consumer
@@ -48,7 +49,6 @@ def run_smoke(cfg: CommonConfig, n: int, external: bool = False) -> dict[str, An
 
     with contextlib.ExitStack() as stack:
         if not external:
-            from srl.broker import EmbeddedBroker
 
             click.echo("starting the embedded broker …")
             b = stack.enter_context(EmbeddedBroker())

@@ -20,6 +20,8 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
+from app.cli.common import echo_json
+from app.monitor import Monitor
 from srl.config import CommonConfig
 from srl.errors import SrlError
 
@@ -183,14 +185,12 @@ class SnapshotCollector:
 
 def run_top(cfg: CommonConfig, *, once: bool, as_json: bool, prometheus: int | None, listen: str,
             interval_s: float, window_s: float, stall_after_s: float) -> None:  # fmt: skip
-    from app.monitor import Monitor
 
     monitor = Monitor(cfg, window_s=window_s, stall_after_s=stall_after_s)
     try:
         if once or as_json:
             snap = monitor.snapshot()
             if as_json:
-                from app.cli.common import echo_json
 
                 echo_json(snap)
             else:

@@ -35,6 +35,7 @@ import orjson
 
 from app import task
 from srl.errors import SrlError
+from srl.tinymodel import TinyModelSpec, build_tiny_model, load_model, load_tokenizer
 
 log = logging.getLogger("app.warmstart")
 
@@ -61,7 +62,6 @@ class EvalResult:
 
 
 def cache_key(seed: int, sft: SftSettings) -> str:
-    from srl.tinymodel import TinyModelSpec
 
     blob = orjson.dumps(
         {"v": VERSION, "task": task.TASK_VERSION, "spec": asdict(TinyModelSpec()),
@@ -125,7 +125,6 @@ def build(out: Path, seed: int, sft: SftSettings, progress: bool = True) -> dict
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from srl.tinymodel import build_tiny_model, load_model, load_tokenizer
 
     build_tiny_model(out, seed=seed)
     tok, model = load_tokenizer(out), load_model(out)
@@ -176,7 +175,6 @@ def build(out: Path, seed: int, sft: SftSettings, progress: bool = True) -> dict
 
 
 def _load(model_or_dir: Any, tokenizer: Any) -> tuple[Any, Any]:
-    from srl.tinymodel import load_model, load_tokenizer
 
     if isinstance(model_or_dir, str | Path):
         d = Path(model_or_dir)

@@ -27,10 +27,10 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from consumers.train_engine import MicroBatch, TrainEngine
+
 if TYPE_CHECKING:
     import torch
-
-    from consumers.engine import Engine, MicroBatch
 
 log = logging.getLogger("srl.trainer.dist")
 
@@ -144,12 +144,11 @@ class Dist:
         self._to_all(STATE)
 
 
-def follow(engine: Engine, dist_: Dist) -> tuple[int, int]:
+def follow(engine: TrainEngine, dist_: Dist) -> tuple[int, int]:
     """The loop of ranks > 0: run what rank 0 sends until STOP; returns (steps, micro-batches)."""
     import torch
     import torch.distributed as dist
 
-    from consumers.engine import MicroBatch
 
     g = dist_.group
     steps = micro_batches = 0

@@ -19,71 +19,19 @@ Called by ``consumers.trainer`` (rank 0) and ``consumers.distributed`` (other ra
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from consumers.batcher import Row
 from consumers.config import TrainConfig
 from consumers.losses import k3_kl, policy_loss, token_logprobs
+from consumers.train_engine import MicroBatch, StepStats
+from srl.errors import SrlError
+from srl.tinymodel import load_model
 
 if TYPE_CHECKING:
     import torch
 
     from consumers.distributed import Dist
-
-
-@dataclass
-class MicroBatch:
-    """Tensors of one micro-batch, in the shifted frame: position j predicts token j + 1."""
-
-    ids: torch.Tensor  # [B, L] int64, right-padded
-    attn: torch.Tensor  # [B, L] int64
-    behav: torch.Tensor  # [B, L-1] float32 behaviour log-prob of token j+1 (0 off the loss)
-    adv: torch.Tensor  # [B] float32
-    weight: torch.Tensor  # [B, L-1] float32 loss weight (0 off the loss)
-    prox: torch.Tensor | None = None  # [B, L-1] log-probs of the first pass (updates_per_step > 1)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.ids, self.attn, self.behav, self.adv, self.weight]
-
-
-def make_micro_batch(rows: list[Row], seq_mean: bool, pad_id: int = 0) -> MicroBatch:
-    """Rows → padded tensors; loss positions are the completion tokens after the first one."""
-    import torch
-
-    b, length = len(rows), max(r.length for r in rows)
-    ids = torch.full((b, length), pad_id, dtype=torch.int64)
-    attn = torch.zeros((b, length), dtype=torch.int64)
-    behav = torch.zeros((b, length - 1), dtype=torch.float32)
-    weight = torch.zeros((b, length - 1), dtype=torch.float32)
-    for i, r in enumerate(rows):
-        ids[i, : r.length] = torch.from_numpy(r.input_ids)
-        attn[i, : r.length] = 1
-        # completion token c sits at position prompt_len + c, predicted at prompt_len + c - 1;
-        # with an empty prompt the first token has no predictor and is skipped
-        skip = 1 if r.prompt_len == 0 else 0
-        n = r.loss_tokens - skip
-        if n > 0:
-            start = r.prompt_len + skip - 1
-            behav[i, start : start + n] = torch.from_numpy(r.behav_logp[skip:].astype("float32"))
-            weight[i, start : start + n] = 1.0 / n if seq_mean else 1.0
-    adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
-    return MicroBatch(ids, attn, behav, adv, weight)
-
-
-@dataclass
-class StepStats:
-    loss: float = 0.0
-    kl: float = 0.0
-    ratio_mean: float = 0.0
-    ratio_max: float = 0.0
-    truncated_frac: float = 0.0
-    grad_norm: float = 0.0
-    compute_s: float = 0.0
-    padded_tokens: int = 0
-    _w: float = field(default=0.0, repr=False)
-    _n: float = field(default=0.0, repr=False)
 
 
 def resolve_device(name: str) -> str:
@@ -126,7 +74,6 @@ class Engine:
     def __init__(self, cfg: TrainConfig, dist: Dist | None = None) -> None:
         import torch
 
-        from srl.tinymodel import load_model
 
         self.cfg = cfg
         self.dist = dist
@@ -179,6 +126,10 @@ class Engine:
 
     def _backprop(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    @property
+    def max_length(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
 
     def backward(self, mb: MicroBatch) -> None:
         """Forward/backward one micro-batch now; gradients accumulate until ``step``."""
@@ -261,18 +212,8 @@ class Engine:
         missing, unexpected = self.model.load_state_dict(tensors, strict=False)
         aliases = set(self.model.state_dict()) - set(export_tensors(self.model))
         if unexpected or set(missing) - aliases:
-            from srl.errors import SrlError
 
             raise SrlError(
                 f"checkpoint does not fit the model: missing {sorted(set(missing) - aliases)[:3]}, "
                 f"unexpected {sorted(unexpected)[:3]}"
             )
-
-
-def make_engine(cfg: TrainConfig, dist: Dist | None = None) -> Engine:
-    """The backend ``cfg.backend`` names: plain torch, or DeepSpeed ZeRO (docs/trainer.md)."""
-    if cfg.backend == "deepspeed":
-        from consumers.engine_deepspeed import DeepSpeedEngine
-
-        return DeepSpeedEngine(cfg, dist)
-    return Engine(cfg, dist)

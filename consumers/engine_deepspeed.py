@@ -38,7 +38,9 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from consumers.config import TrainConfig
-from consumers.engine import Engine, MicroBatch, StepStats
+from consumers.engine import Engine
+from consumers.train_engine import MicroBatch, StepStats
+from srl.broker import free_port
 from srl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -81,7 +83,6 @@ class DeepSpeedEngine(Engine):
             # life: DeepSpeed caches groups, so a second engine cannot use a new one.
             import atexit
 
-            from srl.broker import free_port
 
             tdist.init_process_group(
                 "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from consumers.groups import Group, Sample
+from consumers.losses import advantages
 
 
 def staleness(v: int, b: int) -> int:
@@ -51,7 +52,6 @@ class Admitted:
 def group_advantages(kind: Literal["grpo", "rloo"], rewards: list[float]) -> list[float]:
     import torch
 
-    from consumers.losses import advantages
 
     return advantages(kind, torch.tensor(rewards, dtype=torch.float64)).tolist()
 

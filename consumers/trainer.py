@@ -35,27 +35,35 @@ from confluent_kafka import KafkaException
 
 from consumers import checkpoint as ckpts
 from consumers.assembler import Assembler, BadChunk, BadTrajectory, Partial, Trajectory
+from consumers.backends import make_engine
 from consumers.batcher import Row, StepBatcher
 from consumers.config import TrainConfig
-from consumers.engine import (
-    Engine,
-    StepStats,
-    extra_files,
-    make_engine,
-    make_micro_batch,
-    resolve_device,
-)
+from consumers.distributed import Dist, follow
+from consumers.engine import extra_files, resolve_device
+from consumers.engine_deepspeed import check_supported
 from consumers.gate import Admitted, gate_group, staleness
 from consumers.groups import Group, GroupBuffer, Sample
 from consumers.offsets import OffsetTracker
 from consumers.rewards import Scorer, load_reward
 from consumers.steps import StepPlanner
+from consumers.train_engine import StepStats, TrainEngine, make_micro_batch
 from schemas.codec import SchemaError
 from schemas.records import TrajectoryChunk, decode_as
 from srl.errors import ConfigError
-from srl.kafka import commit_sync, position_group, share_positions
+from srl.kafka import (
+    Producer,
+    commit_sync,
+    create_topics,
+    make_consumer,
+    next_batch,
+    position_group,
+    share_positions,
+)
 from srl.metrics import Metrics, dead_letter
+from srl.stores import store_from_config
+from srl.tinymodel import load_tokenizer
 from srl.topics import Layout
+from srl.weights import MANIFEST, Manifest, Published, announce, publish, version_prefix
 
 if TYPE_CHECKING:
     from consumers.distributed import Dist
@@ -76,15 +84,12 @@ class TrainResult:
 
 def run_trainer(cfg: TrainConfig) -> TrainResult:
     """Train until ``max_steps``, ``idle_exit_s`` without records, or SIGTERM/SIGINT."""
-    from consumers.distributed import Dist, follow
-    from srl.stores import store_from_config
 
     if not cfg.model or not (Path(cfg.model) / "config.json").is_file():
         raise ConfigError(
             f"model: {cfg.model or '(none)'} is not a Hugging Face model directory (--model DIR)"
         )
     if cfg.backend == "deepspeed":
-        from consumers.engine_deepspeed import check_supported
 
         check_supported(cfg)
     dist = Dist.from_env(resolve_device(cfg.device))
@@ -111,10 +116,8 @@ def run_trainer(cfg: TrainConfig) -> TrainResult:
 class Trainer:
     """Rank 0: the consumer, the ledger, the publisher. See the module docstring."""
 
-    def __init__(self, cfg: TrainConfig, engine: Engine, store: ObjectStore, dist: Dist | None,
+    def __init__(self, cfg: TrainConfig, engine: TrainEngine, store: ObjectStore, dist: Dist | None,
                  ckpt: ckpts.Checkpoint | None) -> None:  # fmt: skip
-        from srl.kafka import Producer
-        from srl.tinymodel import load_tokenizer
 
         self.cfg, self.engine, self.store, self.dist = cfg, engine, store, dist
         self.layout = Layout.from_config(cfg)
@@ -135,7 +138,7 @@ class Trainer:
         self.scorer = Scorer(load_reward(cfg.reward), load_tokenizer(cfg.model))
         self.tracker = OffsetTracker()
         self.files = extra_files(cfg.model)
-        self.max_len = int(getattr(engine.model.config, "max_position_embeddings", 1 << 30))
+        self.max_len = engine.max_length
         self.producer = Producer(cfg, "trainer")
         self.metrics = Metrics(self.producer, self.layout, cfg.run, "trainer-0")
         self.stopping = False
@@ -147,7 +150,6 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        from srl.kafka import create_topics, make_consumer, next_batch
 
         create_topics(
             self.cfg,
@@ -438,7 +440,6 @@ class Trainer:
 
     # -- durability -------------------------------------------------------------------------------
     def _publish(self) -> None:
-        from srl.weights import announce, publish
 
         t0 = time.perf_counter()
         version = self.version + 1
@@ -489,7 +490,6 @@ class Trainer:
 
     def _recover(self) -> None:
         """After a restart: re-send the last window's events; re-announce the newest version."""
-        from srl.weights import MANIFEST, Manifest, Published, announce, version_prefix
 
         if self.replay_events:
             self._emit_samples(self.replay_events)

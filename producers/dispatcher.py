@@ -50,9 +50,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
+from producers.backlog import GroupLag
 from producers.config import DispatchConfig, pool_group
+from ranker.api import assign_buckets
 from schemas.records import PromptTask, SchemaError, WeightsAnnouncement, decode_as, encode
 from srl.errors import SrlError
+from srl.kafka import Producer, QuietTail, consumer_settings, create_topics
+from srl.topics import Layout
 
 if TYPE_CHECKING:
     from producers.backlog import GroupLag
@@ -79,7 +83,6 @@ def plan_window(
         )
     lengths = [max(1, int(round(float(pred)))) for pred in predictions]
     if cfg.predictor == "ranker":  # Algorithm 2: the top alpha of the window is the long tail
-        from ranker.api import assign_buckets
 
         longtail = cfg.longtail_bucket or layout.buckets[-1]
         layout.bucket_index(longtail)  # one-line error for an unknown bucket
@@ -142,7 +145,6 @@ class Announcements:
     def __init__(self, cfg: DispatchConfig, layout: Layout) -> None:
         from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-        from srl.kafka import QuietTail, consumer_settings
 
         self.run, self.latest, self.step = cfg.run, 0, 0
         self._c = Consumer(consumer_settings(cfg, "srl-dispatch-weights", "dispatch-weights"))
@@ -181,9 +183,6 @@ def run_dispatcher(
     cfg: DispatchConfig, source: Iterable[PromptLike], predictor: LengthPredictor,
     stop: threading.Event | None = None,
 ) -> DispatchSummary:  # fmt: skip
-    from producers.backlog import GroupLag
-    from srl.kafka import Producer, create_topics
-    from srl.topics import Layout
 
     stop = stop or threading.Event()
     layout = Layout.from_config(cfg)

@@ -30,7 +30,8 @@ from confluent_kafka import Consumer, TopicPartition
 
 from schemas.records import MIGRATED, SchemaError, TrajectoryChunk, decode_as
 from srl.config import CommonConfig
-from srl.kafka import consumer_settings
+from srl.errors import SrlError
+from srl.kafka import committed_offsets, consumer_settings
 from srl.topics import Layout
 
 _NAMESPACE = uuid.UUID("6f1d2a8e-3c1b-4f7a-9d8e-5a4b3c2d1e0f")
@@ -110,7 +111,6 @@ def read_prefixes(
                 if chunk.seq >= wanted[key][1]:
                     found[key].chunks.setdefault(chunk.seq, chunk)
         if ends:
-            from srl.errors import SrlError
 
             raise SrlError(
                 f"reading trajectories back timed out after {timeout_s:g}s on partitions {sorted(ends)}"
@@ -131,7 +131,6 @@ def take_over_offsets(
     dead worker had not finished. Partitions ``new_group`` already committed are left alone,
     so a restarted replacement does not go back. Returns what was copied.
     """
-    from srl.kafka import committed_offsets
 
     c = Consumer(consumer_settings(cfg, new_group, "takeover"))  # commits only, never joins
     try:

@@ -21,8 +21,9 @@ import numpy as np
 import orjson
 
 from producers.workload import LengthHistogram
-from ranker.api import BaselinePredictor, LengthPredictor, OraclePredictor
+from ranker.api import BaselinePredictor, LengthPredictor, OraclePredictor, RankerPredictor
 from srl.errors import ConfigError
+from srl.stores import store_from_config
 
 if TYPE_CHECKING:
     from producers.config import DispatchConfig
@@ -91,8 +92,6 @@ def make_predictor(cfg: DispatchConfig, prompts: list[PromptLike]) -> LengthPred
     if cfg.predictor == "baseline":
         return BaselinePredictor(default)
     if cfg.predictor == "ranker":
-        from ranker.api import RankerPredictor
-        from srl.stores import store_from_config
 
         return RankerPredictor(store_from_config(cfg), cfg.run, BaselinePredictor(default))
     known = {

@@ -48,10 +48,14 @@ import orjson
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from producers.admission import may_start, order_key
+from producers.backlog import GroupLag
 from producers.chunker import Chunker, TrajectoryStart
 from producers.config import GenerateConfig
+from producers.engines import make_engine
 from producers.engines.base import Emitted, Engine, Request, RequestError
+from producers.follower import WeightFollower
 from producers.migration import Stragglers
+from producers.recovery import read_prefixes, take_over_offsets, trajectory_id_for
 from producers.tasks import OffsetTracker, SamplePlan, TaskState, TopicPart
 from schemas.records import (
     PromptTask,
@@ -64,7 +68,10 @@ from schemas.records import (
     unpack_tokens,
 )
 from srl.errors import ConfigError, SrlError, WeightsError
-from srl.kafka import commit_sync
+from srl.kafka import Producer, commit_sync, create_topics, make_consumer, position_group
+from srl.metrics import Metrics, dead_letter
+from srl.stores import store_from_config
+from srl.topics import Layout
 
 log = logging.getLogger("srl.generate")
 
@@ -97,7 +104,6 @@ class GenSummary:
 
 class GeneratorWorker:
     def __init__(self, cfg: GenerateConfig, engine: Engine) -> None:
-        from srl.topics import Layout
 
         self.cfg = cfg
         self.layout = Layout.from_config(cfg)
@@ -132,12 +138,6 @@ class GeneratorWorker:
 
     # -- lifecycle -----------------------------------------------------------------------
     def run(self, stop: threading.Event) -> GenSummary:
-        from producers.backlog import GroupLag
-        from producers.follower import WeightFollower
-        from producers.recovery import take_over_offsets
-        from srl.kafka import Producer, create_topics, make_consumer, position_group
-        from srl.metrics import Metrics
-        from srl.stores import store_from_config
 
         create_topics(self.cfg)
         with contextlib.ExitStack() as stack:
@@ -349,7 +349,6 @@ class GeneratorWorker:
                 )
             ]
         else:
-            from producers.recovery import trajectory_id_for
 
             plans = [SamplePlan(trajectory_id_for(task.task_id, s), s) for s in samples]
         for p in plans:
@@ -360,7 +359,6 @@ class GeneratorWorker:
 
     def _recover(self, states: list[TaskState]) -> None:
         """Read back what a previous owner published of these tasks' trajectories."""
-        from producers.recovery import read_prefixes
 
         wanted = {p.trajectory_id: (self.layout.partition_for(st.task.bucket, p.trajectory_id), p.next_seq)
                   for st in states for p in st.todo}  # fmt: skip
@@ -505,7 +503,6 @@ class GeneratorWorker:
     def _dead_letter(
         self, value: bytes | None, key: Any, reason: str, tp: TopicPart, offset: int
     ) -> None:
-        from srl.metrics import dead_letter
 
         dead_letter(
             self.producer,
@@ -639,7 +636,6 @@ def run_generator(
     cfg: GenerateConfig, stop: threading.Event | None = None, engine: Engine | None = None
 ) -> GenSummary:
     """Build the engine (unless given) and run one worker until ``stop`` is set or it goes idle."""
-    from producers.engines import make_engine
 
     engine = engine or make_engine(cfg)
     return GeneratorWorker(cfg, engine).run(stop or threading.Event())

@@ -24,10 +24,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ranker.model import RankerError
+from ranker.dispatch import length_quantiles
+from ranker.features import FeatureSpec
+from ranker.metrics import ranking_report
+from ranker.model import LengthRanker, RankerError
+from ranker.publish import load_version, publish
 from ranker.schedule import PtlModel
 from ranker.simulate import SimSettings, compare
 from ranker.workload import LengthHistogram, quantile_map
+from srl.stores import store_from_config
 
 if TYPE_CHECKING:
     from ranker.config import RankerConfig
@@ -38,11 +43,6 @@ def train_on_pairs(
     cfg: RankerConfig, texts: list[str], lengths: np.ndarray, seed: int, source: str
 ) -> LengthRanker:
     """Bootstrap: fit on prompts with their true lengths and publish the version."""
-    from ranker.dispatch import length_quantiles
-    from ranker.features import FeatureSpec
-    from ranker.model import LengthRanker
-    from ranker.publish import publish
-    from srl.stores import store_from_config
 
     ranker = LengthRanker.fit(texts, lengths, spec=FeatureSpec(cfg.buckets), hidden=cfg.hidden,
                               epochs=cfg.epochs, seed=seed)  # fmt: skip
@@ -55,8 +55,6 @@ def evaluate_on_pairs(
     cfg: RankerConfig, version: int | None, texts: list[str], true: np.ndarray, seed: int
 ) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
     """(report, true, predicted) of a published version on held-out prompts and their lengths."""
-    from ranker.metrics import ranking_report
-    from ranker.publish import load_version
 
     ranker = load_version(store_from_config(cfg), cfg.run, version)
     pred = ranker.predict(texts)
@@ -103,7 +101,6 @@ def simulate_report(
     report["workload"] = {"lengths": str(lengths), "scale": scale, "mean_tokens": hist.mean()}
     report["ranker_predictions"] = source
     if pairs is not None:
-        from ranker.metrics import ranking_report
 
         report["ranker_quality"] = ranking_report(true, pred)
     return report

@@ -31,7 +31,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from schemas.records import TrajectoryChunk
+from ranker.dispatch import length_quantiles
+from ranker.features import FeatureSpec
+from ranker.metrics import ranking_report
+from ranker.model import LengthRanker
+from ranker.publish import RankerFollower, publish
+from schemas.codec import SchemaError
+from schemas.records import TrajectoryChunk, decode_as, unpack_tokens
+from srl.kafka import Producer, consumer_settings, wait_for_broker
+from srl.metrics import Metrics, dead_letter
+from srl.stores import store_from_config
+from srl.tinymodel import build_tokenizer, load_tokenizer
+from srl.topics import Layout
 
 if TYPE_CHECKING:
     from ranker.config import RankerConfig
@@ -132,7 +143,6 @@ class TrainWindow:
 
 def live_report(window: TrainWindow) -> dict[str, float | int] | None:
     """Ranking quality of the predictions the dispatcher actually made, on the window."""
-    from ranker.metrics import ranking_report
 
     pred = window.predicted
     ok = ~np.isnan(pred)
@@ -143,8 +153,6 @@ def live_report(window: TrainWindow) -> dict[str, float | int] | None:
 
 def decoder_for(model_dir: str | None) -> Callable[[bytes], str]:
     """Token bytes → prompt text, with the policy's tokenizer (the tiny byte-level one if None)."""
-    from schemas.records import unpack_tokens
-    from srl.tinymodel import build_tokenizer, load_tokenizer
 
     tok = load_tokenizer(model_dir) if model_dir else build_tokenizer()
 
@@ -169,11 +177,6 @@ def run_online(
     moment the ``retrain_every``-th new pair arrives, so versions hold exactly those pairs."""
     from confluent_kafka import Consumer
 
-    from schemas.codec import SchemaError
-    from schemas.records import decode_as
-    from srl.kafka import Producer, consumer_settings, wait_for_broker
-    from srl.metrics import Metrics, dead_letter
-    from srl.topics import Layout
 
     wait_for_broker(cfg)
     layout = Layout.from_config(cfg)
@@ -229,8 +232,6 @@ class _VersionTrainer:
     """Window of pairs → a fitted, published version (warm-started from the latest)."""
 
     def __init__(self, cfg: RankerConfig) -> None:
-        from ranker.publish import RankerFollower
-        from srl.stores import store_from_config
 
         self.cfg = cfg
         self.store = store_from_config(cfg)
@@ -242,14 +243,10 @@ class _VersionTrainer:
         self.window.add(self.decode_prompt(pair.prompt_tokens), pair.length, pair.predicted_length)
 
     def train_and_publish(self) -> tuple[LengthRanker, dict[str, float]]:
-        from ranker.dispatch import length_quantiles
-        from ranker.model import LengthRanker
-        from ranker.publish import publish
 
         texts, lengths = self.window.arrays()
         live = live_report(self.window)
         init = self.follower.poll(force=True)
-        from ranker.features import FeatureSpec
 
         ranker = LengthRanker.fit(texts, lengths, spec=FeatureSpec(self.cfg.buckets),
                                   hidden=self.cfg.hidden, epochs=self.cfg.epochs, init=init)  # fmt: skip

@@ -29,7 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ranker.migrate import MigrationPolicy
 from ranker.schedule import PoolPlan, PtlModel, balance, history_lengths, plan_pools, split_longtail
+from ranker.simmigrate import skew_aware_migrating
 
 
 def instance_makespan(lengths: np.ndarray, cap: int, ptl: PtlModel) -> float:
@@ -165,8 +167,6 @@ def compare(
             r = skew_aware(true, pred, history, s.instances, s.b_max, s.ptl, s.alpha,
                            allow_shared=s.allow_shared)  # fmt: skip
             if s.migrate_factor is not None and r.plan is not None:
-                from ranker.migrate import MigrationPolicy
-                from ranker.simmigrate import skew_aware_migrating
 
                 policy = MigrationPolicy(factor=s.migrate_factor)
                 m_s, n_mig = skew_aware_migrating(true, pred, r.plan, s.alpha, s.ptl, policy)

@@ -32,9 +32,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
+from schemas.codec import SchemaError
 from schemas.records import WeightsAnnouncement, decode_as, encode, now_ms
 from srl import tensorfile
 from srl.errors import StoreError, WeightsError
+from srl.kafka import base_settings
 from srl.store import ObjectStore
 
 if TYPE_CHECKING:
@@ -318,8 +320,6 @@ def read_announcements(
     """Every readable announcement on the weights topic, oldest first (for tools and tests)."""
     from confluent_kafka import Consumer, TopicPartition
 
-    from schemas.codec import SchemaError
-    from srl.kafka import base_settings
 
     c = Consumer(
         base_settings(cfg, "weights-reader")

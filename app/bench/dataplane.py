@@ -34,6 +34,7 @@ import numpy as np
 from consumers.assembler import Assembler
 from producers.chunker import Chunker, TrajectoryStart
 from schemas.records import TrajectoryChunk, decode_as, encode, pack_tokens
+from srl.broker import EmbeddedBroker
 from srl.config import CommonConfig
 from srl.errors import SrlError
 from srl.kafka import Producer, create_topics, make_consumer, next_batch
@@ -210,7 +211,6 @@ def run(
             "batch": batch, "seed": seed, "rate": 0}  # fmt: skip
     with contextlib.ExitStack() as stack:
         if not external:
-            from srl.broker import EmbeddedBroker
 
             b = stack.enter_context(EmbeddedBroker())
             cfg = cfg.model_copy(update={"bootstrap_servers": b.bootstrap})

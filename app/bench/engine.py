@@ -25,7 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from producers.chunker import Chunker, TrajectoryStart
+from producers.engines import make_engine
 from producers.engines.base import Engine, Request, generate
+from schemas.records import encode
+from srl.kafka import Producer, create_topics
+from srl.topics import Layout
 
 
 @dataclass
@@ -65,11 +70,6 @@ def run_bench(
     cfg: Any, requests_n: int = 32, max_new_tokens: int = 64, repeats: int = 2
 ) -> dict[str, Any]:
     """Tokens/s of ``cfg``'s engine at batch 1, at ``cfg.max_batch``, and publishing at it."""
-    from producers.chunker import Chunker, TrajectoryStart
-    from producers.engines import make_engine
-    from schemas.records import encode
-    from srl.kafka import Producer, create_topics
-    from srl.topics import Layout
 
     layout = Layout.from_config(cfg)
     create_topics(cfg)

@@ -28,7 +28,6 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -44,9 +43,22 @@ from app.bench.pipemodel import (
     best_split,
     run_bound,
 )
+from app.report import metric_events
+from app.sources import load_source
+from consumers.config import TrainConfig
+from consumers.train_engine import MicroBatch, StepStats
+from consumers.trainer import Trainer
+from producers.config import DispatchConfig, GenerateConfig
+from producers.dispatcher import run_dispatcher
 from producers.engines.sim import SimEngine
+from producers.sources import make_predictor
+from producers.worker import run_generator
 from producers.workload import LengthHistogram
+from srl.broker import EmbeddedBroker
 from srl.errors import SrlError
+from srl.kafka import create_topics
+from srl.stores import store_from_config
+from srl.tinymodel import TinyModelSpec, build_tiny_model
 
 log = logging.getLogger("app.bench")
 MODEL_BATCHES = 32  # sampled steps the split model averages over
@@ -54,7 +66,7 @@ MODEL_BATCHES = 32  # sampled steps the split model averages over
 
 # -- the simulated parts ----------------------------------------------------------------------
 class SimTrainEngine:
-    """Stand-in for ``consumers.engine.Engine``: the modelled compute as a device queue; tiny
+    """A ``consumers.train_engine.TrainEngine``: the modelled compute as a device queue; tiny
     real tensors.
 
     A micro-batch's compute is queued on a simulated device (``busy_until``) as CUDA kernels
@@ -73,7 +85,7 @@ class SimTrainEngine:
         self.busy_until = 0.0
         self._pending = 0
         self._tensors = {"sim.weight": torch.zeros(1024)}  # published as a real version
-        self.model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1 << 30))
+        self.max_length = 1 << 30
 
     def _queue(self, tokens: int) -> None:
         seconds = tokens * self.s_per_token
@@ -89,15 +101,14 @@ class SimTrainEngine:
         if self.busy_until > now:
             time.sleep(self.busy_until - now)
 
-    def backward(self, mb: Any) -> None:
+    def backward(self, mb: MicroBatch) -> None:
         tokens = int((mb.weight > 0).sum())
         if self.stream:
             self._queue(tokens)
         else:
             self._pending += tokens
 
-    def step(self, normalizer: float) -> Any:
-        from consumers.engine import StepStats
+    def step(self, normalizer: float) -> StepStats:
 
         t0 = time.monotonic()
         self._queue(self._pending)
@@ -144,8 +155,6 @@ def sim_reward(prompt: str, completion: str, metadata: dict[str, Any]) -> float:
 def mode_configs(w: Workload, mode: str, split: dict[str, Any], top: dict[str, Any],
                  model_dir: Path) -> tuple[Any, list[Any], Any]:  # fmt: skip
     """The dispatcher's, the generators' and the trainer's configs of one mode."""
-    from consumers.config import TrainConfig
-    from producers.config import DispatchConfig, GenerateConfig
 
     k = w.k(mode)
     d_over, t_over = ({}, {}) if mode in BARRIER else DESIGNS[w.design]
@@ -174,14 +183,6 @@ def mode_configs(w: Workload, mode: str, split: dict[str, Any], top: dict[str, A
 def run_mode(
     w: Workload, mode: str, split: dict[str, Any], bootstrap: str, model_dir: Path, work: Path
 ) -> dict[str, Any]:
-    from app.report import metric_events
-    from app.sources import load_source
-    from consumers.trainer import Trainer
-    from producers.dispatcher import run_dispatcher
-    from producers.sources import make_predictor
-    from producers.worker import run_generator
-    from srl.kafka import create_topics
-    from srl.stores import store_from_config
 
     tag = uuid.uuid4().hex[:6]
     top = {"bootstrap_servers": bootstrap, "topic_prefix": f"bench.{mode.replace('+', '-')}.{tag}",
@@ -215,7 +216,7 @@ def run_mode(
     for th in threads:
         th.start()
     try:
-        Trainer(tcfg, sim_train, store_from_config(tcfg), None, None).run()  # type: ignore[arg-type]
+        Trainer(tcfg, sim_train, store_from_config(tcfg), None, None).run()
     finally:
         wall = time.monotonic() - t0
         stop.set()
@@ -294,7 +295,6 @@ def ratio(a: float, b: float | None) -> float | None:
 def run(w: Workload, external: str | None = None, progress: Any = None,
         modes: tuple[str, ...] = MODES) -> dict[str, Any]:  # fmt: skip
     """The ``modes`` on one broker; ratios against ``colocated`` and ``sync`` of the same run."""
-    from srl.tinymodel import TinyModelSpec, build_tiny_model
 
     hist = LengthHistogram.load(w.lengths, w.scale)
     # the model's steps: per-prompt lengths as the sim task draws them (the same histogram)
@@ -309,7 +309,6 @@ def run(w: Workload, external: str | None = None, progress: Any = None,
                              num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
         model_dir = build_tiny_model(work / "model", spec, seed=0)
         if external is None:
-            from srl.broker import EmbeddedBroker
 
             bootstrap = stack.enter_context(EmbeddedBroker()).bootstrap
         else:

@@ -15,6 +15,14 @@ import time
 
 import click
 
+from app.cli.common import echo_json
+from consumers.batcher import Row, pack
+from consumers.config import TrainConfig
+from consumers.engine import Engine
+from consumers.train_engine import make_micro_batch
+from srl.config import load_config
+from srl.tinymodel import TinyModelSpec, build_tiny_model
+
 
 @click.command()
 @click.option("--steps", default=5, show_default=True, help="Timed steps (after one warm-up).")
@@ -28,12 +36,6 @@ def main(steps: int, groups: int, n: int, budget: int, spec: str, threads: int) 
     import numpy as np
     import torch
 
-    from app.cli.common import echo_json
-    from consumers.batcher import Row, pack
-    from consumers.config import TrainConfig
-    from consumers.engine import Engine, make_micro_batch
-    from srl.config import load_config
-    from srl.tinymodel import TinyModelSpec, build_tiny_model
 
     if threads:
         torch.set_num_threads(threads)

@@ -33,7 +33,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from srl.tinymodel import TinyModelSpec
+from producers.chunker import Chunker, TrajectoryStart
+from producers.engines.base import Request
+from producers.engines.hf import HFEngine
+from srl.store import LocalStore
+from srl.tinymodel import TinyModelSpec, build_config, build_tiny_model, build_tokenizer
+from srl.weights import fetch_tensors, load_manifest, publish
 
 # about 10M, 100M and 500M parameters with the 260-token byte vocabulary
 SIZES: dict[str, TinyModelSpec] = {
@@ -53,7 +58,6 @@ def _model_dir(out: Path, spec: TinyModelSpec, dtype: Any, seed: int) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from srl.tinymodel import build_config, build_tokenizer
 
     tok = build_tokenizer()
     torch.manual_seed(seed)
@@ -75,9 +79,6 @@ def _fsync_copy(src: Path, dst: Path) -> None:
 def bench_size(name: str, spec: TinyModelSpec, work: Path, repeats: int = 1) -> dict[str, Any]:
     import torch
 
-    from producers.engines.hf import HFEngine
-    from srl.store import LocalStore
-    from srl.weights import fetch_tensors, load_manifest, publish
 
     model_dir = _model_dir(work / f"model-{name}", spec, torch.bfloat16, seed=0)
     engine = HFEngine(model_dir, max_batch=1, dtype="bfloat16", seed=0)
@@ -127,10 +128,6 @@ def swap_pause(work: Path, swaps: int = 20, batch: int = 8) -> dict[str, Any]:
     """Decode-stop time of a swap on the demo model's shape (HFEngine, fp32), median of ``swaps``."""
     import torch
 
-    from producers.chunker import Chunker, TrajectoryStart
-    from producers.engines.base import Request
-    from producers.engines.hf import HFEngine
-    from srl.tinymodel import build_tiny_model
 
     model_dir = build_tiny_model(work / "demo-model", TinyModelSpec())
     engine = HFEngine(model_dir, max_batch=batch, seed=0)

@@ -16,6 +16,10 @@ from producers.engines.base import (
     complete,
     generate,
 )
+from producers.engines.hf import HFEngine
+from producers.engines.sim import SimEngine
+from producers.engines.vllm import VLLMEngine
+from producers.workload import LengthHistogram
 
 if TYPE_CHECKING:
     from producers.config import GenerateConfig
@@ -38,17 +42,13 @@ def make_engine(cfg: GenerateConfig) -> Engine:
 
         torch.set_num_threads(cfg.threads)
     if cfg.engine == "hf":
-        from producers.engines.hf import HFEngine
 
         assert cfg.model is not None
         return HFEngine(cfg.model, cfg.max_batch, cfg.device, cfg.dtype or "float32", cfg.seed)
     if cfg.engine == "vllm":
-        from producers.engines.vllm import VLLMEngine
 
         assert cfg.model is not None
         return VLLMEngine(cfg.model, cfg.max_batch, cfg.dtype or "auto", cfg.seed)
-    from producers.engines.sim import SimEngine
-    from producers.workload import LengthHistogram
 
     lengths = LengthHistogram.load(cfg.lengths, cfg.length_scale) if cfg.lengths else None
     return SimEngine(cfg.max_batch, lengths, cfg.time_scale, cfg.seed, cfg.sim_tokens_per_step,

@@ -40,7 +40,9 @@ from producers.engines.base import (
     Request,
     RequestError,
 )
+from producers.engines.sampling import sample
 from srl.errors import ConfigError, WeightsError
+from srl.tinymodel import load_model, load_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -73,7 +75,6 @@ class HFEngine(Engine):
         )  # not the lazy top level: thread-safe import
         from transformers.utils import logging as hf_logging
 
-        from srl.tinymodel import load_model, load_tokenizer
 
         super().__init__(max_batch)
         if not Path(model_dir, "config.json").is_file():
@@ -209,7 +210,6 @@ class HFEngine(Engine):
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float]]:
         import torch
 
-        from producers.engines.sampling import sample
 
         temp = torch.tensor([r.temperature for r in reqs], device=self.device)
         top_p = torch.tensor([r.top_p for r in reqs], device=self.device)

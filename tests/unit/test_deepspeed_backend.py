@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from consumers.backends import make_engine
 from consumers.batcher import Row
 from consumers.config import TrainConfig
-from consumers.engine import Engine, MicroBatch, make_engine, make_micro_batch
+from consumers.engine import Engine
+from consumers.train_engine import MicroBatch, make_micro_batch
 from srl.errors import ConfigError
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (the .[deepspeed] extra)")

@@ -9,7 +9,8 @@ import torch
 
 from consumers.batcher import Row
 from consumers.config import TrainConfig
-from consumers.engine import Engine, make_micro_batch
+from consumers.engine import Engine
+from consumers.train_engine import make_micro_batch
 
 
 def test_bfloat16_parameters_train_and_publish_as_bfloat16(tiny_model: Path) -> None:
