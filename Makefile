@@ -28,6 +28,8 @@ demo: install
 # The whole suite (slow end-to-end tests included). `make test-fast` deselects the slow ones.
 test: install-dev
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/mypy
 	$(BIN)/python -m pytest --slow $(PYTEST_ARGS)
 
@@ -37,6 +39,7 @@ test-fast: install-dev
 lint: install-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-cache
 
 typecheck: install-dev
 	$(BIN)/mypy

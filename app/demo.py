@@ -83,7 +83,6 @@ class Watcher(threading.Thread):
     def run(self) -> None:  # noqa: D102 (thread body)
         from confluent_kafka import Consumer, TopicPartition
 
-
         layout = Layout.from_config(self.cfg)
         c = Consumer(
             base_settings(self.cfg, "demo-watch")
@@ -244,7 +243,8 @@ def _bootstrap_ranker(plan: Plan) -> None:
     source = f"demo task, 2000 train prompts, seed {plan.cfg.seed}"
     r = train_on_pairs(rcfg, texts, lengths, plan.cfg.seed, source)
     click_echo(
-        f"length ranker v{r.version} fitted on 2000 training prompts ({time.monotonic() - t0:.1f} s)"
+        f"length ranker v{r.version} fitted on 2000 training prompts ({time.monotonic() - t0:.1f} "
+        f"s)"
     )
 
 
@@ -263,9 +263,12 @@ def _supervise(
     deadline = time.monotonic() + cfg.timeout_s
     interactive = progress and sys.stderr.isatty()
     columns = (
-        TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("[bold]train[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
         TextColumn("{task.fields[line]}"),
-    )  # fmt: skip
+    )
     with Progress(*columns, disable=not interactive, transient=False) as bar:
         tid = bar.add_task("steps", total=cfg.steps, line="starting …")
         last_logged = -1
@@ -296,14 +299,20 @@ def _supervise(
 def summary(report: dict[str, Any]) -> str:
     """The few lines a user reads at the end of a demo."""
     r = report
-    return "\n".join([
-        f"mode {r['mode']}, seed {r['seed']}: {r['steps']} steps in {r['wall_s']:.0f} s "
-        f"({r['total_wall_s']:.0f} s in all), policy v{r['policy_versions']}",
-        f"held-out accuracy {r['eval_accuracy_before']:.3f} -> {r['eval_accuracy_after']:.3f} "
-        f"(greedy, {r['eval_prompts']} prompts); reward {r['reward_first']} -> {r['reward_last']}",
-        f"trajectories: {r['trajectories_generated']} generated, {r['trajectories_trained']} trained, "
-        f"{r['dropped_stale']} dropped stale, {r['failed']} failed, {r['pending_at_stop']} pending at stop, "
-        f"lost {r['lost']}; duplicates seen {r['duplicates_seen']}",
-        f"generation {r['tokens_per_s']} tokens/s; chunk-to-trainer latency p50 {r['ready_latency_ms_p50']} ms",
-        f"report: {Path(r['out']) / 'report.json'} and report.png",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"mode {r['mode']}, seed {r['seed']}: {r['steps']} steps in {r['wall_s']:.0f} s "
+            f"({r['total_wall_s']:.0f} s in all), policy v{r['policy_versions']}",
+            f"held-out accuracy {r['eval_accuracy_before']:.3f} -> {r['eval_accuracy_after']:.3f} "
+            f"(greedy, {r['eval_prompts']} prompts); reward {r['reward_first']} -> "
+            f"{r['reward_last']}",
+            f"trajectories: {r['trajectories_generated']} generated, {r['trajectories_trained']} "
+            f"trained, "
+            f"{r['dropped_stale']} dropped stale, {r['failed']} failed, {r['pending_at_stop']} "
+            f"pending at stop, "
+            f"lost {r['lost']}; duplicates seen {r['duplicates_seen']}",
+            f"generation {r['tokens_per_s']} tokens/s; chunk-to-trainer latency p50 "
+            f"{r['ready_latency_ms_p50']} ms",
+            f"report: {Path(r['out']) / 'report.json'} and report.png",
+        ]
+    )

@@ -59,7 +59,9 @@ class DemoConfig(CommonConfig):
     eval_every: int = Field(
         20,
         ge=0,
-        description="Also evaluate every N-th published version (accuracy over time); 0: final only.",
+        description=(
+            "Also evaluate every N-th published version (accuracy over time); 0: final only."
+        ),
     )
     chunk_tokens: int = Field(16, ge=1, description="Tokens per published chunk.")
     regular_max_batch: int = Field(32, ge=1, description="Regular pool's decode batch.")
@@ -67,7 +69,10 @@ class DemoConfig(CommonConfig):
     migrate_factor: float | None = Field(
         2.0,
         gt=1,
-        description="The regular pool hands a trajectory past this many times its predicted length (and 16 tokens) to the long-tail pool; null: never.",
+        description=(
+            "The regular pool hands a trajectory past this many times its predicted length (and 16 "
+            "tokens) to the long-tail pool; null: never."
+        ),
     )
     timeout_s: float = Field(1800.0, gt=0, description="Give up when training takes longer.")
     embedded: bool = Field(True, description="Start the embedded broker (false with --bootstrap).")
@@ -258,22 +263,48 @@ class Plan:
             Role(
                 "gen-regular",
                 _script(
-                    "srl-producer", "generate", *conf, "--pool", "regular",
-                    "--buckets", ",".join(REGULAR_BUCKETS),
-                    "--max-batch", str(c.regular_max_batch), "--worker-id", "regular-0",
-                    *(["--migrate-to", LONGTAIL_BUCKETS[0], "--migrate-factor", str(c.migrate_factor),
-                       "--migrate-min-tokens", "16"] if c.migrate_factor else []),
+                    "srl-producer",
+                    "generate",
+                    *conf,
+                    "--pool",
+                    "regular",
+                    "--buckets",
+                    ",".join(REGULAR_BUCKETS),
+                    "--max-batch",
+                    str(c.regular_max_batch),
+                    "--worker-id",
+                    "regular-0",
+                    *(
+                        [
+                            "--migrate-to",
+                            LONGTAIL_BUCKETS[0],
+                            "--migrate-factor",
+                            str(c.migrate_factor),
+                            "--migrate-min-tokens",
+                            "16",
+                        ]
+                        if c.migrate_factor
+                        else []
+                    ),
                 ),
                 logs / "gen-regular.log",
             ),
             Role(
                 "gen-longtail",
                 _script(
-                    "srl-producer", "generate", *conf, "--pool", "longtail",
-                    "--buckets", ",".join(LONGTAIL_BUCKETS),
-                    "--max-batch", str(c.longtail_max_batch), "--worker-id", "longtail-0",
+                    "srl-producer",
+                    "generate",
+                    *conf,
+                    "--pool",
+                    "longtail",
+                    "--buckets",
+                    ",".join(LONGTAIL_BUCKETS),
+                    "--max-batch",
+                    str(c.longtail_max_batch),
+                    "--worker-id",
+                    "longtail-0",
                 ),
                 logs / "gen-longtail.log",
             ),
             Role("dispatcher", _script("srl-producer", "dispatch", *conf), logs / "dispatcher.log"),
-        ]  # fmt: skip
+        ]

@@ -41,8 +41,13 @@ FRESH_MS = 30_000  # a gen_stats / train_step event older than this no longer co
 
 
 class Monitor:
-    def __init__(self, cfg: CommonConfig, window_s: float = 300.0, sample: int = 64,
-                 stall_after_s: float = 60.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: CommonConfig,
+        window_s: float = 300.0,
+        sample: int = 64,
+        stall_after_s: float = 60.0,
+    ) -> None:
         self.cfg = cfg
         self.layout = Layout.from_config(cfg)
         self.window_ms = int(window_s * 1000)
@@ -50,10 +55,16 @@ class Monitor:
         self.stall_after_ms = int(stall_after_s * 1000)
         wait_for_broker(cfg)
         self.admin = admin(cfg)
-        self._reader = Consumer(base_settings(cfg, "top") | cfg.kafka | {
-            "group.id": "srl-top", "enable.auto.commit": False, "enable.partition.eof": False})  # fmt: skip
-        self._metrics = Consumer(base_settings(cfg, "top-metrics") | cfg.kafka | {
-            "group.id": "srl-top", "enable.auto.commit": False})  # fmt: skip
+        self._reader = Consumer(
+            base_settings(cfg, "top")
+            | cfg.kafka
+            | {"group.id": "srl-top", "enable.auto.commit": False, "enable.partition.eof": False}
+        )
+        self._metrics = Consumer(
+            base_settings(cfg, "top-metrics")
+            | cfg.kafka
+            | {"group.id": "srl-top", "enable.auto.commit": False}
+        )
         self._metrics_next: int | None = None  # next offset of {prefix}.metrics to read
         self.events: deque[MetricEvent] = deque()
         self._moved: dict[tuple[str, str, int], tuple[int | None, int]] = {}  # offset, since ms
@@ -69,8 +80,12 @@ class Monitor:
     def partitions(self) -> dict[tuple[str, int], tuple[int, int]]:
         """``{(topic, partition): (low, high)}`` for every srl topic, one admin round trip."""
         md = self.admin.list_topics(timeout=self._timeout)
-        tps = [TopicPartition(t, p) for t, tm in md.topics.items()
-               if t.startswith(f"{self.layout.prefix}.") for p in tm.partitions]  # fmt: skip
+        tps = [
+            TopicPartition(t, p)
+            for t, tm in md.topics.items()
+            if t.startswith(f"{self.layout.prefix}.")
+            for p in tm.partitions
+        ]
         if not tps:
             return {}
         ends: dict[str, dict[tuple[str, int], int]] = {}
@@ -94,33 +109,52 @@ class Monitor:
                 desc = described[gid].result()
                 req = [ConsumerGroupTopicPartitions(gid)]
                 offsets = self.admin.list_consumer_group_offsets(req, request_timeout=self._timeout)
-                committed = {(tp.topic, tp.partition): tp.offset
-                             for tp in offsets[gid].result().topic_partitions if tp.offset >= 0}  # fmt: skip
+                committed = {
+                    (tp.topic, tp.partition): tp.offset
+                    for tp in offsets[gid].result().topic_partitions
+                    if tp.offset >= 0
+                }
             except KafkaException:
                 continue  # the group went away between the calls
-            owner = {(tp.topic, tp.partition): m for m in desc.members
-                     for tp in (m.assignment.topic_partitions if m.assignment else [])}  # fmt: skip
+            owner = {
+                (tp.topic, tp.partition): m
+                for m in desc.members
+                for tp in (m.assignment.topic_partitions if m.assignment else [])
+            }
             topics = {t for t, _ in [*committed, *owner] if t.startswith(f"{self.layout.prefix}.")}
             if not topics:
                 continue  # not an srl group (or not one of this prefix)
             state = str(desc.state).split(".")[-1]
             self.group_info[gid] = {"state": state, "members": len(desc.members)}
             for key in sorted(k for k in parts if k[0] in topics):
-                rows.append(self._row(gid, state, key, parts[key],
-                                      committed.get(key), owner.get(key)))  # fmt: skip
+                rows.append(
+                    self._row(gid, state, key, parts[key], committed.get(key), owner.get(key))
+                )
         return rows
 
-    def _row(self, gid: str, state: str, key: tuple[str, int], ends: tuple[int, int],
-             current: int | None, member: Any) -> dict[str, Any]:  # fmt: skip
+    def _row(
+        self,
+        gid: str,
+        state: str,
+        key: tuple[str, int],
+        ends: tuple[int, int],
+        current: int | None,
+        member: Any,
+    ) -> dict[str, Any]:
         topic, part = key
         return {
-            "group": gid, "topic": topic, "partition": part, "bucket": self._bucket(topic, part),
-            "current_offset": current, "log_end_offset": ends[1],
+            "group": gid,
+            "topic": topic,
+            "partition": part,
+            "bucket": self._bucket(topic, part),
+            "current_offset": current,
+            "log_end_offset": ends[1],
             "lag": None if current is None else ends[1] - current,
             "consumer_id": member.member_id if member else None,
             "host": member.host if member else None,
-            "client_id": member.client_id if member else None, "state": state,
-        }  # fmt: skip
+            "client_id": member.client_id if member else None,
+            "state": state,
+        }
 
     def _bucket(self, topic: str, part: int) -> str | None:
         if topic == self.layout.trajectories:
@@ -132,8 +166,9 @@ class Monitor:
         return None
 
     # -- backlog -----------------------------------------------------------------------
-    def backlog(self, rows: list[dict[str, Any]], parts: dict[tuple[str, int], tuple[int, int]]
-                ) -> tuple[list[dict[str, Any]], Counter[int]]:  # fmt: skip
+    def backlog(
+        self, rows: list[dict[str, Any]], parts: dict[tuple[str, int], tuple[int, int]]
+    ) -> tuple[list[dict[str, Any]], Counter[int]]:
         """Backlog per (group, topic, bucket) and the policy versions of sampled chunks."""
         starts = {}
         for r in rows:
@@ -149,9 +184,17 @@ class Monitor:
             if r["bucket"] is None:
                 continue
             key = (r["topic"], r["partition"])
-            a = agg.setdefault((r["group"], r["topic"], r["bucket"]), {
-                "group": r["group"], "topic": r["topic"], "bucket": r["bucket"], "records": 0,
-                "tokens": 0, "tokens_exact": True})  # fmt: skip
+            a = agg.setdefault(
+                (r["group"], r["topic"], r["bucket"]),
+                {
+                    "group": r["group"],
+                    "topic": r["topic"],
+                    "bucket": r["bucket"],
+                    "records": 0,
+                    "tokens": 0,
+                    "tokens_exact": True,
+                },
+            )
             start = starts.get((r["group"], *key))
             if start is None:
                 continue
@@ -164,8 +207,9 @@ class Monitor:
             a["tokens_exact"] &= len(seen) == n
         return list(agg.values()), versions
 
-    def _sample(self, starts: dict[tuple[str, int], int], parts: dict[tuple[str, int], tuple[int, int]]
-                ) -> tuple[dict[tuple[str, int], list[tuple[int, int | None]]], Counter[int]]:  # fmt: skip
+    def _sample(
+        self, starts: dict[tuple[str, int], int], parts: dict[tuple[str, int], tuple[int, int]]
+    ) -> tuple[dict[tuple[str, int], list[tuple[int, int | None]]], Counter[int]]:
         """Up to ``sample`` records from each start: (offset, tokens) and chunk versions."""
         out: dict[tuple[str, int], list[tuple[int, int | None]]] = defaultdict(list)
         versions: Counter[int] = Counter()
@@ -244,30 +288,45 @@ class Monitor:
         dead = sum(e.values.get("dead_letters", 0.0) for e in counters.values())
         return {
             "throughput": {
-                "gen_tokens_per_s": sum(e.values.get("tokens_per_s", 0.0) for e in fresh_gen.values()) if fresh_gen else None,
-                "train_tokens_per_s": train.values.get("tokens_per_s") if train and now - train.ts_ms <= FRESH_MS else None,
+                "gen_tokens_per_s": sum(
+                    e.values.get("tokens_per_s", 0.0) for e in fresh_gen.values()
+                )
+                if fresh_gen
+                else None,
+                "train_tokens_per_s": train.values.get("tokens_per_s")
+                if train and now - train.ts_ms <= FRESH_MS
+                else None,
                 "trajectories_per_s": len(trained_ts) / span if span > 0 else None,
                 "simulated": any(e.labels.get("simulated") == "true" for e in fresh_gen.values()),
             },
             "versions": {
                 "trainer": _int(train.values.get("policy_version")) if train else None,
                 "published": _int(published.values.get("version")) if published else None,
-                "generators": {s: _int(e.values.get("policy_version")) for s, e in sorted(fresh_gen.items())},
+                "generators": {
+                    s: _int(e.values.get("policy_version")) for s, e in sorted(fresh_gen.items())
+                },
             },
             "staleness": {
                 "histogram": {str(k): v for k, v in sorted(staleness.items())},
                 "mean": sum(k * v for k, v in staleness.items()) / n if n else None,
                 "max": max(staleness) if staleness else None,
             },
-            "drops": {"by_outcome": {k: v for k, v in sorted(outcomes.items()) if k != "trained"},
-                      "dead_letters_counted": int(dead)},
-        }  # fmt: skip
+            "drops": {
+                "by_outcome": {k: v for k, v in sorted(outcomes.items()) if k != "trained"},
+                "dead_letters_counted": int(dead),
+            },
+        }
 
     # -- weights -------------------------------------------------------------------------
     def weights(self) -> dict[str, Any]:
 
-        out: dict[str, Any] = {"run": self.cfg.run, "version": None, "manifest_uri": None,
-                               "manifest_ok": None, "error": None}  # fmt: skip
+        out: dict[str, Any] = {
+            "run": self.cfg.run,
+            "version": None,
+            "manifest_uri": None,
+            "manifest_ok": None,
+            "error": None,
+        }
         ann = latest_announcement(self.cfg, self.layout, self.cfg.run, self._timeout)
         if ann is None:
             return out
@@ -306,13 +365,22 @@ class Monitor:
         dlq = parts.get((self.layout.dlq, 0))
         summary["drops"]["dead_letter_records"] = dlq[1] - dlq[0] if dlq else 0
         return {
-            "ts_ms": now, "bootstrap": self.cfg.bootstrap_servers, "prefix": self.layout.prefix,
-            "run": self.cfg.run, "window_s": self.window_ms / 1000,
-            "topics": [{"topic": t, "partition": p, "bucket": self._bucket(t, p), "low": lo, "high": hi}
-                       for (t, p), (lo, hi) in parts.items()],
-            "groups": rows, "group_info": self.group_info, "backlog": backlog, "weights": self.weights(),
-            "stalled": self.stalled(rows, now), **summary,
-        }  # fmt: skip
+            "ts_ms": now,
+            "bootstrap": self.cfg.bootstrap_servers,
+            "prefix": self.layout.prefix,
+            "run": self.cfg.run,
+            "window_s": self.window_ms / 1000,
+            "topics": [
+                {"topic": t, "partition": p, "bucket": self._bucket(t, p), "low": lo, "high": hi}
+                for (t, p), (lo, hi) in parts.items()
+            ],
+            "groups": rows,
+            "group_info": self.group_info,
+            "backlog": backlog,
+            "weights": self.weights(),
+            "stalled": self.stalled(rows, now),
+            **summary,
+        }
 
     def stalled(self, rows: list[dict[str, Any]], now: int) -> list[dict[str, Any]]:
         out = []
@@ -333,8 +401,15 @@ class Monitor:
                 reason = f"committed offset unchanged for {(now - since) / 1000:.0f}s"
             else:
                 continue
-            out.append({"group": r["group"], "topic": r["topic"], "partition": r["partition"],
-                        "lag": behind, "reason": reason})  # fmt: skip
+            out.append(
+                {
+                    "group": r["group"],
+                    "topic": r["topic"],
+                    "partition": r["partition"],
+                    "lag": behind,
+                    "reason": reason,
+                }
+            )
         return out
 
 

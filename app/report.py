@@ -55,9 +55,9 @@ SAMPLE_OUTCOMES = ("trained", "dropped_stale", "failed_reward", "expired", "inva
 def read_all(
     cfg: CommonConfig, topic: str, timeout_s: float = 30.0
 ) -> Iterator[tuple[int, int, bytes]]:
-    """Every record of ``topic`` up to the high watermarks at call time: (partition, offset, value)."""
+    """Every record of ``topic`` up to the high watermarks at call time: (partition, offset,
+    value)."""
     from confluent_kafka import Consumer, TopicPartition
-
 
     hw = {tp: (lo, hi) for tp, (lo, hi) in watermarks(cfg, [topic]).items() if hi > lo}
     if not hw:
@@ -328,13 +328,17 @@ def build(
             "train_tokens_per_s": [steps[s].values.get("tokens_per_s") for s in order],
             "staleness_mean": [steps[s].values.get("staleness_mean") for s in order],
             "gen": [
-                [round((e.ts_ms - t0) / 1000, 2), e.labels.get("worker_id", e.source), e.values.get("tokens_per_s")]
+                [
+                    round((e.ts_ms - t0) / 1000, 2),
+                    e.labels.get("worker_id", e.source),
+                    e.values.get("tokens_per_s"),
+                ]
                 for e in gen_stats
             ],
             "ready_latency_ms": sorted(latency),
         },
         "roles": {r.name: (r.proc.returncode if r.proc else None) for r in fleet.roles},
-    }  # fmt: skip
+    }
     if audit.lost():
         report["lost_examples"] = sorted(audit.lost())[:5]
     return report
@@ -400,8 +404,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
     )
     curve = report.get("eval_curve") or [{"t_s": 0.0, "accuracy": report["eval_accuracy_before"]}]
     ax[1, 2].plot([c["t_s"] for c in curve], [c["accuracy"] for c in curve], "o-", color="C2")
-    ax[1, 2].set(title=f"held-out accuracy (greedy, {report['eval_prompts']} prompts)",
-                 xlabel="seconds since start (version published)", ylabel="accuracy", ylim=(0, 1))  # fmt: skip
+    ax[1, 2].set(
+        title=f"held-out accuracy (greedy, {report['eval_prompts']} prompts)",
+        xlabel="seconds since start (version published)",
+        ylabel="accuracy",
+        ylim=(0, 1),
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -60,10 +60,17 @@ def _sample(model: Any, tok: Any, texts: list[str], n: int, s: RlSettings) -> li
         mask[i, width - len(e) :] = 1
     with torch.no_grad():
         out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=s.max_new_tokens, do_sample=True,
-            temperature=s.temperature, top_k=0, top_p=1.0, num_return_sequences=n,
-            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-        )  # fmt: skip
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=s.max_new_tokens,
+            do_sample=True,
+            temperature=s.temperature,
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=n,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
     comps = []
     for row in out[:, width:].tolist():
         cut = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
@@ -74,7 +81,6 @@ def _sample(model: Any, tok: Any, texts: list[str], n: int, s: RlSettings) -> li
 def _step(model: Any, opt: Any, tok: Any, prompts: list[task.Prompt], s: RlSettings) -> float:
     """One GRPO step over ``groups_per_step`` groups; returns the mean reward."""
     import torch
-
 
     comps = _sample(model, tok, [p.text for p in prompts], s.group_size, s)
     rows: list[tuple[list[int], int, float]] = []  # ids, prompt length, advantage
@@ -120,7 +126,6 @@ def run(model_dir: Path, seed: int, s: RlSettings, log: Any = _progress) -> dict
     Progress lines go to stderr; the result is returned (``main`` prints JSON on stdout)."""
     import torch
 
-
     torch.manual_seed(seed)
     random.seed(seed)
     tok, model = load_tokenizer(model_dir), load_model(model_dir)
@@ -143,16 +148,20 @@ def run(model_dir: Path, seed: int, s: RlSettings, log: Any = _progress) -> dict
     after = evaluate(model.eval(), eval_set, tokenizer=tok)
     log(f"seed {seed}: after {after.accuracy:.3f} {after.by_op} ({rl_s:.0f} s RL)")
     return {
-        "seed": seed, "before": before.accuracy, "after": after.accuracy,
-        "gain": round(after.accuracy - before.accuracy, 4), "before_by_op": before.by_op,
-        "after_by_op": after.by_op, "reward_first": round(sum(rewards[:tenth]) / tenth, 3),
-        "reward_last": round(sum(rewards[-tenth:]) / tenth, 3), "rl_s": round(rl_s, 1),
-    }  # fmt: skip
+        "seed": seed,
+        "before": before.accuracy,
+        "after": after.accuracy,
+        "gain": round(after.accuracy - before.accuracy, 4),
+        "before_by_op": before.by_op,
+        "after_by_op": after.by_op,
+        "reward_first": round(sum(rewards[:tenth]) / tenth, 3),
+        "reward_last": round(sum(rewards[-tenth:]) / tenth, 3),
+        "rl_s": round(rl_s, 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     from dataclasses import fields
-
 
     ap = argparse.ArgumentParser(prog="python -m app.rlcheck", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

@@ -35,12 +35,25 @@ def synthetic_chunks(
         tid, started = uuid.uuid4().hex, now_ms()
         for seq, off in enumerate(range(0, length, chunk_tokens)):
             k = min(chunk_tokens, length - off)
-            chunks.append(TrajectoryChunk(
-                trajectory_id=tid, prompt_id=f"p{i}", task_id=f"t{i}", sample_index=0, group_size=1, seq=seq,
-                token_offset=off, tokens=pack_tokens(rng.integers(0, 32000, k)), logprobs=pack_logprobs(-rng.random(k)),
-                policy_version=0, is_last=off + k >= length, worker_id="smoke", bucket=bucket, started_ms=started,
-                finish_reason="length" if off + k >= length else None,
-            ))  # fmt: skip
+            chunks.append(
+                TrajectoryChunk(
+                    trajectory_id=tid,
+                    prompt_id=f"p{i}",
+                    task_id=f"t{i}",
+                    sample_index=0,
+                    group_size=1,
+                    seq=seq,
+                    token_offset=off,
+                    tokens=pack_tokens(rng.integers(0, 32000, k)),
+                    logprobs=pack_logprobs(-rng.random(k)),
+                    policy_version=0,
+                    is_last=off + k >= length,
+                    worker_id="smoke",
+                    bucket=bucket,
+                    started_ms=started,
+                    finish_reason="length" if off + k >= length else None,
+                )
+            )
     return chunks
 
 
@@ -49,7 +62,6 @@ def run_smoke(cfg: CommonConfig, n: int, external: bool = False) -> dict[str, An
 
     with contextlib.ExitStack() as stack:
         if not external:
-
             click.echo("starting the embedded broker …")
             b = stack.enter_context(EmbeddedBroker())
             cfg = cfg.model_copy(update={"bootstrap_servers": b.bootstrap})
@@ -62,8 +74,12 @@ def run_smoke(cfg: CommonConfig, n: int, external: bool = False) -> dict[str, An
         with Progress(transient=True) as progress, Producer(cfg, "smoke") as producer:
             task = progress.add_task("producing chunks", total=len(chunks))
             for c in chunks:
-                producer.produce(layout.trajectories, encode(c), key=c.trajectory_id,
-                                 partition=layout.partition_for(c.bucket, c.trajectory_id))  # fmt: skip
+                producer.produce(
+                    layout.trajectories,
+                    encode(c),
+                    key=c.trajectory_id,
+                    partition=layout.partition_for(c.bucket, c.trajectory_id),
+                )
                 progress.advance(task)
         produce_s = time.perf_counter() - t0
         consumer = make_consumer(cfg, f"srl-smoke-{uuid.uuid4().hex[:8]}", "smoke")
@@ -88,12 +104,22 @@ def run_smoke(cfg: CommonConfig, n: int, external: bool = False) -> dict[str, An
         finally:
             consumer.close()
         wall = time.perf_counter() - t0
-        result = {"trajectories": len(expected), "chunks": len(chunks), "tokens": tokens, "assembled": len(done),
-                  "duplicates": duplicates, "lost": len(expected) - len(done), "produce_s": round(produce_s, 3),
-                  "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall)}  # fmt: skip
+        result = {
+            "trajectories": len(expected),
+            "chunks": len(chunks),
+            "tokens": tokens,
+            "assembled": len(done),
+            "duplicates": duplicates,
+            "lost": len(expected) - len(done),
+            "produce_s": round(produce_s, 3),
+            "wall_s": round(wall, 3),
+            "tokens_per_s": round(tokens / wall),
+        }
         click.echo(
-            f"{result['assembled']}/{result['trajectories']} trajectories ({len(chunks)} chunks, {tokens} tokens) "
-            f"reassembled in {wall:.2f}s ({result['tokens_per_s']} tokens/s); lost {result['lost']}, "
+            f"{result['assembled']}/{result['trajectories']} trajectories ({len(chunks)} chunks, "
+            f"{tokens} tokens) "
+            f"reassembled in {wall:.2f}s ({result['tokens_per_s']} tokens/s); lost "
+            f"{result['lost']}, "
             f"duplicates {duplicates}"
         )
         if result["lost"]:

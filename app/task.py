@@ -128,8 +128,14 @@ def make_prompt(op: str, operand: str, prompt_id: str | None = None) -> Prompt:
     text = f"{op} {operand}="
     parse(text)  # validates
     answer = answer_of(op, operand)
-    meta = {"task": TASK_NAME, "op": op, "operand": operand, "answer": answer,
-            "answer_len": len(answer), "split": split_of(text)}  # fmt: skip
+    meta = {
+        "task": TASK_NAME,
+        "op": op,
+        "operand": operand,
+        "answer": answer,
+        "answer_len": len(answer),
+        "split": split_of(text),
+    }
     pid = prompt_id or hashlib.sha256(text.encode()).hexdigest()[:16]
     return Prompt(prompt_id=pid, text=text, metadata=meta)
 

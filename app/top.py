@@ -37,45 +37,99 @@ def render(snap: dict[str, Any]) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    parts: list[Any] = [Text(
-        f"srl top  {snap['bootstrap']}  prefix {snap['prefix']}  run {snap['run']}  "
-        f"{time.strftime('%H:%M:%S', time.localtime(snap['ts_ms'] / 1000))}", style="bold")]  # fmt: skip
+    parts: list[Any] = [
+        Text(
+            f"srl top  {snap['bootstrap']}  prefix {snap['prefix']}  run {snap['run']}  "
+            f"{time.strftime('%H:%M:%S', time.localtime(snap['ts_ms'] / 1000))}",
+            style="bold",
+        )
+    ]
     for s in snap["stalled"]:
-        parts.append(Text(f"STALLED {s['group']} {s['topic']}[{s['partition']}] lag {s['lag']}: "
-                          f"{s['reason']}", style="bold red"))  # fmt: skip
-    groups = Table("GROUP", "TOPIC", "PARTITION", "BUCKET", "CURRENT-OFFSET", "LOG-END-OFFSET",
-                   "LAG", "CONSUMER-ID", "HOST", "CLIENT-ID", box=None, title="consumer groups",
-                   title_justify="left")  # fmt: skip
+        parts.append(
+            Text(
+                f"STALLED {s['group']} {s['topic']}[{s['partition']}] lag {s['lag']}: "
+                f"{s['reason']}",
+                style="bold red",
+            )
+        )
+    groups = Table(
+        "GROUP",
+        "TOPIC",
+        "PARTITION",
+        "BUCKET",
+        "CURRENT-OFFSET",
+        "LOG-END-OFFSET",
+        "LAG",
+        "CONSUMER-ID",
+        "HOST",
+        "CLIENT-ID",
+        box=None,
+        title="consumer groups",
+        title_justify="left",
+    )
     for r in snap["groups"]:
-        groups.add_row(r["group"], r["topic"], str(r["partition"]), _s(r["bucket"]),
-                       _s(r["current_offset"]), str(r["log_end_offset"]), _s(r["lag"]),
-                       _s(r["consumer_id"]), _s(r["host"]), _s(r["client_id"]))  # fmt: skip
+        groups.add_row(
+            r["group"],
+            r["topic"],
+            str(r["partition"]),
+            _s(r["bucket"]),
+            _s(r["current_offset"]),
+            str(r["log_end_offset"]),
+            _s(r["lag"]),
+            _s(r["consumer_id"]),
+            _s(r["host"]),
+            _s(r["client_id"]),
+        )
     parts.append(groups if snap["groups"] else Text("no consumer group on srl topics yet"))
     if snap["backlog"]:
-        backlog = Table("GROUP", "TOPIC", "BUCKET", "RECORDS", "TOKENS", box=None,
-                        title="backlog per length bucket", title_justify="left")  # fmt: skip
+        backlog = Table(
+            "GROUP",
+            "TOPIC",
+            "BUCKET",
+            "RECORDS",
+            "TOKENS",
+            box=None,
+            title="backlog per length bucket",
+            title_justify="left",
+        )
         for b in snap["backlog"]:
             tokens = f"{b['tokens']}" if b["tokens_exact"] else f"~{b['tokens']}"
             backlog.add_row(b["group"], b["topic"], b["bucket"], str(b["records"]), tokens)
         parts.append(backlog)
     t, w, v, st, d = (snap[k] for k in ("throughput", "weights", "versions", "staleness", "drops"))
     sim = " (simulated engine)" if t["simulated"] else ""
-    parts.append(Text(
-        f"throughput: generation {_rate(t['gen_tokens_per_s'])} tok/s{sim}, training "
-        f"{_rate(t['train_tokens_per_s'])} tok/s, {_rate(t['trajectories_per_s'], 2)} trajectories/s"))  # fmt: skip
+    parts.append(
+        Text(
+            f"throughput: generation {_rate(t['gen_tokens_per_s'])} tok/s{sim}, training "
+            f"{_rate(t['train_tokens_per_s'])} tok/s, {_rate(t['trajectories_per_s'], 2)} "
+            f"trajectories/s"
+        )
+    )
     if w["version"] is None:
         parts.append(Text(f"weights: no version announced for run {w['run']}", style="yellow"))
     else:
         ok = "manifest ok" if w["manifest_ok"] else f"MANIFEST NOT OK: {w['error']}"
-        parts.append(Text(f"weights: {w['run']} v{w['version']}  {ok}",
-                          style="green" if w["manifest_ok"] else "bold red"))  # fmt: skip
+        parts.append(
+            Text(
+                f"weights: {w['run']} v{w['version']}  {ok}",
+                style="green" if w["manifest_ok"] else "bold red",
+            )
+        )
     gens = ", ".join(f"{k}=v{_s(x)}" for k, x in v["generators"].items()) or "-"
     backlog_v = ", ".join(f"v{k}:{n}" for k, n in v["in_backlog"].items()) or "-"
-    parts.append(Text(f"versions: trainer {_s(v['trainer'])}, published {_s(v['published'])}, "
-                      f"generators {gens}, in backlog (sampled chunks) {backlog_v}"))  # fmt: skip
+    parts.append(
+        Text(
+            f"versions: trainer {_s(v['trainer'])}, published {_s(v['published'])}, "
+            f"generators {gens}, in backlog (sampled chunks) {backlog_v}"
+        )
+    )
     hist = "  ".join(f"{k}:{n}" for k, n in st["histogram"].items()) or "-"
-    parts.append(Text(f"staleness (last {snap['window_s']:g}s): {hist}   mean {_rate(st['mean'], 2)}"
-                      f"  max {_s(st['max'])}"))  # fmt: skip
+    parts.append(
+        Text(
+            f"staleness (last {snap['window_s']:g}s): {hist}   mean {_rate(st['mean'], 2)}"
+            f"  max {_s(st['max'])}"
+        )
+    )
     drops = ", ".join(f"{k} {n}" for k, n in d["by_outcome"].items()) or "none"
     parts.append(Text(f"drops: {drops}; dead letters: {d['dead_letter_records']} on the DLQ"))
     return Group(*parts)
@@ -104,18 +158,60 @@ class SnapshotCollector:
         P = ["topic", "partition"]
         CG = ["consumergroup", "topic", "partition"]
         m = {
-            "parts": G("kafka_topic_partitions", "Number of partitions for this Topic", labels=["topic"]),
-            "cur": G("kafka_topic_partition_current_offset", "Current Offset of a Broker at Topic/Partition", labels=P),
-            "old": G("kafka_topic_partition_oldest_offset", "Oldest Offset of a Broker at Topic/Partition", labels=P),
-            "gcur": G("kafka_consumergroup_current_offset", "Current Offset of a ConsumerGroup at Topic/Partition", labels=CG),
-            "gcursum": G("kafka_consumergroup_current_offset_sum", "Current Offset of a ConsumerGroup at Topic for all partitions", labels=CG[:2]),
-            "lag": G("kafka_consumergroup_lag", "Current Approximate Lag of a ConsumerGroup at Topic/Partition", labels=CG),
-            "lagsum": G("kafka_consumergroup_lag_sum", "Current Approximate Lag of a ConsumerGroup at Topic for all partitions", labels=CG[:2]),
-            "members": G("kafka_consumergroup_members", "Amount of members in a consumer group", labels=["consumergroup"]),
-            "brec": G("srl_backlog_records", "Records not yet consumed by a group, per length bucket", labels=["consumergroup", "topic", "bucket"]),
-            "btok": G("srl_backlog_tokens", "Tokens not yet consumed by a group, per length bucket (estimated past the sample)", labels=["consumergroup", "topic", "bucket"]),
-            "stalled": G("srl_partition_stalled", "1 for a partition with lag and no progress or no consumer", labels=CG),
-        }  # fmt: skip
+            "parts": G(
+                "kafka_topic_partitions", "Number of partitions for this Topic", labels=["topic"]
+            ),
+            "cur": G(
+                "kafka_topic_partition_current_offset",
+                "Current Offset of a Broker at Topic/Partition",
+                labels=P,
+            ),
+            "old": G(
+                "kafka_topic_partition_oldest_offset",
+                "Oldest Offset of a Broker at Topic/Partition",
+                labels=P,
+            ),
+            "gcur": G(
+                "kafka_consumergroup_current_offset",
+                "Current Offset of a ConsumerGroup at Topic/Partition",
+                labels=CG,
+            ),
+            "gcursum": G(
+                "kafka_consumergroup_current_offset_sum",
+                "Current Offset of a ConsumerGroup at Topic for all partitions",
+                labels=CG[:2],
+            ),
+            "lag": G(
+                "kafka_consumergroup_lag",
+                "Current Approximate Lag of a ConsumerGroup at Topic/Partition",
+                labels=CG,
+            ),
+            "lagsum": G(
+                "kafka_consumergroup_lag_sum",
+                "Current Approximate Lag of a ConsumerGroup at Topic for all partitions",
+                labels=CG[:2],
+            ),
+            "members": G(
+                "kafka_consumergroup_members",
+                "Amount of members in a consumer group",
+                labels=["consumergroup"],
+            ),
+            "brec": G(
+                "srl_backlog_records",
+                "Records not yet consumed by a group, per length bucket",
+                labels=["consumergroup", "topic", "bucket"],
+            ),
+            "btok": G(
+                "srl_backlog_tokens",
+                "Tokens not yet consumed by a group, per length bucket (estimated past the sample)",
+                labels=["consumergroup", "topic", "bucket"],
+            ),
+            "stalled": G(
+                "srl_partition_stalled",
+                "1 for a partition with lag and no progress or no consumer",
+                labels=CG,
+            ),
+        }
         count: dict[str, int] = defaultdict(int)
         for r in snap["topics"]:
             count[r["topic"]] += 1
@@ -151,47 +247,91 @@ class SnapshotCollector:
 
         t, w, v = snap["throughput"], snap["weights"], snap["versions"]
         for name, key, doc in (
-            ("srl_generation_tokens_per_second", "gen_tokens_per_s", "Tokens/s over all generator workers"),
-            ("srl_training_tokens_per_second", "train_tokens_per_s", "Tokens/s of the last optimizer step"),
-            ("srl_trajectories_per_second", "trajectories_per_s", "Trajectories trained per second"),
-        ):  # fmt: skip
+            (
+                "srl_generation_tokens_per_second",
+                "gen_tokens_per_s",
+                "Tokens/s over all generator workers",
+            ),
+            (
+                "srl_training_tokens_per_second",
+                "train_tokens_per_s",
+                "Tokens/s of the last optimizer step",
+            ),
+            (
+                "srl_trajectories_per_second",
+                "trajectories_per_s",
+                "Trajectories trained per second",
+            ),
+        ):
             if t[key] is not None:
                 yield G(name, doc, value=t[key])
         if w["version"] is not None:
             ver = G("srl_weights_version", "Latest announced policy version", labels=["run"])
             ver.add_metric([w["run"]], w["version"])
             yield ver
-        ok = G("srl_weights_manifest_ok", "1 if the latest version's manifest verifies and its files exist", labels=["run"])  # fmt: skip
+        ok = G(
+            "srl_weights_manifest_ok",
+            "1 if the latest version's manifest verifies and its files exist",
+            labels=["run"],
+        )
         if w["version"] is not None:
             ok.add_metric([w["run"]], 1 if w["manifest_ok"] else 0)
         yield ok
-        gen = G("srl_generator_policy_version", "Policy version a generator worker runs", labels=["source"])  # fmt: skip
+        gen = G(
+            "srl_generator_policy_version",
+            "Policy version a generator worker runs",
+            labels=["source"],
+        )
         for src, ver in v["generators"].items():
             if ver is not None:
                 gen.add_metric([src], ver)
         yield gen
         if v["trainer"] is not None:
-            yield G("srl_trainer_policy_version", "Policy version after the trainer's last step", value=v["trainer"])  # fmt: skip
-        hist = G("srl_staleness_samples", "Samples per staleness (v - b) in the window", labels=["staleness"])  # fmt: skip
+            yield G(
+                "srl_trainer_policy_version",
+                "Policy version after the trainer's last step",
+                value=v["trainer"],
+            )
+        hist = G(
+            "srl_staleness_samples",
+            "Samples per staleness (v - b) in the window",
+            labels=["staleness"],
+        )
         for k, n in snap["staleness"]["histogram"].items():
             hist.add_metric([k], n)
         yield hist
-        drops = G("srl_dropped_samples", "Samples not trained in the window, by outcome", labels=["outcome"])  # fmt: skip
+        drops = G(
+            "srl_dropped_samples",
+            "Samples not trained in the window, by outcome",
+            labels=["outcome"],
+        )
         for k, n in snap["drops"]["by_outcome"].items():
             drops.add_metric([k], n)
         yield drops
-        yield G("srl_dead_letter_records", "Records on the dead-letter topic", value=snap["drops"]["dead_letter_records"])  # fmt: skip
+        yield G(
+            "srl_dead_letter_records",
+            "Records on the dead-letter topic",
+            value=snap["drops"]["dead_letter_records"],
+        )
 
 
-def run_top(cfg: CommonConfig, *, once: bool, as_json: bool, prometheus: int | None, listen: str,
-            interval_s: float, window_s: float, stall_after_s: float) -> None:  # fmt: skip
+def run_top(
+    cfg: CommonConfig,
+    *,
+    once: bool,
+    as_json: bool,
+    prometheus: int | None,
+    listen: str,
+    interval_s: float,
+    window_s: float,
+    stall_after_s: float,
+) -> None:
 
     monitor = Monitor(cfg, window_s=window_s, stall_after_s=stall_after_s)
     try:
         if once or as_json:
             snap = monitor.snapshot()
             if as_json:
-
                 echo_json(snap)
             else:
                 from rich.console import Console

@@ -64,9 +64,15 @@ class EvalResult:
 def cache_key(seed: int, sft: SftSettings) -> str:
 
     blob = orjson.dumps(
-        {"v": VERSION, "task": task.TASK_VERSION, "spec": asdict(TinyModelSpec()),
-         "sft": asdict(sft), "seed": seed}, option=orjson.OPT_SORT_KEYS,
-    )  # fmt: skip
+        {
+            "v": VERSION,
+            "task": task.TASK_VERSION,
+            "spec": asdict(TinyModelSpec()),
+            "sft": asdict(sft),
+            "seed": seed,
+        },
+        option=orjson.OPT_SORT_KEYS,
+    )
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -89,9 +95,12 @@ def quiet_transformers() -> None:
 
 
 def ensure_model(
-    seed: int = 0, out: Path | None = None, force: bool = False, progress: bool = True,
+    seed: int = 0,
+    out: Path | None = None,
+    force: bool = False,
+    progress: bool = True,
     sft: SftSettings | None = None,
-) -> Path:  # fmt: skip
+) -> Path:
     """The warm-started model directory for ``seed`` (built the first time, then cached)."""
     quiet_transformers()
     sft = sft or SftSettings()
@@ -105,10 +114,17 @@ def ensure_model(
     result = build(tmp, seed, sft, progress)
     (tmp / MARKER).write_bytes(
         orjson.dumps(
-            {"key": key, "seed": seed, "sft": asdict(sft), "build_s": round(time.monotonic() - t0, 1),
-             "final_loss": result["loss"], "eval_greedy": result["eval"]}, option=orjson.OPT_INDENT_2,
+            {
+                "key": key,
+                "seed": seed,
+                "sft": asdict(sft),
+                "build_s": round(time.monotonic() - t0, 1),
+                "final_loss": result["loss"],
+                "eval_greedy": result["eval"],
+            },
+            option=orjson.OPT_INDENT_2,
         )
-    )  # fmt: skip
+    )
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
@@ -124,7 +140,6 @@ def build(out: Path, seed: int, sft: SftSettings, progress: bool = True) -> dict
     """Random-init the tiny model in ``out``, fine-tune it on the demonstrator, save it there."""
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
 
     build_tiny_model(out, seed=seed)
     tok, model = load_tokenizer(out), load_model(out)
@@ -142,9 +157,13 @@ def build(out: Path, seed: int, sft: SftSettings, progress: bool = True) -> dict
     model.train()
     loss_ema = None
     with Progress(
-        TextColumn("warm start (SFT)"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn(), disable=not progress,
-    ) as bar:  # fmt: skip
+        TextColumn("warm start (SFT)"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeRemainingColumn(),
+        disable=not progress,
+    ) as bar:
         tid = bar.add_task("sft", total=sft.steps, loss="-")
         for _step in range(sft.steps):
             batch = [_encode(tok, *next(pairs)) for _ in range(sft.batch)]
@@ -227,7 +246,11 @@ def greedy(model: Any, tok: Any, texts: list[str], max_new_tokens: int) -> list[
         ids[i, width - len(e) :] = torch.tensor(e)
         mask[i, width - len(e) :] = 1
     out = model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-    )  # fmt: skip
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     return [tok.decode(o[width:], skip_special_tokens=True) for o in out]

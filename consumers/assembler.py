@@ -109,7 +109,8 @@ def validate_chunk(c: TrajectoryChunk) -> None:
         raise BadChunk(f"sample_index {c.sample_index} outside group of {c.group_size}")
     if len(c.tokens) % 4 or len(c.logprobs) != len(c.tokens):
         raise BadChunk(
-            f"{len(c.tokens)} token bytes vs {len(c.logprobs)} log-prob bytes (int32/float32, one each)"
+            f"{len(c.tokens)} token bytes vs {len(c.logprobs)} log-prob bytes (int32/float32, one "
+            f"each)"
         )
     if not c.tokens and not c.is_last and c.finish_reason != MIGRATED:
         raise BadChunk(f"empty chunk seq {c.seq} that is not the last")
@@ -198,16 +199,24 @@ class Assembler:
         tokens = unpack_tokens(bytearray(b"".join(c.tokens for c in chunks)))
         logprobs = unpack_logprobs(bytearray(b"".join(c.logprobs for c in chunks)))
         return Trajectory(
-            trajectory_id=part.trajectory_id, prompt_id=first.prompt_id, task_id=first.task_id,
-            sample_index=part.sample_index, group_size=part.group_size, bucket=first.bucket,
+            trajectory_id=part.trajectory_id,
+            prompt_id=first.prompt_id,
+            task_id=first.task_id,
+            sample_index=part.sample_index,
+            group_size=part.group_size,
+            bucket=first.bucket,
             prompt_tokens=unpack_tokens(first.prompt_tokens or b""),
-            tokens=tokens, logprobs=logprobs,
-            versions=tuple(int(c.policy_version) for c in chunks), finish_reason=last.finish_reason,
+            tokens=tokens,
+            logprobs=logprobs,
+            versions=tuple(int(c.policy_version) for c in chunks),
+            finish_reason=last.finish_reason,
             metadata=orjson.loads(first.metadata) if first.metadata else {},
-            workers=tuple(dict.fromkeys(c.worker_id for c in chunks)), started_ms=first.started_ms,
-            last_created_ms=max(c.created_ms for c in chunks), step=first.step,
+            workers=tuple(dict.fromkeys(c.worker_id for c in chunks)),
+            started_ms=first.started_ms,
+            last_created_ms=max(c.created_ms for c in chunks),
+            step=first.step,
             step_groups=first.step_groups,
-        )  # fmt: skip
+        )
 
     def expire(self, now: float | None = None) -> list[Partial]:
         """Remove and return the incomplete trajectories idle for ``expire_s`` or more."""

@@ -80,17 +80,31 @@ def optimizer_from_files(tensors: dict[str, torch.Tensor], body: bytes) -> dict[
 
 
 def save(
-    store: ObjectStore, run: str, n: int, *, step: int, version: int, ledger: dict[str, list[Any]],
-    events: list[dict[str, Any]], model: dict[str, torch.Tensor], optimizer: dict[str, Any],
+    store: ObjectStore,
+    run: str,
+    n: int,
+    *,
+    step: int,
+    version: int,
+    ledger: dict[str, list[Any]],
+    events: list[dict[str, Any]],
+    model: dict[str, torch.Tensor],
+    optimizer: dict[str, Any],
     extra: dict[str, Any] | None = None,
-) -> str:  # fmt: skip
+) -> str:
     """Write checkpoint ``n``; the marker goes last. Returns the marker's URI."""
     from safetensors.torch import save as st_save
 
     base = prefix(run, n)
     opt_tensors, opt_json = optimizer_to_files(optimizer)
-    state = {"step": step, "version": version, "ledger": ledger, "events": events,
-             "extra": extra or {}, "created_ms": now_ms()}  # fmt: skip
+    state = {
+        "step": step,
+        "version": version,
+        "ledger": ledger,
+        "events": events,
+        "extra": extra or {},
+        "created_ms": now_ms(),
+    }
     files = {
         "model.safetensors": st_save({k: v.detach().cpu().contiguous() for k, v in model.items()}),
         "optimizer.safetensors": st_save(opt_tensors) if opt_tensors else b"",
@@ -146,10 +160,15 @@ def load(store: ObjectStore, run: str, n: int) -> Checkpoint:
     state = orjson.loads(data["state.json"])
     opt_t = st_load(data["optimizer.safetensors"]) if data["optimizer.safetensors"] else {}
     return Checkpoint(
-        number=n, step=int(state["step"]), version=int(state["version"]), ledger=state["ledger"],
-        events=state["events"], model=st_load(data["model.safetensors"]),
-        optimizer=optimizer_from_files(opt_t, data["optimizer.json"]), extra=state.get("extra", {}),
-    )  # fmt: skip
+        number=n,
+        step=int(state["step"]),
+        version=int(state["version"]),
+        ledger=state["ledger"],
+        events=state["events"],
+        model=st_load(data["model.safetensors"]),
+        optimizer=optimizer_from_files(opt_t, data["optimizer.json"]),
+        extra=state.get("extra", {}),
+    )
 
 
 def prune(store: ObjectStore, run: str, keep: int) -> list[int]:

@@ -26,7 +26,10 @@ class TrainConfig(CommonConfig):
     )
     reward: str = Field(
         "app.task:demo_reward",
-        description="Reward function as module:function, called as fn(prompt, completion, metadata) -> float.",
+        description=(
+            "Reward function as module:function, called as fn(prompt, completion, metadata) -> "
+            "float."
+        ),
     )
     group_id: str | None = Field(
         None,
@@ -39,7 +42,10 @@ class TrainConfig(CommonConfig):
     )
     loss: Literal["tis", "ppo", "decoupled"] = Field(
         "tis",
-        description="Objective: tis (truncated importance-weighted policy gradient), ppo (clip against behaviour), decoupled (decoupled PPO).",
+        description=(
+            "Objective: tis (truncated importance-weighted policy gradient), ppo (clip against "
+            "behaviour), decoupled (decoupled PPO)."
+        ),
     )
     clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip: ratio floor is 1 - clip_low.")
     clip_high: float = Field(0.2, ge=0, description="PPO clip: ratio ceiling is 1 + clip_high.")
@@ -65,7 +71,10 @@ class TrainConfig(CommonConfig):
         1,
         ge=1,
         le=64,
-        description="Optimizer updates per batch: 1 streams; more re-run the stored micro-batches (PPO epochs).",
+        description=(
+            "Optimizer updates per batch: 1 streams; more re-run the stored micro-batches (PPO "
+            "epochs)."
+        ),
     )
     seed: int = Field(0, description="Seed of torch's generators.")
     # -- staleness and batching ---------------------------------------------------------
@@ -74,20 +83,34 @@ class TrainConfig(CommonConfig):
     )
     sync_barrier: bool = Field(
         False,
-        description="Synchronous baseline: k = 0, wait for the whole batch before any forward pass, publish every step.",
+        description=(
+            "Synchronous baseline: k = 0, wait for the whole batch before any forward pass, "
+            "publish every step."
+        ),
     )
     stale_policy: Literal["drop", "correct"] = Field(
         "drop",
-        description="drop: a group with a stale sample is dropped whole; correct: only stale samples are dropped, the rest train with importance correction.",
+        description=(
+            "drop: a group with a stale sample is dropped whole; correct: only stale samples are "
+            "dropped, the rest train with importance correction."
+        ),
     )
     batching: Literal["windows", "groups"] = Field(
         "windows",
-        description="windows: step t trains exactly the groups the dispatcher released for step t (no sample outlives k; docs/trainer.md); groups: each step takes the first groups_per_step complete groups (a trainer not paced by the dispatcher, e.g. of another run).",
+        description=(
+            "windows: step t trains exactly the groups the dispatcher released for step t (no "
+            "sample outlives k; docs/trainer.md); groups: each step takes the first "
+            "groups_per_step complete groups (a trainer not paced by the dispatcher, e.g. of "
+            "another run)."
+        ),
     )
     groups_per_step: int = Field(
         4,
         ge=1,
-        description="Groups per optimizer step for groups the dispatcher did not schedule (batching groups, hand-made records).",
+        description=(
+            "Groups per optimizer step for groups the dispatcher did not schedule (batching "
+            "groups, hand-made records)."
+        ),
     )
     micro_batch_tokens: int = Field(
         4096,

@@ -149,7 +149,6 @@ def follow(engine: TrainEngine, dist_: Dist) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
 
-
     g = dist_.group
     steps = micro_batches = 0
     while True:

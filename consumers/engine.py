@@ -74,7 +74,6 @@ class Engine:
     def __init__(self, cfg: TrainConfig, dist: Dist | None = None) -> None:
         import torch
 
-
         self.cfg = cfg
         self.dist = dist
         self.device = resolve_device(cfg.device)
@@ -104,8 +103,16 @@ class Engine:
         if first_pass and cfg.updates_per_step > 1:
             mb.prox = logp.detach().cpu()
         prox = None if mb.prox is None else mb.prox.to(self.device)
-        loss = policy_loss(cfg.loss, logp, behav, mb.adv.to(self.device), prox_logp=prox,
-                           clip_low=cfg.clip_low, clip_high=cfg.clip_high, cap=cfg.tis_cap)  # fmt: skip
+        loss = policy_loss(
+            cfg.loss,
+            logp,
+            behav,
+            mb.adv.to(self.device),
+            prox_logp=prox,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            cap=cfg.tis_cap,
+        )
         on = weight > 0
         if self.ref is not None:
             with torch.no_grad():
@@ -212,7 +219,6 @@ class Engine:
         missing, unexpected = self.model.load_state_dict(tensors, strict=False)
         aliases = set(self.model.state_dict()) - set(export_tensors(self.model))
         if unexpected or set(missing) - aliases:
-
             raise SrlError(
                 f"checkpoint does not fit the model: missing {sorted(set(missing) - aliases)[:3]}, "
                 f"unexpected {sorted(unexpected)[:3]}"

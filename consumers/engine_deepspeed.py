@@ -83,7 +83,6 @@ class DeepSpeedEngine(Engine):
             # life: DeepSpeed caches groups, so a second engine cannot use a new one.
             import atexit
 
-
             tdist.init_process_group(
                 "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
             )

@@ -52,7 +52,6 @@ class Admitted:
 def group_advantages(kind: Literal["grpo", "rloo"], rewards: list[float]) -> list[float]:
     import torch
 
-
     return advantages(kind, torch.tensor(rewards, dtype=torch.float64)).tolist()
 
 

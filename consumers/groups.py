@@ -95,9 +95,14 @@ class GroupBuffer:
         return self._close_if_complete(g)
 
     def add_missing(
-        self, prompt_id: str, sample_index: int, group_size: int, trajectory_id: str,
-        now: float | None = None, step: tuple[int | None, int | None] = (None, None),
-    ) -> Group | None:  # fmt: skip
+        self,
+        prompt_id: str,
+        sample_index: int,
+        group_size: int,
+        trajectory_id: str,
+        now: float | None = None,
+        step: tuple[int | None, int | None] = (None, None),
+    ) -> Group | None:
         """An expired trajectory fills its slot, so the rest of its group is not held forever."""
         now = time.monotonic() if now is None else now
         g = self._slot(prompt_id, sample_index, group_size, now)

@@ -90,7 +90,6 @@ def run_trainer(cfg: TrainConfig) -> TrainResult:
             f"model: {cfg.model or '(none)'} is not a Hugging Face model directory (--model DIR)"
         )
     if cfg.backend == "deepspeed":
-
         check_supported(cfg)
     dist = Dist.from_env(resolve_device(cfg.device))
     try:
@@ -116,8 +115,14 @@ def run_trainer(cfg: TrainConfig) -> TrainResult:
 class Trainer:
     """Rank 0: the consumer, the ledger, the publisher. See the module docstring."""
 
-    def __init__(self, cfg: TrainConfig, engine: TrainEngine, store: ObjectStore, dist: Dist | None,
-                 ckpt: ckpts.Checkpoint | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        engine: TrainEngine,
+        store: ObjectStore,
+        dist: Dist | None,
+        ckpt: ckpts.Checkpoint | None,
+    ) -> None:
 
         self.cfg, self.engine, self.store, self.dist = cfg, engine, store, dist
         self.layout = Layout.from_config(cfg)
@@ -133,8 +138,9 @@ class Trainer:
         self.assembler = Assembler(self.ledger, cfg.expire_s)
         self.groups = GroupBuffer(cfg.expire_s)
         self.batcher = StepBatcher(cfg.micro_batch_tokens, not cfg.sync_barrier)
-        self.planner = StepPlanner(cfg.groups_per_step, cfg.expire_s, self.step + 1,
-                                   windows=cfg.batching == "windows")  # fmt: skip
+        self.planner = StepPlanner(
+            cfg.groups_per_step, cfg.expire_s, self.step + 1, windows=cfg.batching == "windows"
+        )
         self.scorer = Scorer(load_reward(cfg.reward), load_tokenizer(cfg.model))
         self.tracker = OffsetTracker()
         self.files = extra_files(cfg.model)
@@ -256,7 +262,9 @@ class Trainer:
             self._invalid(msg, chunk, str(e))
             return None
         if traj is not None and traj.length > self.max_len:
-            self._invalid(msg, chunk, f"trajectory {tid}: {traj.length} tokens > the model's {self.max_len}")
+            self._invalid(
+                msg, chunk, f"trajectory {tid}: {traj.length} tokens > the model's {self.max_len}"
+            )
             return None
         return traj
 
@@ -265,8 +273,13 @@ class Trainer:
         so the rest of the group (and its step) is not held until expiry."""
         self._dead_letter(msg, reason)
         self._finalize(chunk.trajectory_id, chunk.prompt_id, chunk.bucket, "invalid", reason=reason)
-        group = self.groups.add_missing(chunk.prompt_id, chunk.sample_index, chunk.group_size,
-                                        chunk.trajectory_id, step=(chunk.step, chunk.step_groups))  # fmt: skip
+        group = self.groups.add_missing(
+            chunk.prompt_id,
+            chunk.sample_index,
+            chunk.group_size,
+            chunk.trajectory_id,
+            step=(chunk.step, chunk.step_groups),
+        )
         if group is not None:
             self._plan(group)
 
@@ -294,8 +307,13 @@ class Trainer:
     def _admit(self, group: Group) -> None:
         if not group.complete:  # expired before all its samples arrived: nothing of it trains
             for s in [*group.scored(), *group.failed()]:
-                self._finalize_sample(s, "expired", self.step + 1, self._sample_values(s),
-                                      f"group incomplete for {self.cfg.expire_s:g}s")  # fmt: skip
+                self._finalize_sample(
+                    s,
+                    "expired",
+                    self.step + 1,
+                    self._sample_values(s),
+                    f"group incomplete for {self.cfg.expire_s:g}s",
+                )
             return
         adm = gate_group(
             group, self.version, self.cfg.max_staleness, self.cfg.stale_policy, self.cfg.advantage
@@ -322,8 +340,12 @@ class Trainer:
                 self.dist.step(self.step + 1, normalizer)
             stats = self.engine.step(normalizer)
         else:  # nothing of the step trains (all lost or failed): same weights, next version
-            log.warning("step %d: no group to train (%d released groups missing); publishing "
-                        "the same weights so the run moves on", self.step + 1, self.planner.missing)  # fmt: skip
+            log.warning(
+                "step %d: no group to train (%d released groups missing); publishing "
+                "the same weights so the run moves on",
+                self.step + 1,
+                self.planner.missing,
+            )
             stats = StepStats()
         if self.planner.missing:
             self.metrics.incr("missing_groups", self.planner.missing)
@@ -337,24 +359,41 @@ class Trainer:
         now = time.monotonic()
         step_time = max(now - self.step_started, 1e-9)
         values = {
-            "loss": stats.loss, "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
-            "reward_std": statistics.pstdev(rewards) if rewards else 0.0, "samples": len(samples),
-            "groups": len(b.groups), "tokens": b.loss_tokens, "tokens_per_s": b.loss_tokens / step_time,
-            "step_time_s": step_time, "idle_s": min(self.idle_s, step_time), "compute_s": stats.compute_s,
+            "loss": stats.loss,
+            "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+            "reward_std": statistics.pstdev(rewards) if rewards else 0.0,
+            "samples": len(samples),
+            "groups": len(b.groups),
+            "tokens": b.loss_tokens,
+            "tokens_per_s": b.loss_tokens / step_time,
+            "step_time_s": step_time,
+            "idle_s": min(self.idle_s, step_time),
+            "compute_s": stats.compute_s,
             "compute_tokens_per_s": b.loss_tokens / stats.compute_s if stats.compute_s else 0.0,
             "staleness_mean": statistics.fmean(stale) if stale else 0.0,
-            "staleness_max": max(stale, default=0), "dropped_stale": self.stale_in_step,
-            "kl": stats.kl, "ratio_mean": stats.ratio_mean, "ratio_max": stats.ratio_max,
-            "truncated_frac": stats.truncated_frac, "grad_norm": stats.grad_norm,
+            "staleness_max": max(stale, default=0),
+            "dropped_stale": self.stale_in_step,
+            "kl": stats.kl,
+            "ratio_mean": stats.ratio_mean,
+            "ratio_max": stats.ratio_max,
+            "truncated_frac": stats.truncated_frac,
+            "grad_norm": stats.grad_norm,
             "padded_tokens": stats.padded_tokens,
-        }  # fmt: skip
+        }
         if self.step % self.cfg.publish_every == 0:
             self._publish()
         values["policy_version"] = self.version
         self.metrics.emit("train_step", values, step=self.step)
-        log.info("step %d v%d loss %.4f reward %.3f samples %d tokens/s %.0f idle %.2fs", self.step,
-                 self.version, stats.loss, values["reward_mean"], len(samples), values["tokens_per_s"],
-                 values["idle_s"])  # fmt: skip
+        log.info(
+            "step %d v%d loss %.4f reward %.3f samples %d tokens/s %.0f idle %.2fs",
+            self.step,
+            self.version,
+            stats.loss,
+            values["reward_mean"],
+            len(samples),
+            values["tokens_per_s"],
+            values["idle_s"],
+        )
         if self.step % self.cfg.checkpoint_every == 0:
             self._checkpoint()
         self.metrics.flush_counters(self.step)
@@ -362,8 +401,16 @@ class Trainer:
         self.step_started, self.idle_s, self.stale_in_step = time.monotonic(), 0.0, 0
 
     # -- outcomes ---------------------------------------------------------------------------------
-    def _finalize(self, tid: str, prompt_id: str, bucket: str, outcome: str, step: int | None = None,
-                  values: dict[str, float] | None = None, reason: str | None = None) -> None:  # fmt: skip
+    def _finalize(
+        self,
+        tid: str,
+        prompt_id: str,
+        bucket: str,
+        outcome: str,
+        step: int | None = None,
+        values: dict[str, float] | None = None,
+        reason: str | None = None,
+    ) -> None:
         step = self.step + 1 if step is None else step
         self.ledger[tid] = [outcome, step]
         self.undurable.add(tid)
@@ -381,11 +428,14 @@ class Trainer:
     def _sample_values(self, s: Sample, advantage: float | None = None) -> dict[str, float]:
         t = s.traj
         v: dict[str, float] = {
-            "staleness": staleness(self.version, t.behaviour_version), "behaviour_version": t.behaviour_version,
-            "policy_version": self.version, "tokens": t.n_tokens,
-            "ready_latency_ms": t.assembled_ms - t.last_created_ms, "chunks": len(t.versions),
+            "staleness": staleness(self.version, t.behaviour_version),
+            "behaviour_version": t.behaviour_version,
+            "policy_version": self.version,
+            "tokens": t.n_tokens,
+            "ready_latency_ms": t.assembled_ms - t.last_created_ms,
+            "chunks": len(t.versions),
             "workers": len(t.workers),
-        }  # fmt: skip
+        }
         if s.reward is not None:
             v["reward"] = s.reward
         if advantage is not None:
@@ -400,20 +450,36 @@ class Trainer:
         for s in adm.group.failed():
             self._finalize_sample(s, "failed_reward", step, self._sample_values(s), s.error)
 
-    def _finalize_sample(self, s: Sample, outcome: str, step: int, values: dict[str, float],
-                         reason: str | None = None) -> None:  # fmt: skip
+    def _finalize_sample(
+        self,
+        s: Sample,
+        outcome: str,
+        step: int,
+        values: dict[str, float],
+        reason: str | None = None,
+    ) -> None:
         t = s.traj
         self._finalize(t.trajectory_id, t.prompt_id, t.bucket, outcome, step, values, reason)
 
     def _expire_partial(self, p: Partial) -> None:
         versions = [c.policy_version for c in p.chunks.values()]
-        values: dict[str, float] = {"tokens": sum(c.n_tokens for c in p.chunks.values()), "policy_version": self.version,
-                  "behaviour_version": min(versions, default=self.version)}  # fmt: skip
+        values: dict[str, float] = {
+            "tokens": sum(c.n_tokens for c in p.chunks.values()),
+            "policy_version": self.version,
+            "behaviour_version": min(versions, default=self.version),
+        }
         values["staleness"] = self.version - values["behaviour_version"]
-        self._finalize(p.trajectory_id, p.prompt_id, p.bucket, "expired", values=values,
-                       reason=f"no chunk for {self.cfg.expire_s:g}s; have seqs {sorted(p.chunks)}")  # fmt: skip
-        group = self.groups.add_missing(p.prompt_id, p.sample_index, p.group_size, p.trajectory_id,
-                                        step=p.step)  # fmt: skip
+        self._finalize(
+            p.trajectory_id,
+            p.prompt_id,
+            p.bucket,
+            "expired",
+            values=values,
+            reason=f"no chunk for {self.cfg.expire_s:g}s; have seqs {sorted(p.chunks)}",
+        )
+        group = self.groups.add_missing(
+            p.prompt_id, p.sample_index, p.group_size, p.trajectory_id, step=p.step
+        )
         if group is not None:
             self._plan(group)
 
@@ -431,8 +497,11 @@ class Trainer:
         self.metrics.incr(
             "duplicates", self.assembler.duplicates - self.metrics.counters["duplicates"]
         )
-        if (self.undurable and self.last_record is not None
-                and now - self.last_record >= IDLE_CHECKPOINT_S):  # fmt: skip
+        if (
+            self.undurable
+            and self.last_record is not None
+            and now - self.last_record >= IDLE_CHECKPOINT_S
+        ):
             # decisions no step will follow soon (e.g. stale drops): make them durable and
             # commit, or generators bounded by the trainer's backlog would wait on us forever
             self._checkpoint()
@@ -443,12 +512,26 @@ class Trainer:
 
         t0 = time.perf_counter()
         version = self.version + 1
-        pub = publish(self.store, self.cfg.run, version, self.engine.tensors(), trainer_step=self.step,
-                      parent_version=self.lineage, extra_files=self.files)  # fmt: skip
+        pub = publish(
+            self.store,
+            self.cfg.run,
+            version,
+            self.engine.tensors(),
+            trainer_step=self.step,
+            parent_version=self.lineage,
+            extra_files=self.files,
+        )
         announce(self.producer, self.layout, pub)
         self.version = self.lineage = version
-        self.metrics.emit("weights_published", {"version": version, "bytes": pub.manifest.total_bytes,
-                                                "publish_s": time.perf_counter() - t0}, step=self.step)  # fmt: skip
+        self.metrics.emit(
+            "weights_published",
+            {
+                "version": version,
+                "bytes": pub.manifest.total_bytes,
+                "publish_s": time.perf_counter() - t0,
+            },
+            step=self.step,
+        )
 
     def _optimizer_state(self) -> dict[str, Any]:
         if self.dist is not None:
@@ -460,9 +543,18 @@ class Trainer:
 
         t0 = time.perf_counter()
         self.ckpt_number += 1
-        ckpts.save(self.store, self.cfg.run, self.ckpt_number, step=self.step, version=self.version,
-                   ledger=self.ledger, events=self.window, model=self.engine.tensors(),
-                   optimizer=self._optimizer_state(), extra={"lineage": self.lineage})  # fmt: skip
+        ckpts.save(
+            self.store,
+            self.cfg.run,
+            self.ckpt_number,
+            step=self.step,
+            version=self.version,
+            ledger=self.ledger,
+            events=self.window,
+            model=self.engine.tensors(),
+            optimizer=self._optimizer_state(),
+            extra={"lineage": self.lineage},
+        )
         ckpts.prune(self.store, self.cfg.run, self.cfg.keep_checkpoints)
         self._emit_samples(self.window)
         self.producer.flush()
@@ -474,7 +566,9 @@ class Trainer:
                 commit_sync(self.consumer, tps)
                 self.tracker.mark_committed(offsets)
             except KafkaException as e:  # the ledger covers it: records are re-read, deduped
-                log.warning("offset commit failed (records will be re-read and deduplicated): %s", e)
+                log.warning(
+                    "offset commit failed (records will be re-read and deduplicated): %s", e
+                )
         self.window, self.undurable, self.dirty = [], set(), False
         self.metrics.incr("checkpoints")
         log.info(
@@ -503,13 +597,19 @@ class Trainer:
                 Manifest.from_json(body, key), self.store.uri(key), hashlib.sha256(body).hexdigest()
             )
             announce(self.producer, self.layout, pub)
-        log.info("trainer at step %d, policy version %d, %d trajectories in the ledger", self.step,
-                 self.version, len(self.ledger))  # fmt: skip
+        log.info(
+            "trainer at step %d, policy version %d, %d trajectories in the ledger",
+            self.step,
+            self.version,
+            len(self.ledger),
+        )
 
     def _shutdown(self) -> None:
         if self.batcher.groups:
-            log.info("leaving a partial step of %d groups; its records are read again on restart",
-                     len(self.batcher.groups))  # fmt: skip
+            log.info(
+                "leaving a partial step of %d groups; its records are read again on restart",
+                len(self.batcher.groups),
+            )
         self.engine.discard()
         if self.dist is not None:
             self.dist.discard()

@@ -8,7 +8,8 @@ contract of ``schemas/trajectory_chunk.avsc``):
 * a chunk holds at most ``chunk_tokens`` tokens, one behaviour log-prob per token, and tokens
   of a single policy version: tokens of a new version close the open chunk first (so does
   ``flush_all`` before a weight swap);
-* ``prompt_tokens``, ``metadata``, ``step`` and ``step_groups`` ride on seq 0 only; ``finish_reason`` and ``is_last``
+* ``prompt_tokens``, ``metadata``, ``step`` and ``step_groups`` ride on seq 0 only;
+``finish_reason`` and ``is_last``
   on the last chunk only; the last chunk may be empty only when it carries nothing but the
   end (an abort);
 * the one exception: :meth:`Chunker.hand_off` closes a trajectory this worker gives to another
@@ -76,10 +77,15 @@ class Chunker:
         return len(self._open)
 
     def add(
-        self, trajectory_id: str, tokens: list[int], logprobs: list[float], version: int,
+        self,
+        trajectory_id: str,
+        tokens: list[int],
+        logprobs: list[float],
+        version: int,
         finish_reason: str | None = None,
-    ) -> list[TrajectoryChunk]:  # fmt: skip
-        """Chunks that ``tokens`` (all sampled by ``version``) complete; the last one if finished."""
+    ) -> list[TrajectoryChunk]:
+        """Chunks that ``tokens`` (all sampled by ``version``) complete; the last one if
+        finished."""
         if len(tokens) != len(logprobs):
             raise ValueError(f"{len(tokens)} tokens but {len(logprobs)} log-probs")
         t = self._open[trajectory_id]
@@ -128,14 +134,27 @@ class Chunker:
         del t.tokens[:n], t.logprobs[:n]
         first = t.seq == 0
         chunk = TrajectoryChunk(
-            trajectory_id=s.trajectory_id, prompt_id=s.prompt_id, task_id=s.task_id,
-            sample_index=s.sample_index, group_size=s.group_size, seq=t.seq, token_offset=t.offset,
-            tokens=pack_tokens(tokens), logprobs=pack_logprobs(logprobs), policy_version=t.version,
-            is_last=finish_reason is not None if is_last is None else is_last, finish_reason=finish_reason, worker_id=self.worker_id,
-            bucket=s.bucket, started_ms=s.started_ms, predicted_length=s.predicted_length,
-            prompt_tokens=s.prompt_tokens if first else None, metadata=s.metadata if first else None,
-            step=s.step if first else None, step_groups=s.step_groups if first else None,
-        )  # fmt: skip
+            trajectory_id=s.trajectory_id,
+            prompt_id=s.prompt_id,
+            task_id=s.task_id,
+            sample_index=s.sample_index,
+            group_size=s.group_size,
+            seq=t.seq,
+            token_offset=t.offset,
+            tokens=pack_tokens(tokens),
+            logprobs=pack_logprobs(logprobs),
+            policy_version=t.version,
+            is_last=finish_reason is not None if is_last is None else is_last,
+            finish_reason=finish_reason,
+            worker_id=self.worker_id,
+            bucket=s.bucket,
+            started_ms=s.started_ms,
+            predicted_length=s.predicted_length,
+            prompt_tokens=s.prompt_tokens if first else None,
+            metadata=s.metadata if first else None,
+            step=s.step if first else None,
+            step_groups=s.step_groups if first else None,
+        )
         t.seq += 1
         t.offset += n
         return chunk

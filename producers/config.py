@@ -27,7 +27,10 @@ class DispatchConfig(CommonConfig):
     )
     task: Literal["demo", "sim"] | None = Field(
         None,
-        description="Built-in prompt source instead of a file: demo (synthetic task) or sim (simulated workload).",
+        description=(
+            "Built-in prompt source instead of a file: demo (synthetic task) or sim (simulated "
+            "workload)."
+        ),
     )
     num_prompts: int = Field(
         64, ge=1, le=10_000_000, description="Prompts the built-in task generates."
@@ -51,17 +54,27 @@ class DispatchConfig(CommonConfig):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     predictor: Literal["baseline", "oracle", "ranker"] = Field(
         "baseline",
-        description="Length predictor: baseline (one length for all), oracle (metadata.sim_length) or ranker (the run's latest published ranker version, docs/ranker.md; baseline until one exists).",
+        description=(
+            "Length predictor: baseline (one length for all), oracle (metadata.sim_length) or "
+            "ranker (the run's latest published ranker version, docs/ranker.md; baseline until one "
+            "exists)."
+        ),
     )
     alpha: float = Field(
         0.2,
         gt=0,
         lt=1,
-        description="predictor ranker: the top alpha of each window (by predicted length) goes to the long-tail bucket (StreamRL Algorithm 2).",
+        description=(
+            "predictor ranker: the top alpha of each window (by predicted length) goes to the "
+            "long-tail bucket (StreamRL Algorithm 2)."
+        ),
     )
     longtail_bucket: str | None = Field(
         None,
-        description="predictor ranker: the long-tail pool's bucket; the other buckets are the regular pool's. null: the last bucket.",
+        description=(
+            "predictor ranker: the long-tail pool's bucket; the other buckets are the regular "
+            "pool's. null: the last bucket."
+        ),
     )
     baseline_length: int | None = Field(
         None, ge=1, description="The baseline predictor's length; null: max_new_tokens."
@@ -70,7 +83,10 @@ class DispatchConfig(CommonConfig):
         1,
         ge=0,
         le=1_000_000,
-        description="k: release each trainer step's groups_per_step prompts once the trainer has announced step t-1-k (0: the synchronous barrier); the trainer's step t trains exactly them, so no sample is dropped as stale. null: unpaced (window and max_pending).",
+        description="k: release each trainer step's groups_per_step prompts once the trainer has "
+        "announced step t-1-k (0: the synchronous barrier); the trainer's step t trains "
+        "exactly them, so no sample is dropped as stale. null: unpaced (window and "
+        "max_pending).",
     )
     groups_per_step: int = Field(
         8, ge=1, description="Prompts (groups) per trainer step: the size of each released step."
@@ -79,30 +95,44 @@ class DispatchConfig(CommonConfig):
         1,
         ge=1,
         le=4096,
-        description="Tasks each group is split into (near-equal runs of sample indices), so a long group's samples can run on several workers; the trainer still groups by prompt id.",
+        description="Tasks each group is split into (near-equal runs of sample indices), so a long "
+        "group's samples can run on several workers; the trainer still groups by prompt id.",
     )
     partitioning: Literal["balanced", "key"] = Field(
         "balanced",
-        description="Prompt partition of a task: balanced (the partition with the least predicted tokens so far, so a pool's workers get even shares) or key (hash of the prompt id: random).",
+        description=(
+            "Prompt partition of a task: balanced (the partition with the least predicted tokens "
+            "so far, so a pool's workers get even shares) or key (hash of the prompt id: random)."
+        ),
     )
     window: int = Field(
         64,
         ge=1,
-        description="Unpaced (max_staleness null): prompts ordered together (longest-predicted first) before publishing.",
+        description=(
+            "Unpaced (max_staleness null): prompts ordered together (longest-predicted first) "
+            "before publishing."
+        ),
     )
     max_pending: int | None = Field(
         256,
         ge=1,
-        description="Unpaced (max_staleness null): stop publishing while this many tasks are unconsumed by the pools; null: no bound.",
+        description=(
+            "Unpaced (max_staleness null): stop publishing while this many tasks are unconsumed by "
+            "the pools; null: no bound."
+        ),
     )
     pools: tuple[str, ...] = Field(
         ("regular",),
-        description="Generator pools whose progress counts for max_pending (their groups: {prefix}.gen.{pool}).",
+        description="Generator pools whose progress counts for max_pending (their groups: "
+        "{prefix}.gen.{pool}).",
     )
     barrier_timeout_s: float = Field(
         3600.0,
         gt=0,
-        description="Paced: give up when the trainer announces no step a release waits for within this long.",
+        description=(
+            "Paced: give up when the trainer announces no step a release waits for within this "
+            "long."
+        ),
     )
     epochs: int = Field(1, ge=1, le=100_000, description="Passes over the prompt source.")
 
@@ -135,7 +165,10 @@ class GenerateConfig(CommonConfig):
     )
     take_over_from: str | None = Field(
         None,
-        description="Before joining, copy this consumer group's committed positions to ours where ours has none (replacing a pool whose group a dead member wedges on the embedded broker).",
+        description=(
+            "Before joining, copy this consumer group's committed positions to ours where ours has "
+            "none (replacing a pool whose group a dead member wedges on the embedded broker)."
+        ),
     )
     worker_id: str | None = Field(
         None, description="Id on chunks and metrics; null: host-pid-pool."
@@ -165,24 +198,37 @@ class GenerateConfig(CommonConfig):
         1,
         ge=0,
         le=1_000_000,
-        description="k: never start a trajectory with weights older than latest - k (0: synchronous).",
+        description=(
+            "k: never start a trajectory with weights older than latest - k (0: synchronous)."
+        ),
     )
     max_backlog_chunks: int | None = Field(
         None,
         ge=1,
-        description="Pause intake while the trainer has more than this many chunks of the trajectories topic still to read (its shared read position, or its committed offsets if further); null: no bound.",
+        description=(
+            "Pause intake while the trainer has more than this many chunks of the trajectories "
+            "topic still to read (its shared read position, or its committed offsets if further); "
+            "null: no bound."
+        ),
     )
     backlog_stall_s: float = Field(
         20.0,
         gt=0,
-        description="Ignore the backlog bound while the trainer's position and offsets have not moved for this long: it is waiting for groups that paused intake would never finish.",
+        description=(
+            "Ignore the backlog bound while the trainer's position and offsets have not moved for "
+            "this long: it is waiting for groups that paused intake would never finish."
+        ),
     )
     backlog_group: str | None = Field(
         None, description="Consumer group whose lag is the backlog; null: srl-trainer-{run}."
     )
     migrate_to: str | None = Field(
         None,
-        description="Long-tail bucket to hand stragglers to (by prefix, same trajectory id): a trajectory of another bucket that ran past migrate_factor x its predicted length moves there; null: never migrate.",
+        description=(
+            "Long-tail bucket to hand stragglers to (by prefix, same trajectory id): a trajectory "
+            "of another bucket that ran past migrate_factor x its predicted length moves there; "
+            "null: never migrate."
+        ),
     )
     migrate_factor: float = Field(
         2.0,
@@ -204,18 +250,23 @@ class GenerateConfig(CommonConfig):
         1.0,
         ge=0,
         le=1000,
-        description="sim engine: factor on the modelled step time PTL(BS) (0.01 = 100x faster than modelled).",
+        description="sim engine: factor on the modelled step time PTL(BS) (0.01 = 100x faster than "
+        "modelled).",
     )
     sim_tokens_per_step: int = Field(
         1,
         ge=1,
         le=4096,
-        description="sim engine: tokens per sequence per decode step (each step lasts that many PTL(BS)); >1 cuts Python work in time-compressed runs.",
+        description=(
+            "sim engine: tokens per sequence per decode step (each step lasts that many PTL(BS)); "
+            ">1 cuts Python work in time-compressed runs."
+        ),
     )
     sim_vocab: int = Field(
         32_000,
         ge=5,
-        description="sim engine: token ids are drawn from [4, sim_vocab) (set it to a real trainer model's vocabulary size).",
+        description="sim engine: token ids are drawn from [4, sim_vocab) (set it to a real trainer "
+        "model's vocabulary size).",
     )
     stats_interval_s: float = Field(
         5.0, gt=0, description="How often gen_stats events are emitted."
@@ -226,7 +277,9 @@ class GenerateConfig(CommonConfig):
     drain_timeout_s: float = Field(
         30.0,
         ge=0,
-        description="On SIGTERM: how long in-flight trajectories may run before they are handed off.",
+        description=(
+            "On SIGTERM: how long in-flight trajectories may run before they are handed off."
+        ),
     )
     idle_exit_s: float | None = Field(
         None,
@@ -236,7 +289,9 @@ class GenerateConfig(CommonConfig):
     recovery_slack_s: float = Field(
         60.0,
         ge=0,
-        description="Clock skew allowed when reading a redelivered task's chunks back by timestamp.",
+        description=(
+            "Clock skew allowed when reading a redelivered task's chunks back by timestamp."
+        ),
     )
 
     @model_validator(mode="after")

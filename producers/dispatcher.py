@@ -69,9 +69,13 @@ log = logging.getLogger("srl.dispatch")
 
 
 def plan_window(
-    prompts: Sequence[PromptLike], predictions: np.ndarray, layout: Layout, cfg: DispatchConfig,
-    ranker_version: int | None = None, epoch: int = 0,
-) -> list[PromptTask]:  # fmt: skip
+    prompts: Sequence[PromptLike],
+    predictions: np.ndarray,
+    layout: Layout,
+    cfg: DispatchConfig,
+    ranker_version: int | None = None,
+    epoch: int = 0,
+) -> list[PromptTask]:
     """Tasks for one window: bucketed by prediction, longest-predicted first (across buckets).
 
     A group is identified by its prompt id, so epoch ``e > 0`` sends ``{prompt_id}.e{e}``: the
@@ -83,7 +87,6 @@ def plan_window(
         )
     lengths = [max(1, int(round(float(pred)))) for pred in predictions]
     if cfg.predictor == "ranker":  # Algorithm 2: the top alpha of the window is the long tail
-
         longtail = cfg.longtail_bucket or layout.buckets[-1]
         layout.bucket_index(longtail)  # one-line error for an unknown bucket
         regular = [b for b in layout.buckets if b != longtail]
@@ -94,13 +97,22 @@ def plan_window(
     parts = split_group(cfg.group_size, cfg.tasks_per_group)
     for p, length, bucket in zip(prompts, lengths, buckets, strict=True):
         for indices in parts:
-            tasks.append(PromptTask(
-                task_id=uuid.uuid4().hex, prompt_id=p.prompt_id if epoch == 0 else f"{p.prompt_id}.e{epoch}", prompt=p.text, group_size=cfg.group_size,
-                max_new_tokens=cfg.max_new_tokens, bucket=bucket, temperature=cfg.temperature,
-                top_p=cfg.top_p, predicted_length=length, ranker_version=ranker_version,
-                metadata=orjson.dumps(p.metadata).decode() if p.metadata else None,
-                sample_indices=indices,
-            ))  # fmt: skip
+            tasks.append(
+                PromptTask(
+                    task_id=uuid.uuid4().hex,
+                    prompt_id=p.prompt_id if epoch == 0 else f"{p.prompt_id}.e{epoch}",
+                    prompt=p.text,
+                    group_size=cfg.group_size,
+                    max_new_tokens=cfg.max_new_tokens,
+                    bucket=bucket,
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                    predicted_length=length,
+                    ranker_version=ranker_version,
+                    metadata=orjson.dumps(p.metadata).decode() if p.metadata else None,
+                    sample_indices=indices,
+                )
+            )
     return sorted(tasks, key=lambda t: -(t.predicted_length or 0))
 
 
@@ -145,7 +157,6 @@ class Announcements:
     def __init__(self, cfg: DispatchConfig, layout: Layout) -> None:
         from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-
         self.run, self.latest, self.step = cfg.run, 0, 0
         self._c = Consumer(consumer_settings(cfg, "srl-dispatch-weights", "dispatch-weights"))
         self._tp = TopicPartition(layout.weights, 0)
@@ -180,9 +191,11 @@ class Announcements:
 
 
 def run_dispatcher(
-    cfg: DispatchConfig, source: Iterable[PromptLike], predictor: LengthPredictor,
+    cfg: DispatchConfig,
+    source: Iterable[PromptLike],
+    predictor: LengthPredictor,
     stop: threading.Event | None = None,
-) -> DispatchSummary:  # fmt: skip
+) -> DispatchSummary:
 
     stop = stop or threading.Event()
     layout = Layout.from_config(cfg)
@@ -196,8 +209,11 @@ def run_dispatcher(
             stack.callback(anns.close)
         room = None
         if not paced and cfg.max_pending is not None:
-            lag = GroupLag(cfg, [pool_group(cfg.topic_prefix, p) for p in cfg.pools],
-                           [layout.prompts(b) for b in layout.buckets])  # fmt: skip
+            lag = GroupLag(
+                cfg,
+                [pool_group(cfg.topic_prefix, p) for p in cfg.pools],
+                [layout.prompts(b) for b in layout.buckets],
+            )
             stack.callback(lag.close)
             room = Room(lag, cfg.max_pending)
         balancer = Balancer(layout.prompt_partitions) if cfg.partitioning == "balanced" else None
@@ -207,15 +223,27 @@ def run_dispatcher(
             for window in windows(source, cfg.groups_per_step if paced else cfg.window):
                 if stop.is_set():
                     return summary
-                tasks = plan_window(window, predictor.predict([p.text for p in window]), layout,
-                                    cfg, predictor.version, epoch)  # fmt: skip
+                tasks = plan_window(
+                    window,
+                    predictor.predict([p.text for p in window]),
+                    layout,
+                    cfg,
+                    predictor.version,
+                    epoch,
+                )
                 t0 = time.monotonic()
                 if anns is not None and step is not None:
                     assert cfg.max_staleness is not None
-                    min_version = release(anns, step, cfg.max_staleness, cfg.barrier_timeout_s, stop)
+                    min_version = release(
+                        anns, step, cfg.max_staleness, cfg.barrier_timeout_s, stop
+                    )
                     summary.versions_seen.append(min_version)
-                    tasks = [dataclasses.replace(t, step=step, step_groups=len(window),
-                                                 min_version=min_version) for t in tasks]  # fmt: skip
+                    tasks = [
+                        dataclasses.replace(
+                            t, step=step, step_groups=len(window), min_version=min_version
+                        )
+                        for t in tasks
+                    ]
                     step += 1
                 for task in tasks:
                     if room is not None:
@@ -223,8 +251,12 @@ def run_dispatcher(
                     if stop.is_set():
                         break
                     part = balancer.assign(task) if balancer is not None else None
-                    producer.produce(layout.prompts(task.bucket), encode(task), key=task.prompt_id,
-                                     partition=part)  # fmt: skip
+                    producer.produce(
+                        layout.prompts(task.bucket),
+                        encode(task),
+                        key=task.prompt_id,
+                        partition=part,
+                    )
                     summary.tasks += 1
                     by_bucket[task.bucket] += 1
                 producer.flush()
@@ -241,9 +273,7 @@ def release_after(step: int, k: int) -> int:
     return step - 1 - k
 
 
-def release(
-    anns: Announcements, step: int, k: int, timeout_s: float, stop: threading.Event
-) -> int:
+def release(anns: Announcements, step: int, k: int, timeout_s: float, stop: threading.Event) -> int:
     """Wait until step ``step`` may be released; the newest announced version (its tasks'
     ``min_version``)."""
     need = release_after(step, k)
@@ -253,7 +283,8 @@ def release(
             return anns.latest
         if time.monotonic() > deadline:
             raise SrlError(
-                f"step {step} waits for the trainer's step {need}, but none came for {timeout_s:g}s; "
+                f"step {step} waits for the trainer's step {need}, but none came for "
+                f"{timeout_s:g}s; "
                 "is the trainer running?"
             )
         anns.poll(0.05)

@@ -1,4 +1,5 @@
-"""The weight follower: a background thread that tracks ``{prefix}.weights`` and fetches new versions.
+"""The weight follower: a background thread that tracks ``{prefix}.weights`` and fetches new
+versions.
 
 Owns a generator's view of the policy versions. What must hold:
 
@@ -126,7 +127,8 @@ class WeightFollower:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise SrlError(
-                        f"weights follower did not catch up with {self.layout.weights} in {timeout_s:g}s"
+                        f"weights follower did not catch up with {self.layout.weights} in "
+                        f"{timeout_s:g}s"
                     )
                 self._cond.wait(min(left, 0.1))
 

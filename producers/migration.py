@@ -80,15 +80,32 @@ class Stragglers:
 
     def due(self) -> list[str]:
         """Trajectories to hand off now (each reported once)."""
-        running = [Running(tid, len(p.tokens), p.predicted, p.max_new_tokens)
-                   for tid, p in self._running.items() if p.eligible]  # fmt: skip
+        running = [
+            Running(tid, len(p.tokens), p.predicted, p.max_new_tokens)
+            for tid, p in self._running.items()
+            if p.eligible
+        ]
         return self.migrator.stragglers(running) if running else []
 
-    def task(self, task: PromptTask, trajectory_id: str, next_seq: int, prompt_ids: list[int],
-             version: int) -> tuple[PromptTask, int]:  # fmt: skip
+    def task(
+        self,
+        task: PromptTask,
+        trajectory_id: str,
+        next_seq: int,
+        prompt_ids: list[int],
+        version: int,
+    ) -> tuple[PromptTask, int]:
         """The long-tail task that continues ``trajectory_id``, and its generated-token count."""
         p = self._running[trajectory_id]
         min_version = version if p.min_version is None else p.min_version
-        out = migration_task(task, trajectory_id, p.sample_index, next_seq, p.tokens, min_version,
-                             self.target, prompt_ids)  # fmt: skip
+        out = migration_task(
+            task,
+            trajectory_id,
+            p.sample_index,
+            next_seq,
+            p.tokens,
+            min_version,
+            self.target,
+            prompt_ids,
+        )
         return out, len(p.tokens)

@@ -38,7 +38,8 @@ _NAMESPACE = uuid.UUID("6f1d2a8e-3c1b-4f7a-9d8e-5a4b3c2d1e0f")
 
 
 def trajectory_id_for(task_id: str, sample_index: int) -> str:
-    """The id of sample ``sample_index`` of task ``task_id`` (uuid5 hex: stable across redeliveries)."""
+    """The id of sample ``sample_index`` of task ``task_id`` (uuid5 hex: stable across
+    redeliveries)."""
     return uuid.uuid5(_NAMESPACE, f"{task_id}/{sample_index}").hex
 
 
@@ -71,10 +72,14 @@ class Found:
 
 
 def read_prefixes(
-    cfg: CommonConfig, layout: Layout, wanted: dict[str, tuple[int, int]], since_ms: int,
+    cfg: CommonConfig,
+    layout: Layout,
+    wanted: dict[str, tuple[int, int]],
+    since_ms: int,
     timeout_s: float = 30.0,
-) -> dict[str, Found]:  # fmt: skip
-    """Chunks of ``wanted`` trajectories (``{trajectory_id: (partition, first_seq)}``) written since ``since_ms``."""
+) -> dict[str, Found]:
+    """Chunks of ``wanted`` trajectories (``{trajectory_id: (partition, first_seq)}``) written
+    since ``since_ms``."""
     found = {tid: Found() for tid in wanted}
     partitions = sorted({p for p, _ in wanted.values()})
     if not partitions:
@@ -111,9 +116,9 @@ def read_prefixes(
                 if chunk.seq >= wanted[key][1]:
                     found[key].chunks.setdefault(chunk.seq, chunk)
         if ends:
-
             raise SrlError(
-                f"reading trajectories back timed out after {timeout_s:g}s on partitions {sorted(ends)}"
+                f"reading trajectories back timed out after {timeout_s:g}s on partitions "
+                f"{sorted(ends)}"
             )
     finally:
         consumer.close()
@@ -140,8 +145,10 @@ def take_over_offsets(
         mine = committed_offsets(cfg, new_group, parts, timeout_s)
         copy = {tp: off for tp, off in old.items() if off is not None and mine.get(tp) is None}
         if copy:
-            c.commit(offsets=[TopicPartition(t, p, off) for (t, p), off in copy.items()],
-                     asynchronous=False)  # fmt: skip
+            c.commit(
+                offsets=[TopicPartition(t, p, off) for (t, p), off in copy.items()],
+                asynchronous=False,
+            )
         return copy
     finally:
         c.close()

@@ -83,8 +83,14 @@ def read_jsonl(path: str | Path) -> list[SourcePrompt]:
 def sim_prompts(n: int, lengths: LengthHistogram, seed: int = 0) -> list[SourcePrompt]:
     """``n`` simulated prompts, each with its oracle output length in ``metadata.sim_length``."""
     drawn = lengths.sample(n, np.random.default_rng(seed))
-    return [SourcePrompt(f"sim-{seed}-{i:07d}", f"simulated prompt {i} (seed {seed})", {"sim_length": int(length)})
-            for i, length in enumerate(drawn)]  # fmt: skip
+    return [
+        SourcePrompt(
+            f"sim-{seed}-{i:07d}",
+            f"simulated prompt {i} (seed {seed})",
+            {"sim_length": int(length)},
+        )
+        for i, length in enumerate(drawn)
+    ]
 
 
 def make_predictor(cfg: DispatchConfig, prompts: list[PromptLike]) -> LengthPredictor:
@@ -92,7 +98,6 @@ def make_predictor(cfg: DispatchConfig, prompts: list[PromptLike]) -> LengthPred
     if cfg.predictor == "baseline":
         return BaselinePredictor(default)
     if cfg.predictor == "ranker":
-
         return RankerPredictor(store_from_config(cfg), cfg.run, BaselinePredictor(default))
     known = {
         p.text: int(p.metadata["sim_length"])

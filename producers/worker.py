@@ -162,14 +162,18 @@ class GeneratorWorker:
                     copied = take_over_offsets(
                         self.cfg, self.cfg.take_over_from, self.cfg.consumer_group, topics
                     )
-                    log.info("took over %d committed positions from %s", len(copied),
-                             self.cfg.take_over_from)  # fmt: skip
+                    log.info(
+                        "took over %d committed positions from %s",
+                        len(copied),
+                        self.cfg.take_over_from,
+                    )
                 except KafkaException as e:  # e.g. our group is already active: it has them
                     log.warning("taking over from %s: %s", self.cfg.take_over_from, e)
             self.consumer = make_consumer(self.cfg, self.cfg.consumer_group, "generator")
             stack.callback(self.consumer.close)
-            self.consumer.subscribe(topics, on_assign=self._on_assign,
-                                    on_revoke=self._on_revoke, on_lost=self._on_lost)  # fmt: skip
+            self.consumer.subscribe(
+                topics, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
+            )
             idle_since = time.monotonic()
             while not stop.is_set():
                 self._iterate()
@@ -185,7 +189,8 @@ class GeneratorWorker:
         self.follower.check()
         if self._delivery_error is not None:
             raise SrlError(
-                f"chunk delivery failed ({self._delivery_error}); stopping without committing the task"
+                f"chunk delivery failed ({self._delivery_error}); stopping without committing the "
+                f"task"
             )
         self._swap()
         self._check_backlog()
@@ -229,8 +234,11 @@ class GeneratorWorker:
     def _swap(self) -> None:
         for version, reason in self.follower.drain_refusals():
             self.summary.weights_refused += 1
-            self.metrics.emit("weights_refused", {"version": version},
-                              {"worker_id": self.summary.worker_id, "reason": reason[:500]})  # fmt: skip
+            self.metrics.emit(
+                "weights_refused",
+                {"version": version},
+                {"worker_id": self.summary.worker_id, "reason": reason[:500]},
+            )
         ready = self.follower.take()
         if ready is None or ready.version <= self.engine.version:
             return
@@ -246,8 +254,15 @@ class GeneratorWorker:
         self.follower.swapped(ready.version)
         self.summary.weights_loaded += 1
         self.summary.policy_version = ready.version
-        self.metrics.emit("weights_loaded", {"version": ready.version, "load_s": ready.fetch_s + pause_ms / 1000,
-                                             "pause_ms": pause_ms}, {"worker_id": self.summary.worker_id})  # fmt: skip
+        self.metrics.emit(
+            "weights_loaded",
+            {
+                "version": ready.version,
+                "load_s": ready.fetch_s + pause_ms / 1000,
+                "pause_ms": pause_ms,
+            },
+            {"worker_id": self.summary.worker_id},
+        )
         log.info(
             "weights v%d loaded (fetch %.2fs, pause %.0f ms)",
             ready.version,
@@ -349,7 +364,6 @@ class GeneratorWorker:
                 )
             ]
         else:
-
             plans = [SamplePlan(trajectory_id_for(task.task_id, s), s) for s in samples]
         for p in plans:
             self.engine.validate(self._request(task, prompt_ids, target, p))
@@ -360,8 +374,14 @@ class GeneratorWorker:
     def _recover(self, states: list[TaskState]) -> None:
         """Read back what a previous owner published of these tasks' trajectories."""
 
-        wanted = {p.trajectory_id: (self.layout.partition_for(st.task.bucket, p.trajectory_id), p.next_seq)
-                  for st in states for p in st.todo}  # fmt: skip
+        wanted = {
+            p.trajectory_id: (
+                self.layout.partition_for(st.task.bucket, p.trajectory_id),
+                p.next_seq,
+            )
+            for st in states
+            for p in st.todo
+        }
         since = min(st.task.created_ms for st in states) - int(self.cfg.recovery_slack_s * 1000)
         found = read_prefixes(self.cfg, self.layout, wanted, since)
         for st in states:
@@ -406,11 +426,24 @@ class GeneratorWorker:
     def _start(self, st: TaskState, plan: SamplePlan) -> None:
         t = st.task
         self.engine.add(self._request(t, st.prompt_ids, st.target_length, plan))
-        self.chunker.open(TrajectoryStart(
-            plan.trajectory_id, t.prompt_id, t.task_id, plan.sample_index, t.group_size, t.bucket,
-            t.predicted_length, plan.next_seq, len(plan.prefix), pack_tokens(st.prompt_ids), t.metadata,
-            plan.started_ms or now_ms(), t.step, t.step_groups,
-        ))  # fmt: skip
+        self.chunker.open(
+            TrajectoryStart(
+                plan.trajectory_id,
+                t.prompt_id,
+                t.task_id,
+                plan.sample_index,
+                t.group_size,
+                t.bucket,
+                t.predicted_length,
+                plan.next_seq,
+                len(plan.prefix),
+                pack_tokens(st.prompt_ids),
+                t.metadata,
+                plan.started_ms or now_ms(),
+                t.step,
+                t.step_groups,
+            )
+        )
         self.by_tid[plan.trajectory_id] = st
         if self.stragglers is not None:
             self.stragglers.start(t, plan.trajectory_id, plan.sample_index, plan.prefix)
@@ -419,8 +452,16 @@ class GeneratorWorker:
     def _request(
         task: PromptTask, prompt_ids: list[int], target: int | None, plan: SamplePlan
     ) -> Request:
-        return Request(plan.trajectory_id, prompt_ids, task.max_new_tokens, task.temperature, task.top_p,
-                       plan.prefix, float(task.predicted_length or 0), target)  # fmt: skip
+        return Request(
+            plan.trajectory_id,
+            prompt_ids,
+            task.max_new_tokens,
+            task.temperature,
+            task.top_p,
+            plan.prefix,
+            float(task.predicted_length or 0),
+            target,
+        )
 
     def _publish(self, outputs: list[Emitted]) -> None:
         for e in outputs:
@@ -452,9 +493,13 @@ class GeneratorWorker:
                 self._delivery_error = self._delivery_error or err.str()
             self._maybe_finished(st)
 
-        self.producer.produce(self.layout.trajectories, encode(chunk), key=chunk.trajectory_id,
-                              partition=self.layout.partition_for(chunk.bucket, chunk.trajectory_id),
-                              on_delivery=delivered)  # fmt: skip
+        self.producer.produce(
+            self.layout.trajectories,
+            encode(chunk),
+            key=chunk.trajectory_id,
+            partition=self.layout.partition_for(chunk.bucket, chunk.trajectory_id),
+            on_delivery=delivered,
+        )
         self.summary.chunks += 1
 
     def _migrate(self) -> None:
@@ -480,18 +525,30 @@ class GeneratorWorker:
         self.producer.flush()  # 1. the prefix and its MIGRATED chunk are on the broker
         if self._delivery_error is not None:
             raise SrlError(f"hand-off chunk of {tid} not delivered ({self._delivery_error})")
-        task, generated = self.stragglers.task(st.task, tid, chunk.seq + 1, st.prompt_ids,
-                                               self.engine.version)  # fmt: skip
+        task, generated = self.stragglers.task(
+            st.task, tid, chunk.seq + 1, st.prompt_ids, self.engine.version
+        )
         self.producer.produce(self.layout.resumes(task.bucket), encode(task), key=task.prompt_id)
         self.producer.flush()  # 2. the resume task is on the broker (raises if it failed)
         del self.by_tid[tid]  # 3. only now: the slot is free and the sample done here
         st.generating.discard(tid)
         self.summary.migrated += 1
-        self.metrics.emit("migrated", {"generated": float(generated), "predicted": float(st.task.predicted_length or 0),
-                                       "next_seq": float(chunk.seq + 1)},
-                          {"worker_id": self.summary.worker_id, "trajectory_id": tid, "to": task.bucket})  # fmt: skip
-        log.info("migrated %s to %s after %d tokens (predicted %s)", tid, task.bucket, generated,
-                 st.task.predicted_length)  # fmt: skip
+        self.metrics.emit(
+            "migrated",
+            {
+                "generated": float(generated),
+                "predicted": float(st.task.predicted_length or 0),
+                "next_seq": float(chunk.seq + 1),
+            },
+            {"worker_id": self.summary.worker_id, "trajectory_id": tid, "to": task.bucket},
+        )
+        log.info(
+            "migrated %s to %s after %d tokens (predicted %s)",
+            tid,
+            task.bucket,
+            generated,
+            st.task.predicted_length,
+        )
         self._maybe_finished(st)
 
     def _maybe_finished(self, st: TaskState) -> None:
@@ -526,7 +583,8 @@ class GeneratorWorker:
         self._dead_letter(encode(st.task), st.task.prompt_id, reason, st.tp, st.offset)
 
     def _handoff(self, states: list[TaskState]) -> None:
-        """Leave unfinished trajectories to the partition's next owner: publish their open chunks."""
+        """Leave unfinished trajectories to the partition's next owner: publish their open
+        chunks."""
         for st in states:
             for tid in list(st.generating):
                 if tid in self.by_tid:
@@ -622,11 +680,21 @@ class GeneratorWorker:
         self._last_stats, self._stats_base = now, (self.summary.tokens, self.summary.trajectories)
         if self.cfg.max_backlog_chunks is None:
             self.backlog = self.lag.lag()
-        values = {"tokens": tokens, "tokens_per_s": tokens / dt, "trajectories": trajs,
-                  "running": self.engine.running, "policy_version": self.engine.version,
-                  "paused": float(self.paused != "none"), "backlog": float(self.backlog or 0)}  # fmt: skip
-        labels = {"pool": self.cfg.pool, "engine": self.engine.name, "worker_id": self.summary.worker_id,
-                  "simulated": "true" if self.engine.simulated else "false"}  # fmt: skip
+        values = {
+            "tokens": tokens,
+            "tokens_per_s": tokens / dt,
+            "trajectories": trajs,
+            "running": self.engine.running,
+            "policy_version": self.engine.version,
+            "paused": float(self.paused != "none"),
+            "backlog": float(self.backlog or 0),
+        }
+        labels = {
+            "pool": self.cfg.pool,
+            "engine": self.engine.name,
+            "worker_id": self.summary.worker_id,
+            "simulated": "true" if self.engine.simulated else "false",
+        }
         self.metrics.emit("gen_stats", values, labels)
         counts = {k: float(v) for k, v in self.summary.to_dict().items() if type(v) is int}
         self.metrics.emit("counter", counts, {"worker_id": self.summary.worker_id})

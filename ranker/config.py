@@ -18,7 +18,10 @@ class RankerConfig(CommonConfig):
 
     model_dir: str | None = Field(
         None,
-        description="Policy model directory, for its tokenizer (prompt tokens → text). null: the tiny byte-level tokenizer.",
+        description=(
+            "Policy model directory, for its tokenizer (prompt tokens → text). null: the tiny "
+            "byte-level tokenizer."
+        ),
     )
     ranker_group: str | None = Field(
         None, description="Consumer group of the online ranker trainer. null: srl-ranker-{run}."

@@ -64,8 +64,10 @@ class RankerPredictor:
 
 def length_quantiles(lengths: np.ndarray) -> list[float]:
     """What a version carries of the lengths it was trained on (for Algorithm 2's history)."""
-    return [float(x) for x in np.quantile(np.asarray(lengths, dtype=np.float64),
-                                          np.linspace(0, 1, QUANTILES))]  # fmt: skip
+    return [
+        float(x)
+        for x in np.quantile(np.asarray(lengths, dtype=np.float64), np.linspace(0, 1, QUANTILES))
+    ]
 
 
 def assign_buckets(

@@ -44,8 +44,14 @@ def train_on_pairs(
 ) -> LengthRanker:
     """Bootstrap: fit on prompts with their true lengths and publish the version."""
 
-    ranker = LengthRanker.fit(texts, lengths, spec=FeatureSpec(cfg.buckets), hidden=cfg.hidden,
-                              epochs=cfg.epochs, seed=seed)  # fmt: skip
+    ranker = LengthRanker.fit(
+        texts,
+        lengths,
+        spec=FeatureSpec(cfg.buckets),
+        hidden=cfg.hidden,
+        epochs=cfg.epochs,
+        seed=seed,
+    )
     ranker.info["length_quantiles"] = length_quantiles(lengths)
     ranker.info["source"] = source
     return publish(store_from_config(cfg), cfg.run, ranker)
@@ -81,14 +87,32 @@ def read_pairs(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def simulate_report(
-    lengths: Path, scale: float, pairs: Path | None, instances: int, b_max: int, batch: int,
-    alpha: float, iterations: int, seed: int, ptl: PtlModel | None = None,
-    allow_shared: bool = True, migrate_factor: float | None = 2.0,
-) -> dict[str, Any]:  # fmt: skip
+    lengths: Path,
+    scale: float,
+    pairs: Path | None,
+    instances: int,
+    b_max: int,
+    batch: int,
+    alpha: float,
+    iterations: int,
+    seed: int,
+    ptl: PtlModel | None = None,
+    allow_shared: bool = True,
+    migrate_factor: float | None = 2.0,
+) -> dict[str, Any]:
     """The SIMULATED comparison, with the workload and ranker provenance recorded."""
     hist = LengthHistogram.from_file(lengths, scale)
-    settings = SimSettings(instances, b_max, batch, alpha, iterations, seed, ptl or PtlModel(),
-                           migrate_factor, allow_shared)  # fmt: skip
+    settings = SimSettings(
+        instances,
+        b_max,
+        batch,
+        alpha,
+        iterations,
+        seed,
+        ptl or PtlModel(),
+        migrate_factor,
+        allow_shared,
+    )
     if pairs is None:
         true_pool = hist.sample(max(20_000, batch * 4), np.random.default_rng(seed + 7919))
         pred_pool = None
@@ -101,6 +125,5 @@ def simulate_report(
     report["workload"] = {"lengths": str(lengths), "scale": scale, "mean_tokens": hist.mean()}
     report["ranker_predictions"] = source
     if pairs is not None:
-
         report["ranker_quality"] = ranking_report(true, pred)
     return report

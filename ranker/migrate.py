@@ -99,14 +99,28 @@ def migration_task(
 ) -> PromptTask:
     """The task that resumes one trajectory in the long-tail pool (see the module doc)."""
     resume = ResumePrefix(
-        trajectory_id=trajectory_id, sample_index=sample_index, next_seq=next_seq,
-        tokens=pack_tokens(completion_tokens), min_version=min_version, reason=REASON,
-    )  # fmt: skip
+        trajectory_id=trajectory_id,
+        sample_index=sample_index,
+        next_seq=next_seq,
+        tokens=pack_tokens(completion_tokens),
+        min_version=min_version,
+        reason=REASON,
+    )
     return PromptTask(
-        task_id=uuid.uuid4().hex, prompt_id=task.prompt_id, prompt=task.prompt,
-        group_size=task.group_size, max_new_tokens=task.max_new_tokens, bucket=longtail_bucket,
+        task_id=uuid.uuid4().hex,
+        prompt_id=task.prompt_id,
+        prompt=task.prompt,
+        group_size=task.group_size,
+        max_new_tokens=task.max_new_tokens,
+        bucket=longtail_bucket,
         created_ms=now_ms(),
-        prompt_tokens=pack_tokens(prompt_tokens) if prompt_tokens is not None else task.prompt_tokens,
-        temperature=task.temperature, top_p=task.top_p, predicted_length=task.predicted_length,
-        ranker_version=task.ranker_version, metadata=task.metadata, resume=resume,
-    )  # fmt: skip
+        prompt_tokens=pack_tokens(prompt_tokens)
+        if prompt_tokens is not None
+        else task.prompt_tokens,
+        temperature=task.temperature,
+        top_p=task.top_p,
+        predicted_length=task.predicted_length,
+        ranker_version=task.ranker_version,
+        metadata=task.metadata,
+        resume=resume,
+    )

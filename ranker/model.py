@@ -132,16 +132,25 @@ class LengthRanker:
         for i, lin in enumerate(linears):
             params[f"w{i}"] = lin.weight.detach().numpy().T.copy()
             params[f"b{i}"] = lin.bias.detach().numpy().copy()
-        info = {"pairs": n, "epochs": epochs, "final_batch_mse_log": loss_v,
-                "warm_start_from": init.version if init is not None else None}  # fmt: skip
+        info = {
+            "pairs": n,
+            "epochs": epochs,
+            "final_batch_mse_log": loss_v,
+            "warm_start_from": init.version if init is not None else None,
+        }
         return cls(spec, tuple(hidden), params, None, info)
 
     # -- files ----------------------------------------------------------------------------
     def to_files(self) -> dict[str, bytes]:
         from safetensors.numpy import save
 
-        config = {"format": "srl-length-ranker", "format_version": 1,
-                  "features": self.spec.to_dict(), "hidden": list(self.hidden), "info": self.info}  # fmt: skip
+        config = {
+            "format": "srl-length-ranker",
+            "format_version": 1,
+            "features": self.spec.to_dict(),
+            "hidden": list(self.hidden),
+            "info": self.info,
+        }
         return {
             MODEL_FILE: save({k: np.ascontiguousarray(v) for k, v in self.params.items()}),
             CONFIG_FILE: orjson.dumps(config, option=orjson.OPT_INDENT_2),

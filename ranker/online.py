@@ -177,7 +177,6 @@ def run_online(
     moment the ``retrain_every``-th new pair arrives, so versions hold exactly those pairs."""
     from confluent_kafka import Consumer
 
-
     wait_for_broker(cfg)
     layout = Layout.from_config(cfg)
     trainer = _VersionTrainer(cfg)
@@ -201,8 +200,15 @@ def run_online(
                     try:
                         chunk = decode_as(msg.value() or b"", TrajectoryChunk)
                     except SchemaError as e:
-                        dead_letter(producer, layout, msg.value(), msg.key(), str(e),
-                                    f"{msg.topic()}/{msg.partition()}@{msg.offset()}", metrics)  # fmt: skip
+                        dead_letter(
+                            producer,
+                            layout,
+                            msg.value(),
+                            msg.key(),
+                            str(e),
+                            f"{msg.topic()}/{msg.partition()}@{msg.offset()}",
+                            metrics,
+                        )
                         continue
                     pair = collector.add(chunk)
                     if pair is None:
@@ -248,8 +254,14 @@ class _VersionTrainer:
         live = live_report(self.window)
         init = self.follower.poll(force=True)
 
-        ranker = LengthRanker.fit(texts, lengths, spec=FeatureSpec(self.cfg.buckets),
-                                  hidden=self.cfg.hidden, epochs=self.cfg.epochs, init=init)  # fmt: skip
+        ranker = LengthRanker.fit(
+            texts,
+            lengths,
+            spec=FeatureSpec(self.cfg.buckets),
+            hidden=self.cfg.hidden,
+            epochs=self.cfg.epochs,
+            init=init,
+        )
         ranker.info["length_quantiles"] = length_quantiles(lengths)
         ranker = publish(self.store, self.cfg.run, ranker, {"dispatch_time_metrics": live})
         self.window.since_fit = 0

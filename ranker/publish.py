@@ -76,12 +76,19 @@ def publish(
             entries = []
             for name, data in sorted(files.items()):
                 store.put(f"{prefix}/{name}", data)
-                entries.append({"name": name, "size": len(data),
-                                "sha256": hashlib.sha256(data).hexdigest()})  # fmt: skip
+                entries.append(
+                    {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                )
         except ObjectExists:
             continue  # another trainer took this number; take the next one
-        manifest = {"run": run, "version": version, "files": entries, "info": ranker.info,
-                    "extra": extra or {}, "created_ms": time.time_ns() // 1_000_000}  # fmt: skip
+        manifest = {
+            "run": run,
+            "version": version,
+            "files": entries,
+            "info": ranker.info,
+            "extra": extra or {},
+            "created_ms": time.time_ns() // 1_000_000,
+        }
         try:
             store.put(f"{prefix}/{MANIFEST}", orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
         except ObjectExists:

@@ -87,15 +87,22 @@ def history_lengths(
     regular = h[:k] if k > 0 else h
     longtail = h[k:] if k < len(h) else h[-1:]
     return ClassLengths(
-        float(np.quantile(regular, q_typical)), float(np.quantile(regular, q_tail)),
-        float(np.quantile(longtail, q_typical)), float(np.quantile(longtail, q_tail)),
-    )  # fmt: skip
+        float(np.quantile(regular, q_typical)),
+        float(np.quantile(regular, q_tail)),
+        float(np.quantile(longtail, q_typical)),
+        float(np.quantile(longtail, q_tail)),
+    )
 
 
 def pool_latency(
-    samples: int, instances: int, typical: float, tail: float, ptl: PtlModel, b_max: int,
+    samples: int,
+    instances: int,
+    typical: float,
+    tail: float,
+    ptl: PtlModel,
+    b_max: int,
     small_batch: bool = True,
-) -> tuple[float, int]:  # fmt: skip
+) -> tuple[float, int]:
     """(modelled seconds, batch size) for ``samples`` spread over ``instances``.
 
     ``PTL(BS) × max(tail, typical × ceil(M / BS))``: ``ceil(M/BS)`` rounds of typical length,
@@ -179,9 +186,14 @@ def plan_pools(
                 n_longtail, n_lt, lengths.longtail_typical, lengths.longtail_tail, ptl, b_max
             )
             t_rg, bs_rg = pool_latency(
-                n_regular, instances - n_lt, lengths.regular_typical, lengths.regular_tail,
-                ptl, b_max, small_batch=False,
-            )  # fmt: skip
+                n_regular,
+                instances - n_lt,
+                lengths.regular_typical,
+                lengths.regular_tail,
+                ptl,
+                b_max,
+                small_batch=False,
+            )
             candidates.append(PoolPlan(n_lt, bs_lt, instances - n_lt, bs_rg, t_lt, t_rg))
     # strictly better only: ties keep the earlier candidate (shared pool, then fewer long-tail)
     best = candidates[0]

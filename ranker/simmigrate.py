@@ -111,17 +111,23 @@ class MigrationSim:
 
 
 def skew_aware_migrating(
-    true: np.ndarray, pred: np.ndarray, plan: PoolPlan, alpha: float, ptl: PtlModel,
+    true: np.ndarray,
+    pred: np.ndarray,
+    plan: PoolPlan,
+    alpha: float,
+    ptl: PtlModel,
     policy: MigrationPolicy,
-) -> tuple[float, int]:  # fmt: skip
+) -> tuple[float, int]:
     """(makespan s, migrations) of ranker dispatch + LPT under ``plan``, with migration.
 
     Without a long-tail pool there is nowhere to migrate to, and nothing moves.
     """
     lt = split_longtail(pred, alpha)
     sim = MigrationSim(true, pred, ptl, policy)
-    pools = [(np.flatnonzero(lt), plan.longtail_instances, plan.longtail_batch, True),
-             (np.flatnonzero(~lt), plan.regular_instances, plan.regular_batch, False)]  # fmt: skip
+    pools = [
+        (np.flatnonzero(lt), plan.longtail_instances, plan.longtail_batch, True),
+        (np.flatnonzero(~lt), plan.regular_instances, plan.regular_batch, False),
+    ]
     if plan.longtail_instances == 0:
         pools = [(np.arange(len(true)), plan.regular_instances, plan.regular_batch, False)]
         sim.policy = MigrationPolicy(enabled=False)

@@ -86,8 +86,10 @@ def skew_aware(
         lengths = history_lengths(history, alpha, q_typical, q_tail)
         n_lt = int(lt.sum())
         plan = plan_pools(n_lt, len(lt) - n_lt, instances, lengths, ptl, b_max, allow_shared)
-    pools = [(np.flatnonzero(lt), plan.longtail_instances, plan.longtail_batch),
-             (np.flatnonzero(~lt), plan.regular_instances, plan.regular_batch)]  # fmt: skip
+    pools = [
+        (np.flatnonzero(lt), plan.longtail_instances, plan.longtail_batch),
+        (np.flatnonzero(~lt), plan.regular_instances, plan.regular_batch),
+    ]
     if plan.longtail_instances == 0:  # no split: everything is regular
         pools = [(np.arange(len(true)), plan.regular_instances, plan.regular_batch)]
     spans = [0.0]
@@ -159,15 +161,30 @@ def compare(
         history = true_pool[rng.integers(0, n, s.batch)]
         true = true_pool[idx]
         b = random_fifo(true, s.instances, s.b_max, s.ptl, rng).makespan_s
-        o = skew_aware(true, true.astype(np.float64), history, s.instances, s.b_max, s.ptl,
-                       s.alpha, allow_shared=s.allow_shared)  # fmt: skip
+        o = skew_aware(
+            true,
+            true.astype(np.float64),
+            history,
+            s.instances,
+            s.b_max,
+            s.ptl,
+            s.alpha,
+            allow_shared=s.allow_shared,
+        )
         r = o
         if pred_pool is not None:
             pred = pred_pool[idx].astype(np.float64)
-            r = skew_aware(true, pred, history, s.instances, s.b_max, s.ptl, s.alpha,
-                           allow_shared=s.allow_shared)  # fmt: skip
+            r = skew_aware(
+                true,
+                pred,
+                history,
+                s.instances,
+                s.b_max,
+                s.ptl,
+                s.alpha,
+                allow_shared=s.allow_shared,
+            )
             if s.migrate_factor is not None and r.plan is not None:
-
                 policy = MigrationPolicy(factor=s.migrate_factor)
                 m_s, n_mig = skew_aware_migrating(true, pred, r.plan, s.alpha, s.ptl, policy)
                 mig_ratio.append(m_s / b)
@@ -178,7 +195,8 @@ def compare(
         for acc, v in ((r_ratio, r.makespan_s), (o_ratio, o.makespan_s), (b_ratio, lb)):
             acc.append(v / b)
         assert r.plan is not None
-        key = f"{r.plan.longtail_instances}x{r.plan.longtail_batch}+{r.plan.regular_instances}x{r.plan.regular_batch}"
+        p = r.plan
+        key = f"{p.longtail_instances}x{p.longtail_batch}+{p.regular_instances}x{p.regular_batch}"
         plans[key] = plans.get(key, 0) + 1
     report: dict[str, object] = {
         "simulated": True,
@@ -192,18 +210,18 @@ def compare(
             "rounds": s.rounds(),
             "allow_shared_pool": s.allow_shared,
             "ptl_ms": f"{s.ptl.a_ms} + {s.ptl.b_ms}*BS",
-        },  # fmt: skip
+        },
         "makespan_s": {
             "random_fifo": _stats(base),
             "ranker_lpt": _stats(rank),
             "oracle_lpt": _stats(orac),
             "lower_bound": _stats(bound),
-        },  # fmt: skip
+        },
         "ratio_vs_random_fifo": {
             "ranker_lpt": _stats(r_ratio),
             "oracle_lpt": _stats(o_ratio),
             "lower_bound": _stats(b_ratio),
-        },  # fmt: skip
+        },
         "ranker_plans": plans,  # "{longtail instances}x{batch}+{regular instances}x{batch}": count
     }
     if mig_ratio:

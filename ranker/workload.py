@@ -36,7 +36,8 @@ class LengthHistogram:
 
     @classmethod
     def from_file(cls, path: str | Path, scale: float = 1.0) -> LengthHistogram:
-        """Read ``lo,hi,probability`` rows (``#`` comments allowed); multiply bounds by ``scale``."""
+        """Read ``lo,hi,probability`` rows (``#`` comments allowed); multiply bounds by
+        ``scale``."""
         if not scale > 0:
             raise WorkloadError(f"length scale must be positive, got {scale}")
         try:

@@ -133,8 +133,11 @@ class Codec:
             v = SchemaVersion.from_file(Path(path))
             self.by_fingerprint.setdefault(v.fingerprint, v)
         # compiled reader/writer of each current flat schema (schemas.flat): the hot path
-        self._flat = {v.fingerprint: f for v in self.current.values()
-                      if (f := compile_flat(json.loads(v.raw))) is not None}  # fmt: skip
+        self._flat = {
+            v.fingerprint: f
+            for v in self.current.values()
+            if (f := compile_flat(json.loads(v.raw))) is not None
+        }
         self.registry = registry
         self._registry_ids: dict[bytes, int] = {}
         self._registry_schemas: dict[int, SchemaVersion] = {}
@@ -208,8 +211,13 @@ class Codec:
             raise SchemaError(f"no current schema for {writer.name}")
         return writer.name, self._read(body, writer, reader, make)
 
-    def _read(self, body: bytes, writer: SchemaVersion, reader: SchemaVersion,
-              make: Callable[..., Any] | None = None) -> Any:  # fmt: skip
+    def _read(
+        self,
+        body: bytes,
+        writer: SchemaVersion,
+        reader: SchemaVersion,
+        make: Callable[..., Any] | None = None,
+    ) -> Any:
         flat = self._flat.get(writer.fingerprint) if writer is reader else None
         if flat is not None:
             try:
@@ -255,7 +263,8 @@ class Codec:
             return self._registry_schemas[schema_id]
         if self.registry is None:
             raise SchemaError(
-                f"Confluent-framed record (schema id {schema_id}) but no schema registry is configured"
+                f"Confluent-framed record (schema id {schema_id}) but no schema registry is "
+                f"configured"
             )
         try:
             schema = self.registry.schema_for(schema_id)

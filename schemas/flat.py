@@ -83,47 +83,74 @@ def _field_type(t: Any) -> tuple[str, bool] | None:
 
 def _varint(var: str, ind: str) -> list[str]:
     """Inline one-byte varints (most fields); longer ones call ``rl``."""
-    return [f"{ind}x = b[p]", f"{ind}if x < 128:", f"{ind}    {var} = (x >> 1) ^ -(x & 1)",
-            f"{ind}    p += 1", f"{ind}else:", f"{ind}    {var}, p = rl(b, p)"]  # fmt: skip
+    return [
+        f"{ind}x = b[p]",
+        f"{ind}if x < 128:",
+        f"{ind}    {var} = (x >> 1) ^ -(x & 1)",
+        f"{ind}    p += 1",
+        f"{ind}else:",
+        f"{ind}    {var}, p = rl(b, p)",
+    ]
 
 
 def _read_lines(kind: str, var: str, ind: str) -> list[str]:
     if kind in ("int", "long"):
         return _varint(var, ind)
     if kind == "boolean":
-        return [f"{ind}x = b[p]", f"{ind}p += 1",
-                f"{ind}if x > 1: raise SchemaError('boolean byte ' + str(x))",
-                f"{ind}{var} = x == 1"]  # fmt: skip
+        return [
+            f"{ind}x = b[p]",
+            f"{ind}p += 1",
+            f"{ind}if x > 1: raise SchemaError('boolean byte ' + str(x))",
+            f"{ind}{var} = x == 1",
+        ]
     if kind == "float":
         return [f"{ind}{var} = F(b, p)[0]", f"{ind}p += 4"]
     if kind == "double":
         return [f"{ind}{var} = D(b, p)[0]", f"{ind}p += 8"]
     conv = ".decode()" if kind == "string" else ""
-    return [*_varint("n", ind), f"{ind}if n < 0 or p + n > len(b): raise SchemaError('bad length ' + str(n))",
-            f"{ind}{var} = b[p:p + n]{conv}", f"{ind}p += n"]  # fmt: skip
+    return [
+        *_varint("n", ind),
+        f"{ind}if n < 0 or p + n > len(b): raise SchemaError('bad length ' + str(n))",
+        f"{ind}{var} = b[p:p + n]{conv}",
+        f"{ind}p += n",
+    ]
 
 
 def _write_lines(kind: str, var: str, name: str, ind: str) -> list[str]:
     bad = f"raise SchemaError('field {name}: expected {kind}, got ' + type({var}).__name__)"
     if kind in ("int", "long"):
         lo, hi = _INT32 if kind == "int" else _INT64
-        return [f"{ind}if type({var}) is not int:",
-                f"{ind}    try: {var} = index({var})",
-                f"{ind}    except TypeError: {bad}",
-                f"{ind}if not {lo} <= {var} <= {hi}: raise SchemaError('field {name}: ' + str({var}) + ' out of {kind} range')",
-                f"{ind}out.append(wl({var}))"]  # fmt: skip
+        return [
+            f"{ind}if type({var}) is not int:",
+            f"{ind}    try: {var} = index({var})",
+            f"{ind}    except TypeError: {bad}",
+            f"{ind}if not {lo} <= {var} <= {hi}: raise SchemaError('field {name}: ' + str({var}) "
+            f"+ ' out of {kind} range')",
+            f"{ind}out.append(wl({var}))",
+        ]
     if kind == "boolean":
-        return [f"{ind}if not isinstance({var}, bool): {bad}",
-                f"{ind}out.append(b'\\x01' if {var} else b'\\x00')"]  # fmt: skip
+        return [
+            f"{ind}if not isinstance({var}, bool): {bad}",
+            f"{ind}out.append(b'\\x01' if {var} else b'\\x00')",
+        ]
     if kind in ("float", "double"):
         packer = "FP" if kind == "float" else "DP"
-        return [f"{ind}if type({var}) is not float and not isinstance({var}, Real): {bad}",
-                f"{ind}out.append({packer}({var}))"]  # fmt: skip
+        return [
+            f"{ind}if type({var}) is not float and not isinstance({var}, Real): {bad}",
+            f"{ind}out.append({packer}({var}))",
+        ]
     if kind == "string":
-        return [f"{ind}if not isinstance({var}, str): {bad}",
-                f"{ind}e = {var}.encode()", f"{ind}out.append(wl(len(e)))", f"{ind}out.append(e)"]  # fmt: skip
-    return [f"{ind}if not isinstance({var}, (bytes, bytearray, memoryview)): {bad}",
-            f"{ind}out.append(wl(len({var})))", f"{ind}out.append(bytes({var}))"]  # fmt: skip
+        return [
+            f"{ind}if not isinstance({var}, str): {bad}",
+            f"{ind}e = {var}.encode()",
+            f"{ind}out.append(wl(len(e)))",
+            f"{ind}out.append(e)",
+        ]
+    return [
+        f"{ind}if not isinstance({var}, (bytes, bytearray, memoryview)): {bad}",
+        f"{ind}out.append(wl(len({var})))",
+        f"{ind}out.append(bytes({var}))",
+    ]
 
 
 def compile_flat(
@@ -147,25 +174,48 @@ def compile_flat(
     for i, (name, kind, nullable) in enumerate(fields):
         var = f"v{i}"
         if nullable:
-            read += [*_varint("u", "    "), "    if u == 0:", f"        {var} = None",
-                     "    elif u == 1:", *_read_lines(kind, var, "        "),
-                     "    else: raise SchemaError('union index ' + str(u))"]  # fmt: skip
-            write += [f"    {var} = g(r, {name!r}, None)", f"    if {var} is None:",
-                      "        out.append(b'\\x00')", "    else:", "        out.append(b'\\x02')",
-                      *_write_lines(kind, var, name, "        ")]  # fmt: skip
+            read += [
+                *_varint("u", "    "),
+                "    if u == 0:",
+                f"        {var} = None",
+                "    elif u == 1:",
+                *_read_lines(kind, var, "        "),
+                "    else: raise SchemaError('union index ' + str(u))",
+            ]
+            write += [
+                f"    {var} = g(r, {name!r}, None)",
+                f"    if {var} is None:",
+                "        out.append(b'\\x00')",
+                "    else:",
+                "        out.append(b'\\x02')",
+                *_write_lines(kind, var, name, "        "),
+            ]
         else:
             read += _read_lines(kind, var, "    ")
-            write += [f"    {var} = g(r, {name!r}, None)",
-                      f"    if {var} is None: raise SchemaError('field {name}: no value')",
-                      *_write_lines(kind, var, name, "    ")]  # fmt: skip
+            write += [
+                f"    {var} = g(r, {name!r}, None)",
+                f"    if {var} is None: raise SchemaError('field {name}: no value')",
+                *_write_lines(kind, var, name, "    "),
+            ]
     values = ", ".join(f"v{i}" for i in range(len(fields)))
-    read += ["    if p != len(b): raise SchemaError(str(len(b) - p) + ' trailing bytes')",
-             f"    if make is not None: return make({values})",
-             "    return {" + ", ".join(f"{n!r}: v{i}" for i, (n, _k, _u) in enumerate(fields)) + "}"]  # fmt: skip
+    read += [
+        "    if p != len(b): raise SchemaError(str(len(b) - p) + ' trailing bytes')",
+        f"    if make is not None: return make({values})",
+        "    return {" + ", ".join(f"{n!r}: v{i}" for i, (n, _k, _u) in enumerate(fields)) + "}",
+    ]
     write += ["    return b''.join(out)"]
-    env: dict[str, Any] = {"rl": _rl, "wl": _wl, "SchemaError": SchemaError,
-                           "F": _F.unpack_from, "D": _D.unpack_from, "FP": _F.pack, "DP": _D.pack,
-                           "index": index, "Real": numbers.Real, "dget": dict.get}  # fmt: skip
+    env: dict[str, Any] = {
+        "rl": _rl,
+        "wl": _wl,
+        "SchemaError": SchemaError,
+        "F": _F.unpack_from,
+        "D": _D.unpack_from,
+        "FP": _F.pack,
+        "DP": _D.pack,
+        "index": index,
+        "Real": numbers.Real,
+        "dget": dict.get,
+    }
     exec(compile("\n".join(read + [""] + write), f"<flat {schema.get('name')}>", "exec"), env)  # noqa: S102
     reader, writer = env["read"], env["write"]
 

@@ -167,9 +167,17 @@ def start(
     data_dir.mkdir(parents=True, exist_ok=True)
     log_path = data_dir / "broker.log"
     cmd = [
-        str(broker_binary()), "start", "--only", "kafka", "--host", "127.0.0.1",
-        "--kafka-port", str(port), "--data-dir", str(data_dir / "data"),
-    ]  # fmt: skip
+        str(broker_binary()),
+        "start",
+        "--only",
+        "kafka",
+        "--host",
+        "127.0.0.1",
+        "--kafka-port",
+        str(port),
+        "--data-dir",
+        str(data_dir / "data"),
+    ]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             cmd,

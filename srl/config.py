@@ -59,7 +59,9 @@ class CommonConfig(BaseModel):
     )
     s3_endpoint_url: str | None = Field(
         None,
-        description="S3 endpoint for s3:// stores (MinIO, Ceph …); null: AWS_ENDPOINT_URL or AWS itself.",
+        description=(
+            "S3 endpoint for s3:// stores (MinIO, Ceph …); null: AWS_ENDPOINT_URL or AWS itself."
+        ),
     )
     s3_region: str | None = Field(
         None, description="S3 region; null: AWS_REGION or boto3's default."
@@ -73,7 +75,10 @@ class CommonConfig(BaseModel):
     )
     s3_create_only: Literal["auto", "conditional", "check-then-put"] = Field(
         "auto",
-        description="How S3 puts stay create-only: If-None-Match (conditional), HEAD then PUT, or auto (probe).",
+        description=(
+            "How S3 puts stay create-only: If-None-Match (conditional), HEAD then PUT, or auto "
+            "(probe)."
+        ),
     )
     schema_registry_url: str | None = Field(
         None, description="Confluent Schema Registry URL; null: Avro single-object encoding."
@@ -100,7 +105,9 @@ class CommonConfig(BaseModel):
     )
     kafka: dict[str, str] = Field(
         default_factory=dict,
-        description="librdkafka settings passed through verbatim (-X key=value), e.g. security.protocol.",
+        description=(
+            "librdkafka settings passed through verbatim (-X key=value), e.g. security.protocol."
+        ),
     )
 
     @field_validator("bucket_bounds")
@@ -178,7 +185,8 @@ def load_config(
     cli: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
 ) -> C:
-    """Build ``cls`` from defaults < file < ``SRL_*`` env < CLI; one-line ConfigError on a bad value.
+    """Build ``cls`` from defaults < file < ``SRL_*`` env < CLI; one-line ConfigError on a bad
+    value.
 
     ``cli`` values that are None count as not given. ``env`` defaults to ``os.environ``.
     """

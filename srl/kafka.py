@@ -213,7 +213,8 @@ class Producer:
         last = f": {self.errors[-1]}" if self.errors else ""
         if left:
             raise SrlError(
-                f"{left} record(s) not delivered within {timeout_s:g}s to {self.cfg.bootstrap_servers}{last}"
+                f"{left} record(s) not delivered within {timeout_s:g}s to "
+                f"{self.cfg.bootstrap_servers}{last}"
             )
         with self._lock:
             new_failures, self._failed_reported = self.failed - self._failed_reported, self.failed
@@ -287,7 +288,9 @@ class QuietTail:
             if msg is not None:
                 return msg
             if not self.paused:
-                self.end = max(self.end, self.consumer.get_watermark_offsets(self.tp, cached=True)[1])
+                self.end = max(
+                    self.end, self.consumer.get_watermark_offsets(self.tp, cached=True)[1]
+                )
                 # caught up: pause. Not before the first record: a partition resumed from a
                 # logical start offset is fetched only ~1 s later, even when sought
                 pos = self._position()
@@ -309,8 +312,11 @@ def commit_sync(consumer: Consumer, offsets: list[TopicPartition]) -> None:
     bad = [tp for tp in result if tp.error is not None]
     if bad:
         first = bad[0]
-        raise KafkaException(first.error if isinstance(first.error, KafkaError) else
-                             KafkaError(KafkaError._FAIL, f"{len(bad)} partition(s): {first.error}"))  # fmt: skip
+        raise KafkaException(
+            first.error
+            if isinstance(first.error, KafkaError)
+            else KafkaError(KafkaError._FAIL, f"{len(bad)} partition(s): {first.error}")
+        )
 
 
 def make_consumer(

@@ -28,13 +28,20 @@ class Metrics:
         self.counters: Counter[str] = Counter()
 
     def emit(
-        self, kind: str, values: dict[str, float] | None = None, labels: dict[str, str] | None = None,
+        self,
+        kind: str,
+        values: dict[str, float] | None = None,
+        labels: dict[str, str] | None = None,
         step: int | None = None,
-    ) -> MetricEvent:  # fmt: skip
+    ) -> MetricEvent:
         event = MetricEvent(
-            kind=kind, source=self.source, run=self.run, step=step,
-            values={k: float(v) for k, v in (values or {}).items()}, labels=dict(labels or {}),
-        )  # fmt: skip
+            kind=kind,
+            source=self.source,
+            run=self.run,
+            step=step,
+            values={k: float(v) for k, v in (values or {}).items()},
+            labels=dict(labels or {}),
+        )
         if self.producer is not None:
             self.producer.produce(self.layout.metrics, encode(event), key=self.source)
         return event
@@ -48,10 +55,16 @@ class Metrics:
 
 
 def dead_letter(
-    producer: Producer, layout: Layout, value: bytes | None, key: bytes | str | None, reason: str,
-    origin: str, metrics: Metrics | None = None,
-) -> None:  # fmt: skip
-    """Send an unusable record to the DLQ with ``reason`` and ``origin`` (topic/partition@offset)."""
+    producer: Producer,
+    layout: Layout,
+    value: bytes | None,
+    key: bytes | str | None,
+    reason: str,
+    origin: str,
+    metrics: Metrics | None = None,
+) -> None:
+    """Send an unusable record to the DLQ with ``reason`` and ``origin``
+    (topic/partition@offset)."""
     headers: list[tuple[str, str | bytes | None]] = [
         ("srl.reason", reason.encode()[:1000]),
         ("srl.origin", origin.encode()),

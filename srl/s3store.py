@@ -60,10 +60,13 @@ class S3Settings:
     @classmethod
     def from_config(cls, cfg: Any) -> S3Settings:
         return cls(
-            endpoint_url=cfg.s3_endpoint_url, region=cfg.s3_region, profile=cfg.s3_profile,
-            addressing_style=cfg.s3_addressing_style, create_only=cfg.s3_create_only,
+            endpoint_url=cfg.s3_endpoint_url,
+            region=cfg.s3_region,
+            profile=cfg.s3_profile,
+            addressing_style=cfg.s3_addressing_style,
+            create_only=cfg.s3_create_only,
             connect_timeout_s=cfg.connect_timeout_s,
-        )  # fmt: skip
+        )
 
 
 _modes: dict[tuple[str | None, str], str] = {}  # (endpoint, bucket) -> probed create-only mode
@@ -118,8 +121,15 @@ class S3Store(ObjectStore):
         if self.create_only_mode() == "conditional":
             put_id = self._new_put_id()
             try:
-                self._call("put", key, Bucket=self.bucket, Key=full, Body=body, IfNoneMatch="*",
-                           Metadata={PUT_ID: put_id})  # fmt: skip
+                self._call(
+                    "put",
+                    key,
+                    Bucket=self.bucket,
+                    Key=full,
+                    Body=body,
+                    IfNoneMatch="*",
+                    Metadata={PUT_ID: put_id},
+                )
             except ObjectExists:
                 if self._put_id(key) != put_id:
                     raise
@@ -165,7 +175,8 @@ class S3Store(ObjectStore):
         self._call("delete", key, Bucket=self.bucket, Key=self._key(key))
 
     def ensure_bucket(self) -> bool:
-        """Create the bucket if it does not exist; True if it was created (for ``srl store init``)."""
+        """Create the bucket if it does not exist; True if it was created (for ``srl store
+        init``)."""
         try:
             self._call("head_bucket", self.bucket, Bucket=self.bucket)
             return False
@@ -205,7 +216,8 @@ class S3Store(ObjectStore):
             try:
                 self._call("put", key, Bucket=self.bucket, Key=full, Body=b"2", IfNoneMatch="*")
                 log.warning(
-                    "S3 server at %s ignores If-None-Match; create-only falls back to check-then-put",
+                    "S3 server at %s ignores If-None-Match; create-only falls back to "
+                    "check-then-put",
                     self.settings.endpoint_url or "AWS",
                 )
             except ObjectExists:
@@ -234,11 +246,14 @@ class S3Store(ObjectStore):
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
         method = {
-            "put": self._client.put_object, "get": self._client.get_object,
-            "head": self._client.head_object, "list": self._client.list_objects_v2,
-            "delete": self._client.delete_object, "head_bucket": self._client.head_bucket,
+            "put": self._client.put_object,
+            "get": self._client.get_object,
+            "head": self._client.head_object,
+            "list": self._client.list_objects_v2,
+            "delete": self._client.delete_object,
+            "head_bucket": self._client.head_bucket,
             "create_bucket": self._client.create_bucket,
-        }[op]  # fmt: skip
+        }[op]
         where = f"{self.url} ({self.settings.endpoint_url or 'AWS'})"
         for _attempt in range(3):
             try:
@@ -289,9 +304,11 @@ def _make_client(s: S3Settings) -> Any:
     if style == "auto" and (s.endpoint_url or os.environ.get("AWS_ENDPOINT_URL")):
         style = "path"  # self-hosted servers rarely have wildcard DNS for virtual-host buckets
     config = Config(
-        connect_timeout=s.connect_timeout_s, read_timeout=s.read_timeout_s,
-        retries={"max_attempts": 5, "mode": "standard"}, s3={"addressing_style": style},
-    )  # fmt: skip
+        connect_timeout=s.connect_timeout_s,
+        read_timeout=s.read_timeout_s,
+        retries={"max_attempts": 5, "mode": "standard"},
+        s3={"addressing_style": style},
+    )
     try:
         session = boto3.session.Session(profile_name=s.profile)
         return session.client(

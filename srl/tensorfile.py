@@ -38,16 +38,26 @@ PIECE = 16 * 1024 * 1024  # views are cut to this size so hashing and writing in
 def _codes() -> dict[Any, str]:
     import torch
 
-    return {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-            torch.uint8: "U8", torch.bool: "BOOL"}  # fmt: skip
+    return {
+        torch.float64: "F64",
+        torch.float32: "F32",
+        torch.float16: "F16",
+        torch.bfloat16: "BF16",
+        torch.int64: "I64",
+        torch.int32: "I32",
+        torch.int16: "I16",
+        torch.int8: "I8",
+        torch.uint8: "U8",
+        torch.bool: "BOOL",
+    }
 
 
 def streamable(tensors: dict[str, torch.Tensor]) -> bool:
     """True when every tensor is a contiguous CPU tensor of a dtype :func:`parts` writes."""
     codes = _codes()
-    return all(t.dtype in codes and t.device.type == "cpu" and t.is_contiguous()
-               for t in tensors.values())  # fmt: skip
+    return all(
+        t.dtype in codes and t.device.type == "cpu" and t.is_contiguous() for t in tensors.values()
+    )
 
 
 def parts(
@@ -114,8 +124,10 @@ def parse(buf: bytearray | mmap.mmap, where: str) -> dict[str, torch.Tensor]:
             or not 0 <= begin <= end <= size
             or end - begin != count * itemsize
         ):
-            raise WeightsError(f"{where}: tensor {name!r} ({info['dtype']}{shape}) has data offsets "
-                               f"[{begin}, {end}) outside or inconsistent with {size} data bytes")  # fmt: skip
+            raise WeightsError(
+                f"{where}: tensor {name!r} ({info['dtype']}{shape}) has data offsets "
+                f"[{begin}, {end}) outside or inconsistent with {size} data bytes"
+            )
         spans.append((begin, end))
         if count:
             out[name] = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + begin).view(

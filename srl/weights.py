@@ -13,7 +13,8 @@ Steps, in this order (DESIGN.md, "Weights protocol"):
 A crash between 1 and 3 leaves files without a manifest or a manifest without an
 announcement: no pointer to missing files. Publishing that version again removes files left
 without a manifest first (step 1 of a retry); a manifest left without an announcement makes
-the version "already published", and the caller announces it or moves on to the next. Followers call ``load_manifest`` (checks the
+the version "already published", and the caller announces it or moves on to the next. Followers
+call ``load_manifest`` (checks the
 manifest's sha256) and ``fetch_tensors`` (checks every file's sha256) and never unpickle
 anything: safetensors and JSON only. Versions only move forward (``VersionTracker``).
 """
@@ -94,11 +95,15 @@ class Manifest:
 
     def to_json(self) -> bytes:
         d = {
-            "run": self.run, "version": self.version, "trainer_step": self.trainer_step,
-            "parent_version": self.parent_version, "dtype": self.dtype, "format": self.format,
+            "run": self.run,
+            "version": self.version,
+            "trainer_step": self.trainer_step,
+            "parent_version": self.parent_version,
+            "dtype": self.dtype,
+            "format": self.format,
             "created_ms": self.created_ms,
             "files": [{"name": f.name, "size": f.size, "sha256": f.sha256} for f in self.files],
-        }  # fmt: skip
+        }
         return orjson.dumps(d, option=orjson.OPT_INDENT_2)
 
     @classmethod
@@ -110,10 +115,15 @@ class Manifest:
             )
             parent = d.get("parent_version")
             return cls(
-                run=str(d["run"]), version=int(d["version"]), trainer_step=int(d["trainer_step"]),
-                parent_version=None if parent is None else int(parent), files=files, dtype=str(d["dtype"]),
-                created_ms=int(d["created_ms"]), format=str(d.get("format", "safetensors")),
-            )  # fmt: skip
+                run=str(d["run"]),
+                version=int(d["version"]),
+                trainer_step=int(d["trainer_step"]),
+                parent_version=None if parent is None else int(parent),
+                files=files,
+                dtype=str(d["dtype"]),
+                created_ms=int(d["created_ms"]),
+                format=str(d.get("format", "safetensors")),
+            )
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise WeightsError(f"{where}: not a valid manifest ({e})") from None
 
@@ -127,9 +137,14 @@ class Published:
     def announcement(self) -> WeightsAnnouncement:
         m = self.manifest
         return WeightsAnnouncement(
-            run=m.run, version=m.version, manifest_uri=self.manifest_uri, manifest_sha256=self.manifest_sha256,
-            trainer_step=m.trainer_step, total_bytes=m.total_bytes, parent_version=m.parent_version,
-        )  # fmt: skip
+            run=m.run,
+            version=m.version,
+            manifest_uri=self.manifest_uri,
+            manifest_sha256=self.manifest_sha256,
+            trainer_step=m.trainer_step,
+            total_bytes=m.total_bytes,
+            parent_version=m.parent_version,
+        )
 
 
 def _shards(
@@ -179,8 +194,12 @@ def publish(
     # version is written again; otherwise the create-only puts below would refuse it forever.
     leftovers = store.list(prefix)
     if leftovers:
-        log.warning("weights %s v%d: removing %d file(s) of an unfinished publication",
-                    run, version, len(leftovers))  # fmt: skip
+        log.warning(
+            "weights %s v%d: removing %d file(s) of an unfinished publication",
+            run,
+            version,
+            len(leftovers),
+        )
         for key in leftovers:
             store.delete(key)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
@@ -240,12 +259,14 @@ def load_manifest(store: ObjectStore, ann: WeightsAnnouncement) -> Manifest:
     digest = hashlib.sha256(data).hexdigest()
     if digest != ann.manifest_sha256:
         raise WeightsError(
-            f"manifest of {ann.run} v{ann.version}: sha256 {digest[:12]}… != announced {ann.manifest_sha256[:12]}…"
+            f"manifest of {ann.run} v{ann.version}: sha256 {digest[:12]}… != announced "
+            f"{ann.manifest_sha256[:12]}…"
         )
     manifest = Manifest.from_json(data, ann.manifest_uri)
     if manifest.run != ann.run or manifest.version != ann.version:
         raise WeightsError(
-            f"manifest at {ann.manifest_uri} is {manifest.run} v{manifest.version}, announced v{ann.version}"
+            f"manifest at {ann.manifest_uri} is {manifest.run} v{manifest.version}, announced "
+            f"v{ann.version}"
         )
     return manifest
 
@@ -260,7 +281,8 @@ def fetch_file(store: ObjectStore, manifest: Manifest, entry: FileEntry) -> byte
     if len(data) != entry.size or digest != entry.sha256:
         raise WeightsError(
             f"{manifest.run} v{manifest.version}: {entry.name} fails verification "
-            f"(sha256 {digest[:12]}…, size {len(data)}; manifest says {entry.sha256[:12]}…, {entry.size})"
+            f"(sha256 {digest[:12]}…, size {len(data)}; manifest says {entry.sha256[:12]}…, "
+            f"{entry.size})"
         )
     return data
 
@@ -319,7 +341,6 @@ def read_announcements(
 ) -> list[WeightsAnnouncement]:
     """Every readable announcement on the weights topic, oldest first (for tools and tests)."""
     from confluent_kafka import Consumer, TopicPartition
-
 
     c = Consumer(
         base_settings(cfg, "weights-reader")

@@ -47,15 +47,31 @@ def traj_chunks(
     out = []
     for seq, ((a, b), v) in enumerate(zip(spans, vers, strict=True)):
         last = seq == len(spans) - 1
-        out.append(TrajectoryChunk(
-            trajectory_id=tid, prompt_id=prompt_id, task_id=f"task-{prompt_id}", sample_index=sample_index,
-            group_size=group_size, seq=seq, token_offset=a, tokens=pack_tokens(completion[a:b]),
-            logprobs=pack_logprobs(lp[a:b]), policy_version=v, is_last=last, worker_id=worker_id,
-            bucket=bucket, started_ms=1, finish_reason="stop" if last else None,
-            prompt_tokens=pack_tokens(prompt) if seq == 0 else None,
-            metadata=orjson.dumps(metadata).decode() if seq == 0 and metadata is not None else None,
-            step=step if seq == 0 else None, step_groups=step_groups if seq == 0 else None,
-        ))  # fmt: skip
+        out.append(
+            TrajectoryChunk(
+                trajectory_id=tid,
+                prompt_id=prompt_id,
+                task_id=f"task-{prompt_id}",
+                sample_index=sample_index,
+                group_size=group_size,
+                seq=seq,
+                token_offset=a,
+                tokens=pack_tokens(completion[a:b]),
+                logprobs=pack_logprobs(lp[a:b]),
+                policy_version=v,
+                is_last=last,
+                worker_id=worker_id,
+                bucket=bucket,
+                started_ms=1,
+                finish_reason="stop" if last else None,
+                prompt_tokens=pack_tokens(prompt) if seq == 0 else None,
+                metadata=orjson.dumps(metadata).decode()
+                if seq == 0 and metadata is not None
+                else None,
+                step=step if seq == 0 else None,
+                step_groups=step_groups if seq == 0 else None,
+            )
+        )
     return out
 
 
@@ -116,8 +132,10 @@ def read_topic(cfg: Any, topic: str, timeout_s: float = 20.0) -> list[Any]:
 
     from srl.kafka import base_settings
 
-    c = Consumer(base_settings(cfg, "reader") | {"group.id": f"reader-{uuid.uuid4().hex[:6]}",
-                                               "enable.auto.commit": False})  # fmt: skip
+    c = Consumer(
+        base_settings(cfg, "reader")
+        | {"group.id": f"reader-{uuid.uuid4().hex[:6]}", "enable.auto.commit": False}
+    )
     out: list[Any] = []
     try:
         parts = c.list_topics(topic, timeout=10).topics[topic].partitions

@@ -85,7 +85,8 @@ def apache_kafka_container() -> Iterator[str]:
 
 
 def embedded_broker_in_use() -> bool:
-    """True when the session's broker is the embedded noida-db (no external broker, no container)."""
+    """True when the session's broker is the embedded noida-db (no external broker, no
+    container)."""
     return not os.environ.get("SRL_BOOTSTRAP_SERVERS") and not (
         os.environ.get("SRL_TEST_CONTAINER") == "1" and docker_available()
     )
@@ -119,8 +120,12 @@ def make_cfg(bootstrap: str, prefix: str, tmp_path: Path):  # type: ignore[no-un
     from srl.config import CommonConfig, load_config
 
     def make(cls: type = CommonConfig, **values):  # type: ignore[no-untyped-def]
-        base = {"bootstrap_servers": bootstrap, "topic_prefix": prefix, "store": f"file://{tmp_path / 'store'}",
-                "connect_timeout_s": 10.0}  # fmt: skip
+        base = {
+            "bootstrap_servers": bootstrap,
+            "topic_prefix": prefix,
+            "store": f"file://{tmp_path / 'store'}",
+            "connect_timeout_s": 10.0,
+        }
         return load_config(cls, cli={**base, **values}, env={})
 
     return make
@@ -135,8 +140,14 @@ def cfg(make_cfg):  # type: ignore[no-untyped-def]
 def cli_env(bootstrap: str, prefix: str, tmp_path: Path) -> dict[str, str]:
     """Environment for running the real CLIs as subprocesses against the session broker."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SRL_")}
-    env.update({"SRL_BOOTSTRAP_SERVERS": bootstrap, "SRL_TOPIC_PREFIX": prefix,
-                "SRL_STORE": f"file://{tmp_path / 'store'}", "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    env.update(
+        {
+            "SRL_BOOTSTRAP_SERVERS": bootstrap,
+            "SRL_TOPIC_PREFIX": prefix,
+            "SRL_STORE": f"file://{tmp_path / 'store'}",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     return env
 
 
@@ -147,11 +158,17 @@ def bin_path(name: str) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random-init tiny Qwen2 model + byte-level tokenizer in HF format (built once per session)."""
+    """A random-init tiny Qwen2 model + byte-level tokenizer in HF format (built once per
+    session)."""
     from srl.tinymodel import TinyModelSpec, build_tiny_model
 
-    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2)  # fmt: skip
+    spec = TinyModelSpec(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), spec, seed=0)
 
 

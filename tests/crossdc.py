@@ -36,16 +36,39 @@ KAFKA_PORT, S3_PORT = 9092, 9000
 def start_services(t: Topology, workdir: Path) -> dict[str, str]:
     """Broker and S3 server in the broker datacenter; the environment that points roles at them."""
     host = t.ip("broker")
-    t.start("broker", [str(broker_binary()), "start", "--only", "kafka", "--host", host,
-                       "--kafka-port", str(KAFKA_PORT), "--data-dir", str(workdir / "broker")],
-            log=workdir / "broker.log")  # fmt: skip
-    t.start("broker", [str(Path(sys.executable).parent / "moto_server"), "-H", host, "-p", str(S3_PORT)],
-            log=workdir / "s3.log")  # fmt: skip
+    t.start(
+        "broker",
+        [
+            str(broker_binary()),
+            "start",
+            "--only",
+            "kafka",
+            "--host",
+            host,
+            "--kafka-port",
+            str(KAFKA_PORT),
+            "--data-dir",
+            str(workdir / "broker"),
+        ],
+        log=workdir / "broker.log",
+    )
+    t.start(
+        "broker",
+        [str(Path(sys.executable).parent / "moto_server"), "-H", host, "-p", str(S3_PORT)],
+        log=workdir / "s3.log",
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("SRL_")}
-    env.update({**TEST_CREDENTIALS, "PYTHONUNBUFFERED": "1",
-                "SRL_BOOTSTRAP_SERVERS": f"{host}:{KAFKA_PORT}", "SRL_TOPIC_PREFIX": "dc",
-                "SRL_RUN": "crossdc", "SRL_STORE": "s3://srl-crossdc/store",
-                "SRL_S3_ENDPOINT_URL": f"http://{host}:{S3_PORT}"})  # fmt: skip
+    env.update(
+        {
+            **TEST_CREDENTIALS,
+            "PYTHONUNBUFFERED": "1",
+            "SRL_BOOTSTRAP_SERVERS": f"{host}:{KAFKA_PORT}",
+            "SRL_TOPIC_PREFIX": "dc",
+            "SRL_RUN": "crossdc",
+            "SRL_STORE": "s3://srl-crossdc/store",
+            "SRL_S3_ENDPOINT_URL": f"http://{host}:{S3_PORT}",
+        }
+    )
     srl = str(Path(sys.executable).parent / "srl")
     deadline = time.monotonic() + 60
     for argv in ([srl, "topics", "create"], [srl, "store", "init"]):  # from the generators' side
@@ -68,19 +91,32 @@ def run_dataplane(delay_ms: float, rate_mbit: float, trajectories: int) -> dict[
         env = start_services(t, work)
         py = [sys.executable, "-m", "tests.crossdc_roles"]
         t0 = time.monotonic()
-        trainer = t.start("train", [*py, "consume", str(trajectories), "--config",
-                                    str(CONFIGS / "trainer.toml")], env=env, log=work / "train.log")  # fmt: skip
-        gen = t.start("gen", [*py, "produce", str(trajectories), "--config",
-                              str(CONFIGS / "generators.toml")], env=env, log=work / "gen.log")  # fmt: skip
+        trainer = t.start(
+            "train",
+            [*py, "consume", str(trajectories), "--config", str(CONFIGS / "trainer.toml")],
+            env=env,
+            log=work / "train.log",
+        )
+        gen = t.start(
+            "gen",
+            [*py, "produce", str(trajectories), "--config", str(CONFIGS / "generators.toml")],
+            env=env,
+            log=work / "gen.log",
+        )
         codes = {"train": trainer.wait(600), "gen": gen.wait(600)}
         wall = time.monotonic() - t0
         logs = {k: (work / f"{k}.log").read_text() for k in ("train", "gen")}
         if any(codes.values()):
             raise RuntimeError(f"roles failed {codes}: {logs}")
         res = {k: orjson.loads(v.strip().splitlines()[-1]) for k, v in logs.items()}
-    return {"delay_ms": delay_ms, "rate_mbit": rate_mbit, "wall_s": wall, "trainer": res["train"],
-            "generator": res["gen"],
-            "tokens_per_s": res["train"]["tokens"] / res["train"]["stream_s"]}  # fmt: skip
+    return {
+        "delay_ms": delay_ms,
+        "rate_mbit": rate_mbit,
+        "wall_s": wall,
+        "trainer": res["train"],
+        "generator": res["gen"],
+        "tokens_per_s": res["train"]["tokens"] / res["train"]["stream_s"],
+    }
 
 
 def run_trainer(delay_ms: float, rate_mbit: float, groups: int) -> dict[str, Any]:
@@ -99,28 +135,57 @@ def run_trainer(delay_ms: float, rate_mbit: float, groups: int) -> dict[str, Any
         model = build_tiny_model(work / "model", seed=0)
         env = {**start_services(t, work), "SRL_MODEL": str(model)}
         t0 = time.monotonic()
-        trainer = t.start("train", [str(bins / "srl-consumer"), "train", "--config", train_cfg,
-                                    "--groups-per-step", "2", "--device", "cpu", "--idle-exit-s", "10",
-                                    "--max-staleness", "1", "--reward", "consumers.rewards:first_line_match"],
-                          env=env, log=work / "train.log")  # fmt: skip
-        feeder = t.start("gen", [sys.executable, "-m", "tests.crossdc_roles", "feed", str(groups),
-                                 "--config", gen_cfg], env=env, log=work / "gen.log")  # fmt: skip
+        trainer = t.start(
+            "train",
+            [
+                str(bins / "srl-consumer"),
+                "train",
+                "--config",
+                train_cfg,
+                "--groups-per-step",
+                "2",
+                "--device",
+                "cpu",
+                "--idle-exit-s",
+                "10",
+                "--max-staleness",
+                "1",
+                "--reward",
+                "consumers.rewards:first_line_match",
+            ],
+            env=env,
+            log=work / "train.log",
+        )
+        feeder = t.start(
+            "gen",
+            [sys.executable, "-m", "tests.crossdc_roles", "feed", str(groups), "--config", gen_cfg],
+            env=env,
+            log=work / "gen.log",
+        )
         codes = {"train": trainer.wait(1200), "gen": feeder.wait(1200)}
         wall = time.monotonic() - t0
         logs = {k: (work / f"{k}.log").read_text() for k in codes}
         if any(codes.values()):
             raise RuntimeError(f"roles failed {codes}: { {k: v[-3000:] for k, v in logs.items()} }")
-        out = t.run("broker", [sys.executable, "-m", "tests.crossdc_roles", "audit", "--config", gen_cfg],
-                    env=env)  # fmt: skip
+        out = t.run(
+            "broker",
+            [sys.executable, "-m", "tests.crossdc_roles", "audit", "--config", gen_cfg],
+            env=env,
+        )
         if out.returncode != 0:
             raise RuntimeError(f"audit failed: {out.stderr.strip()}")
-        return {"delay_ms": delay_ms, "rate_mbit": rate_mbit, "wall_s": wall,
-                "feed": orjson.loads(logs["gen"].strip().splitlines()[-1]),
-                "audit": orjson.loads(out.stdout.strip().splitlines()[-1])}  # fmt: skip
+        return {
+            "delay_ms": delay_ms,
+            "rate_mbit": rate_mbit,
+            "wall_s": wall,
+            "feed": orjson.loads(logs["gen"].strip().splitlines()[-1]),
+            "audit": orjson.loads(out.stdout.strip().splitlines()[-1]),
+        }
 
 
-def run_pipeline(delay_ms: float, rate_mbit: float, prompts: int, group_size: int = 4,
-                 max_new_tokens: int = 24) -> dict[str, Any]:  # fmt: skip
+def run_pipeline(
+    delay_ms: float, rate_mbit: float, prompts: int, group_size: int = 4, max_new_tokens: int = 24
+) -> dict[str, Any]:
     """The real roles: dispatcher and a generator worker (hf engine, tiny model) in the
     generators' datacenter, the trainer in its own; then an audit of every sample asked for."""
     from srl.tinymodel import build_tiny_model
@@ -135,15 +200,61 @@ def run_pipeline(delay_ms: float, rate_mbit: float, prompts: int, group_size: in
         model = build_tiny_model(work / "model", seed=0)  # each datacenter has the base model
         env = {**start_services(t, work), "SRL_MODEL": str(model)}
         t0 = time.monotonic()
-        trainer = t.start("train", [str(bins / "srl-consumer"), "train", "--config", train_cfg,
-                                    "--groups-per-step", "2", "--device", "cpu", "--idle-exit-s", "30"],
-                          env=env, log=work / "train.log")  # fmt: skip
-        gen = t.start("gen", [str(bins / "srl-producer"), "generate", "--config", gen_cfg, "--engine", "hf",
-                              "--max-batch", "8", "--chunk-tokens", "8", "--idle-exit", "30"],
-                      env=env, log=work / "gen.log")  # fmt: skip
-        dispatch = t.run("gen", [str(bins / "srl-producer"), "dispatch", "--config", gen_cfg, "--task", "demo",
-                                 "--num-prompts", str(prompts), "--group-size", str(group_size),
-                                 "--max-new-tokens", str(max_new_tokens)], env=env, timeout=600)  # fmt: skip
+        trainer = t.start(
+            "train",
+            [
+                str(bins / "srl-consumer"),
+                "train",
+                "--config",
+                train_cfg,
+                "--groups-per-step",
+                "2",
+                "--device",
+                "cpu",
+                "--idle-exit-s",
+                "30",
+            ],
+            env=env,
+            log=work / "train.log",
+        )
+        gen = t.start(
+            "gen",
+            [
+                str(bins / "srl-producer"),
+                "generate",
+                "--config",
+                gen_cfg,
+                "--engine",
+                "hf",
+                "--max-batch",
+                "8",
+                "--chunk-tokens",
+                "8",
+                "--idle-exit",
+                "30",
+            ],
+            env=env,
+            log=work / "gen.log",
+        )
+        dispatch = t.run(
+            "gen",
+            [
+                str(bins / "srl-producer"),
+                "dispatch",
+                "--config",
+                gen_cfg,
+                "--task",
+                "demo",
+                "--num-prompts",
+                str(prompts),
+                "--group-size",
+                str(group_size),
+                "--max-new-tokens",
+                str(max_new_tokens),
+            ],
+            env=env,
+            timeout=600,
+        )
         if dispatch.returncode != 0:
             raise RuntimeError(f"dispatch failed: {dispatch.stderr.strip()}")
         codes = {"train": trainer.wait(1200), "gen": gen.wait(1200)}
@@ -151,12 +262,19 @@ def run_pipeline(delay_ms: float, rate_mbit: float, prompts: int, group_size: in
         if any(codes.values()):
             logs = {k: (work / f"{k}.log").read_text()[-3000:] for k in codes}
             raise RuntimeError(f"roles failed {codes}: {logs}")
-        out = t.run("broker", [sys.executable, "-m", "tests.crossdc_roles", "audit", "--config", gen_cfg],
-                    env=env)  # fmt: skip
+        out = t.run(
+            "broker",
+            [sys.executable, "-m", "tests.crossdc_roles", "audit", "--config", gen_cfg],
+            env=env,
+        )
         if out.returncode != 0:
             raise RuntimeError(f"audit failed: {out.stderr.strip()}")
-        return {"delay_ms": delay_ms, "rate_mbit": rate_mbit, "wall_s": wall,
-                "audit": orjson.loads(out.stdout.strip().splitlines()[-1])}  # fmt: skip
+        return {
+            "delay_ms": delay_ms,
+            "rate_mbit": rate_mbit,
+            "wall_s": wall,
+            "audit": orjson.loads(out.stdout.strip().splitlines()[-1]),
+        }
 
 
 def main() -> None:

@@ -44,8 +44,12 @@ def produce(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
     t0 = time.monotonic()
     with Producer(cfg, "gen") as p:
         for c in chunks:
-            p.produce(layout.trajectories, encode(c), key=c.trajectory_id,
-                      partition=layout.partition_for(c.bucket, c.trajectory_id))  # fmt: skip
+            p.produce(
+                layout.trajectories,
+                encode(c),
+                key=c.trajectory_id,
+                partition=layout.partition_for(c.bucket, c.trajectory_id),
+            )
     sent_s = time.monotonic() - t0
     deadline = time.monotonic() + timeout_s
     while (ann := latest_announcement(cfg, layout, cfg.run, 10)) is None:
@@ -54,8 +58,14 @@ def produce(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
         time.sleep(0.5)
     store = store_from_config(cfg)
     tensors = fetch_tensors(store, load_manifest(store, ann))
-    return {"role": "produce", "chunks": len(chunks), "tokens": sum(c.n_tokens for c in chunks),
-            "send_s": sent_s, "weights_version": ann.version, "tensors": len(tensors)}  # fmt: skip
+    return {
+        "role": "produce",
+        "chunks": len(chunks),
+        "tokens": sum(c.n_tokens for c in chunks),
+        "send_s": sent_s,
+        "weights_version": ann.version,
+        "tensors": len(tensors),
+    }
 
 
 def consume(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
@@ -94,12 +104,24 @@ def consume(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
     finally:
         consumer.close()
     torch.manual_seed(0)
-    pub = publish(store_from_config(cfg), cfg.run, 1, {"w": torch.randn(256, 256)}, trainer_step=1,
-                  parent_version=0)  # fmt: skip
+    pub = publish(
+        store_from_config(cfg),
+        cfg.run,
+        1,
+        {"w": torch.randn(256, 256)},
+        trainer_step=1,
+        parent_version=0,
+    )
     with Producer(cfg, "trainer") as p:
         announce(p, layout, pub)
-    return {"role": "consume", "trajectories": len(done), "duplicates": duplicates, "tokens": tokens,
-            "stream_s": stream_s, "published": pub.manifest.version}  # fmt: skip
+    return {
+        "role": "consume",
+        "trajectories": len(done),
+        "duplicates": duplicates,
+        "tokens": tokens,
+        "stream_s": stream_s,
+        "published": pub.manifest.version,
+    }
 
 
 def feed(cfg: CommonConfig, groups: int, timeout_s: float) -> dict[str, Any]:
@@ -127,9 +149,17 @@ def feed(cfg: CommonConfig, groups: int, timeout_s: float) -> dict[str, Any]:
             a, b = rng.randrange(10), rng.randrange(10)
             for i in range(4):
                 answer = str(a + b) if rng.random() < 0.5 else str(rng.randrange(20))
-                chunks += traj_chunks(f"p{g}", i, 4, text_ids(f"{a}+{b}="), text_ids(answer + "\n\n"),
-                                      chunk_tokens=2, versions=version, logprobs=[-5.5] * (len(answer) + 2),
-                                      metadata={"answer": a + b})  # fmt: skip
+                chunks += traj_chunks(
+                    f"p{g}",
+                    i,
+                    4,
+                    text_ids(f"{a}+{b}="),
+                    text_ids(answer + "\n\n"),
+                    chunk_tokens=2,
+                    versions=version,
+                    logprobs=[-5.5] * (len(answer) + 2),
+                    metadata={"answer": a + b},
+                )
         produce_chunks(cfg, chunks)
         sent += len(chunks)
     while (version := latest()) < groups // 2:
@@ -140,8 +170,13 @@ def feed(cfg: CommonConfig, groups: int, timeout_s: float) -> dict[str, Any]:
     assert ann is not None
     store = store_from_config(cfg)
     tensors = fetch_tensors(store, load_manifest(store, ann))
-    return {"role": "feed", "trajectories": 4 * groups, "chunks": sent,
-            "weights_version": ann.version, "tensors": len(tensors)}  # fmt: skip
+    return {
+        "role": "feed",
+        "trajectories": 4 * groups,
+        "chunks": sent,
+        "weights_version": ann.version,
+        "tensors": len(tensors),
+    }
 
 
 def audit(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
@@ -171,12 +206,17 @@ def audit(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
     trained = sorted(e.ts_ms for e in samples if e.labels.get("outcome") == "trained")
     tokens = sum(e.values.get("tokens", 0) for e in samples if e.labels.get("outcome") == "trained")
     span_s = (trained[-1] - trained[0]) / 1000 if len(trained) > 1 else 0.0
-    return {"role": "audit", "asked": sum(asked.values()), "prompts": len(asked),
-            "outcomes": dict(outcomes), "twice": sum(1 for v in seen.values() if v > 1),
-            "missing": sum(max(0, k - per_prompt[p]) for p, k in asked.items()),
-            "trained_samples_per_s": (len(trained) - 1) / span_s if span_s else None,
-            "trained_tokens_per_s": tokens / span_s if span_s else None,
-            "steps": sum(1 for e in events if e.kind == "train_step" and e.run == cfg.run)}  # fmt: skip
+    return {
+        "role": "audit",
+        "asked": sum(asked.values()),
+        "prompts": len(asked),
+        "outcomes": dict(outcomes),
+        "twice": sum(1 for v in seen.values() if v > 1),
+        "missing": sum(max(0, k - per_prompt[p]) for p, k in asked.items()),
+        "trained_samples_per_s": (len(trained) - 1) / span_s if span_s else None,
+        "trained_tokens_per_s": tokens / span_s if span_s else None,
+        "steps": sum(1 for e in events if e.kind == "train_step" and e.run == cfg.run),
+    }
 
 
 def main() -> None:

@@ -53,8 +53,25 @@ def netns_unavailable() -> str | None:
         sh("ip", "netns", "add", name)
         sh("ip", "-n", name, "tuntap", "add", "dev", "probe0", "mode", "tun")
         sh("ip", "-n", name, "link", "add", "pa", "type", "veth", "peer", "name", "pb")
-        sh("ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "pa", "root", "tbf",
-           "rate", "10mbit", "burst", "32kb", "latency", "100ms")  # fmt: skip
+        sh(
+            "ip",
+            "netns",
+            "exec",
+            name,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            "pa",
+            "root",
+            "tbf",
+            "rate",
+            "10mbit",
+            "burst",
+            "32kb",
+            "latency",
+            "100ms",
+        )
     except RuntimeError as e:
         return f"cannot build the namespaces here: {e}"
     finally:
@@ -86,16 +103,32 @@ class Topology:
                 sh("ip", "netns", "add", name)
                 created.append(name)
                 sh("ip", "-n", name, "link", "set", "lo", "up")
-            for name, value in [("net.ipv4.ip_forward", "1"), ("net.ipv4.conf.all.rp_filter", "0"),
-                                ("net.ipv4.conf.default.rp_filter", "0")]:  # fmt: skip
+            for name, value in [
+                ("net.ipv4.ip_forward", "1"),
+                ("net.ipv4.conf.all.rp_filter", "0"),
+                ("net.ipv4.conf.default.rp_filter", "0"),
+            ]:
                 sh("ip", "netns", "exec", w, "sysctl", "-qw", f"{name}={value}")
             sh("ip", "-n", w, "tuntap", "add", "dev", "dl0", "mode", "tun")
             sh("ip", "-n", w, "link", "set", "dl0", "up")
             sh("ip", "-n", w, "route", "add", "default", "dev", "dl0", "table", "100")
             for dc, i in DCS.items():
                 ns, link = self.ns[dc], f"w{i}"
-                sh("ip", "-n", w, "link", "add", link, "type", "veth", "peer", "name", "eth0",
-                   "netns", ns)  # fmt: skip
+                sh(
+                    "ip",
+                    "-n",
+                    w,
+                    "link",
+                    "add",
+                    link,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "eth0",
+                    "netns",
+                    ns,
+                )
                 sh("ip", "-n", w, "addr", "add", f"198.18.{i}.1/24", "dev", link)
                 sh("ip", "-n", w, "link", "set", link, "up")
                 sh("ip", "-n", w, "rule", "add", "iif", link, "lookup", "100")
@@ -103,31 +136,72 @@ class Topology:
                 sh("ip", "-n", ns, "link", "set", "eth0", "up")
                 sh("ip", "-n", ns, "route", "add", "default", "via", f"198.18.{i}.1")
                 for where, dev in ((ns, "eth0"), (w, link)):  # the cap, both directions
-                    sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root",
-                       "tbf", "rate", f"{self.rate_mbit:g}mbit", "burst", "64kb", "latency", "200ms")  # fmt: skip
-            self.start("wan", [sys.executable, "-m", "tests.delayline", "--dev", "dl0",
-                               "--delay-ms", f"{self.delay_ms:g}"])  # fmt: skip
+                    sh(
+                        "ip",
+                        "netns",
+                        "exec",
+                        where,
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        dev,
+                        "root",
+                        "tbf",
+                        "rate",
+                        f"{self.rate_mbit:g}mbit",
+                        "burst",
+                        "64kb",
+                        "latency",
+                        "200ms",
+                    )
+            self.start(
+                "wan",
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.delayline",
+                    "--dev",
+                    "dl0",
+                    "--delay-ms",
+                    f"{self.delay_ms:g}",
+                ],
+            )
         except BaseException:
             self.down()
             raise
         return self
 
-    def start(self, dc: str, argv: list[str], env: dict[str, str] | None = None,
-              log: Path | None = None) -> subprocess.Popen[bytes]:  # fmt: skip
+    def start(
+        self, dc: str, argv: list[str], env: dict[str, str] | None = None, log: Path | None = None
+    ) -> subprocess.Popen[bytes]:
         """Run ``argv`` in datacenter ``dc`` ("wan" for the router), in its own session."""
         ns = self.wan if dc == "wan" else self.ns[dc]
         out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (closed in down)
-        proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=env, cwd=ROOT,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, *argv],
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         if log:
             proc._srl_log = out  # type: ignore[attr-defined]
         self.procs.append(proc)
         return proc
 
-    def run(self, dc: str, argv: list[str], env: dict[str, str] | None = None,
-            timeout: float = 120) -> subprocess.CompletedProcess[str]:  # fmt: skip
-        return subprocess.run(["ip", "netns", "exec", self.ns[dc], *argv], env=env, cwd=ROOT,
-                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    def run(
+        self, dc: str, argv: list[str], env: dict[str, str] | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["ip", "netns", "exec", self.ns[dc], *argv],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def stop(self, proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> int:
         """SIGTERM the process group of ``proc`` (SIGKILL after ``grace_s``); its exit code."""

@@ -19,8 +19,11 @@ from pathlib import Path
 from types import TracebackType
 
 # moto does not check them, but boto3 refuses to sign a request without credentials.
-TEST_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "srl-test", "AWS_SECRET_ACCESS_KEY": "srl-test-secret",
-                    "AWS_REGION": "us-east-1"}  # fmt: skip
+TEST_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "srl-test",
+    "AWS_SECRET_ACCESS_KEY": "srl-test-secret",
+    "AWS_REGION": "us-east-1",
+}
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -48,8 +51,10 @@ class MotoServer:
         exe = str(Path(sys.executable).parent / "moto_server")
         self.proc = subprocess.Popen(
             [*self.prefix, exe, "-H", self.host, "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout_s
         while not self._answers():
             if self.proc.poll() is not None:
@@ -63,9 +68,13 @@ class MotoServer:
     def _answers(self) -> bool:
         if not self.prefix:
             return _port_open(self.host, self.port)
-        probe = [*self.prefix, sys.executable, "-c",
-                 f"import socket,sys; s=socket.socket(); s.settimeout(0.5); "
-                 f"sys.exit(s.connect_ex(({self.host!r}, {self.port})))"]  # fmt: skip
+        probe = [
+            *self.prefix,
+            sys.executable,
+            "-c",
+            f"import socket,sys; s=socket.socket(); s.settimeout(0.5); "
+            f"sys.exit(s.connect_ex(({self.host!r}, {self.port})))",
+        ]
         return subprocess.run(probe, capture_output=True).returncode == 0
 
     def stop(self) -> None:
@@ -84,9 +93,13 @@ class MotoServer:
     def make_bucket(self, name: str) -> None:
         import boto3
 
-        client = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
-                              aws_access_key_id=TEST_CREDENTIALS["AWS_ACCESS_KEY_ID"],
-                              aws_secret_access_key=TEST_CREDENTIALS["AWS_SECRET_ACCESS_KEY"])  # fmt: skip
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=TEST_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=TEST_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        )
         client.create_bucket(Bucket=name)
 
     def __enter__(self) -> MotoServer:

@@ -68,9 +68,17 @@ def bench() -> None:
     show_default=True,
     help="Raw and codec phases alternate this many times; the best of each counts.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")  # fmt: skip
-def dataplane(trajectories: int, mean_tokens: int, chunk_tokens: int, batch: int, pace: float,
-              repeats: int, as_json: bool, **kw: Any) -> None:  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def dataplane(
+    trajectories: int,
+    mean_tokens: int,
+    chunk_tokens: int,
+    batch: int,
+    pace: float,
+    repeats: int,
+    as_json: bool,
+    **kw: Any,
+) -> None:
     """Tokens/s through broker + codec + assembler, against the raw byte path; ready latency.
 
     Starts an embedded broker on a free port unless --bootstrap is given.
@@ -84,7 +92,8 @@ def dataplane(trajectories: int, mean_tokens: int, chunk_tokens: int, batch: int
         echo_json(r)
         return
     click.echo(
-        f"codec+assembly: {r['tokens_per_s']:,} tokens/s, {r['trajectories_per_s']} trajectories/s\n"
+        f"codec+assembly: {r['tokens_per_s']:,} tokens/s, {r['trajectories_per_s']} "
+        f"trajectories/s\n"
         f"raw bytes:      {r['raw_tokens_per_s']:,} tokens/s (overhead {r['overhead']:.1%})\n"
         f"last chunk -> ready at {r['paced_fraction']:.0%} of peak: p50 "
         f"{r['ready_latency_ms_p50']} ms, p99 {r['ready_latency_ms_p99']} ms"
@@ -112,7 +121,7 @@ def dataplane(trajectories: int, mean_tokens: int, chunk_tokens: int, batch: int
     show_default=True,
     help="Weight swaps between decode steps for swap_pause_ms (median).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def weights(sizes: str, repeats: int, swaps: int, as_json: bool) -> None:
     """Publish + fetch + verify + load against a plain file copy; a generator's swap pause."""
     from app.bench import weights as w
@@ -131,11 +140,13 @@ def weights(sizes: str, repeats: int, swaps: int, as_json: bool) -> None:
     for s in r["sizes"]:
         click.echo(
             f"{s['name']:>5} {s['params'] / 1e6:7.1f}M params {s['bytes'] / 1e6:8.1f} MB: "
-            f"publish+fetch+verify+load {s['publish_load_s']:.3f}s, plain copy {s['plain_copy_s']:.3f}s "
+            f"publish+fetch+verify+load {s['publish_load_s']:.3f}s, plain copy "
+            f"{s['plain_copy_s']:.3f}s "
             f"(ratio {s['ratio']})"
         )
     click.echo(
-        f"swap pause (demo model shape): median {r['swap_pause_ms']} ms, max {r['swap_pause_ms_max']} ms"
+        f"swap pause (demo model shape): median {r['swap_pause_ms']} ms, max "
+        f"{r['swap_pause_ms_max']} ms"
     )
 
 
@@ -147,32 +158,97 @@ def weights(sizes: str, repeats: int, swaps: int, as_json: bool) -> None:
     show_default=True,
     help="Output-length histogram (lo,hi,probability rows).",
 )
-@click.option("--scale", type=click.FloatRange(min=0, min_open=True), default=0.25, show_default=True,
-              help="Factor on the histogram's lengths (0.25: StreamRL's 5K setting).")  # fmt: skip
-@click.option("--devices", "--instances", "devices", type=click.IntRange(2, 64), default=6, show_default=True,
-              help="Generator instances + trainer devices, split per mode by the time model.")  # fmt: skip
-@click.option("--b-max", type=click.IntRange(1, 1024), default=16, show_default=True,
-              help="Decode batch cap of an instance (KV memory).")  # fmt: skip
-@click.option("--groups", type=click.IntRange(1, 1024), default=12, show_default=True,
-              help="Groups (prompts) per optimizer step.")  # fmt: skip
+@click.option(
+    "--scale",
+    type=click.FloatRange(min=0, min_open=True),
+    default=0.25,
+    show_default=True,
+    help="Factor on the histogram's lengths (0.25: StreamRL's 5K setting).",
+)
+@click.option(
+    "--devices",
+    "--instances",
+    "devices",
+    type=click.IntRange(2, 64),
+    default=6,
+    show_default=True,
+    help="Generator instances + trainer devices, split per mode by the time model.",
+)
+@click.option(
+    "--b-max",
+    type=click.IntRange(1, 1024),
+    default=16,
+    show_default=True,
+    help="Decode batch cap of an instance (KV memory).",
+)
+@click.option(
+    "--groups",
+    type=click.IntRange(1, 1024),
+    default=12,
+    show_default=True,
+    help="Groups (prompts) per optimizer step.",
+)
 @click.option("--group-size", type=click.IntRange(1, 256), default=8, show_default=True)
-@click.option("--iterations", type=click.IntRange(2, 100), default=12, show_default=True,
-              help="Optimizer steps per mode; the first is warm-up (12: ~2 min; with 6 a mode's ratios vary ~20 % run to run).")  # fmt: skip
-@click.option("--compression", type=click.FloatRange(1, 10_000), default=20.0, show_default=True,
-              help="Simulated seconds per wall-clock second.")  # fmt: skip
-@click.option("--max-staleness", type=click.IntRange(1, 100), default=1, show_default=True,
-              help="k of the async modes (1: StreamRL-Async).")  # fmt: skip
-@click.option("--modes", default=",".join(MODES), show_default=True,
-              help="Comma-separated modes to run (ratios need colocated / sync in the same run).")  # fmt: skip
-@click.option("--design", type=click.Choice(sorted(DESIGNS)), default="paced", show_default=True,
-              help="How the async modes keep samples within k (docs/benchmarks.md).")  # fmt: skip
-@click.option("--plot", type=click.Path(dir_okay=False), default="bench-pipeline.png", show_default=True,
-              help="PNG written unless --json.")  # fmt: skip
+@click.option(
+    "--iterations",
+    type=click.IntRange(2, 100),
+    default=12,
+    show_default=True,
+    help="Optimizer steps per mode; the first is warm-up (12: ~2 min; with 6 a mode's ratios vary "
+    "~20 % run to run).",
+)
+@click.option(
+    "--compression",
+    type=click.FloatRange(1, 10_000),
+    default=20.0,
+    show_default=True,
+    help="Simulated seconds per wall-clock second.",
+)
+@click.option(
+    "--max-staleness",
+    type=click.IntRange(1, 100),
+    default=1,
+    show_default=True,
+    help="k of the async modes (1: StreamRL-Async).",
+)
+@click.option(
+    "--modes",
+    default=",".join(MODES),
+    show_default=True,
+    help="Comma-separated modes to run (ratios need colocated / sync in the same run).",
+)
+@click.option(
+    "--design",
+    type=click.Choice(sorted(DESIGNS)),
+    default="paced",
+    show_default=True,
+    help="How the async modes keep samples within k (docs/benchmarks.md).",
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False),
+    default="bench-pipeline.png",
+    show_default=True,
+    help="PNG written unless --json.",
+)
 @click.option("--bootstrap", help="Use this Kafka instead of an embedded broker.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")  # fmt: skip
-def pipeline(lengths: str, scale: float, devices: int, b_max: int, groups: int, group_size: int,
-             iterations: int, compression: float, max_staleness: int, modes: str, design: str,
-             plot: str, bootstrap: str | None, as_json: bool) -> None:  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def pipeline(
+    lengths: str,
+    scale: float,
+    devices: int,
+    b_max: int,
+    groups: int,
+    group_size: int,
+    iterations: int,
+    compression: float,
+    max_staleness: int,
+    modes: str,
+    design: str,
+    plot: str,
+    bootstrap: str | None,
+    as_json: bool,
+) -> None:
     """colocated / sync / stream / async / async+skew side by side (SIMULATED engine and trainer).
 
     The broker, codec, dispatcher, generator workers, trainer loop, staleness gate and weights
@@ -187,13 +263,25 @@ def pipeline(lengths: str, scale: float, devices: int, b_max: int, groups: int, 
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     if not chosen or any(m not in MODES for m in chosen):
         raise ConfigError(f"--modes {modes!r}: choose from {', '.join(MODES)}")
-    w = p.Workload(lengths=lengths, scale=scale, devices=devices, b_max=b_max, groups_per_step=groups,
-                   group_size=group_size, iterations=iterations, compression=compression,
-                   max_staleness=max_staleness, design=design)  # fmt: skip
+    w = p.Workload(
+        lengths=lengths,
+        scale=scale,
+        devices=devices,
+        b_max=b_max,
+        groups_per_step=groups,
+        group_size=group_size,
+        iterations=iterations,
+        compression=compression,
+        max_staleness=max_staleness,
+        design=design,
+    )
 
     def progress(mode: str, split: dict[str, Any]) -> None:
-        click.echo(f"{mode}: {split['instances']} generator instance(s) + {split['trainer_devices']} "
-                   f"trainer device(s) (modelled iteration {split['model_iteration_s']} s) …", err=True)  # fmt: skip
+        click.echo(
+            f"{mode}: {split['instances']} generator instance(s) + {split['trainer_devices']} "
+            f"trainer device(s) (modelled iteration {split['model_iteration_s']} s) …",
+            err=True,
+        )
 
     r = p.run(w, bootstrap, progress, chosen)
     if as_json:
@@ -202,8 +290,11 @@ def pipeline(lengths: str, scale: float, devices: int, b_max: int, groups: int, 
     p.plot(r, plot)
     click.echo(f"SIMULATED engine and trainer, time compressed {compression:g}x; plot: {plot}")
     for mode, m in r["modes"].items():
-        click.echo(f"{mode:>10}: {m['trained_tokens_per_s']:,.0f} trained tokens/s  "
-                   f"x{m['tokens_ratio_vs_colocated']} colocated  x{m['tokens_ratio_vs_sync']} sync  "
-                   f"{m['dropped_token_fraction']:.1%} of tokens dropped  mean trained {m['mean_trained_tokens']:.0f} "
-                   f"(generated {m['mean_generated_tokens']:.0f})  {m['fraction_of_bound']:.0%} of bound  "
-                   f"gen idle {m['gen_idle']:.0%}  staleness max {m['staleness_max']}")  # fmt: skip
+        click.echo(
+            f"{mode:>10}: {m['trained_tokens_per_s']:,.0f} trained tokens/s  "
+            f"x{m['tokens_ratio_vs_colocated']} colocated  x{m['tokens_ratio_vs_sync']} sync  "
+            f"{m['dropped_token_fraction']:.1%} of tokens dropped  mean trained "
+            f"{m['mean_trained_tokens']:.0f} "
+            f"(generated {m['mean_generated_tokens']:.0f})  {m['fraction_of_bound']:.0%} of bound  "
+            f"gen idle {m['gen_idle']:.0%}  staleness max {m['staleness_max']}"
+        )

@@ -46,7 +46,8 @@ TIMEOUT_S = 300.0
 def make_trajectories(
     n: int, mean_tokens: int, chunk_tokens: int, layout: Layout, seed: int = 0
 ) -> list[list[TrajectoryChunk]]:
-    """``n`` trajectories (log-normal lengths around ``mean_tokens``), chunked by the real Chunker."""
+    """``n`` trajectories (log-normal lengths around ``mean_tokens``), chunked by the real
+    Chunker."""
     rng = np.random.default_rng(seed)
     sigma = 0.8
     mu = np.log(mean_tokens) - sigma**2 / 2
@@ -55,11 +56,17 @@ def make_trajectories(
     out = []
     for i, length in enumerate(lengths):
         tid = uuid.uuid4().hex
-        chunker.open(TrajectoryStart(
-            trajectory_id=tid, prompt_id=f"p{i // 4}", task_id="bench", sample_index=i % 4,
-            group_size=4, bucket=layout.bucket_for(int(length)),
-            prompt_tokens=pack_tokens(rng.integers(0, 150_000, 64)),
-        ))  # fmt: skip
+        chunker.open(
+            TrajectoryStart(
+                trajectory_id=tid,
+                prompt_id=f"p{i // 4}",
+                task_id="bench",
+                sample_index=i % 4,
+                group_size=4,
+                bucket=layout.bucket_for(int(length)),
+                prompt_tokens=pack_tokens(rng.integers(0, 150_000, 64)),
+            )
+        )
         tokens = rng.integers(0, 150_000, int(length)).tolist()
         logprobs = (-rng.random(int(length)) * 5).tolist()
         out.append(chunker.add(tid, tokens, logprobs, version=0, finish_reason="length"))
@@ -120,8 +127,12 @@ def _produce(
             if c.is_last:
                 last_ns[c.trajectory_id] = time.time_ns()
             value = payloads[i] if payloads is not None else encode(c)
-            producer.produce(layout.trajectories, value, key=c.trajectory_id,
-                             partition=layout.partition_for(c.bucket, c.trajectory_id))  # fmt: skip
+            producer.produce(
+                layout.trajectories,
+                value,
+                key=c.trajectory_id,
+                partition=layout.partition_for(c.bucket, c.trajectory_id),
+            )
             sent += c.n_tokens
         producer.flush(60)
     out.put(last_ns)
@@ -185,33 +196,53 @@ def run_phase(cfg: CommonConfig, spec: dict[str, Any]) -> dict[str, Any]:
             child.join()
     wall = (end_ns - start_ns.value) / 1e9
     res: dict[str, Any] = {
-        "mode": spec["mode"], "trajectories": spec["n"], "chunks": n_chunks, "tokens": n_tokens,
-        "bytes": n_bytes, "wall_s": round(wall, 4), "tokens_per_s": round(n_tokens / wall),
-        "trajectories_per_s": round(spec["n"] / wall, 1), "mb_per_s": round(n_bytes / wall / 1e6, 2),
+        "mode": spec["mode"],
+        "trajectories": spec["n"],
+        "chunks": n_chunks,
+        "tokens": n_tokens,
+        "bytes": n_bytes,
+        "wall_s": round(wall, 4),
+        "tokens_per_s": round(n_tokens / wall),
+        "trajectories_per_s": round(spec["n"] / wall, 1),
+        "mb_per_s": round(n_bytes / wall / 1e6, 2),
         "target_tokens_per_s": spec["rate"] or None,
-    }  # fmt: skip
+    }
     if codec:
         if len(ready_ns) != spec["n"] or assembler.duplicates:
             raise SrlError(
                 f"assembled {len(ready_ns)}/{spec['n']}, duplicates {assembler.duplicates}"
             )
         lat = np.array([(ready_ns[t] - last_ns[t]) / 1e6 for t in ready_ns])
-        res |= {"ready_latency_ms_p50": round(float(np.percentile(lat, 50)), 2),
-                "ready_latency_ms_p99": round(float(np.percentile(lat, 99)), 2),
-                "ready_latency_ms_max": round(float(lat.max()), 2)}  # fmt: skip
+        res |= {
+            "ready_latency_ms_p50": round(float(np.percentile(lat, 50)), 2),
+            "ready_latency_ms_p99": round(float(np.percentile(lat, 99)), 2),
+            "ready_latency_ms_max": round(float(lat.max()), 2),
+        }
     return res
 
 
 def run(
-    cfg: CommonConfig, external: bool, trajectories: int = 2000, mean_tokens: int = 600,
-    chunk_tokens: int = 32, batch: int = 64, pace: float = 0.5, repeats: int = 1, seed: int = 0,
-) -> dict[str, Any]:  # fmt: skip
+    cfg: CommonConfig,
+    external: bool,
+    trajectories: int = 2000,
+    mean_tokens: int = 600,
+    chunk_tokens: int = 32,
+    batch: int = 64,
+    pace: float = 0.5,
+    repeats: int = 1,
+    seed: int = 0,
+) -> dict[str, Any]:
     """All three phases; the best of ``repeats`` raw and codec runs (alternating) counts."""
-    spec = {"n": trajectories, "mean_tokens": mean_tokens, "chunk_tokens": chunk_tokens,
-            "batch": batch, "seed": seed, "rate": 0}  # fmt: skip
+    spec = {
+        "n": trajectories,
+        "mean_tokens": mean_tokens,
+        "chunk_tokens": chunk_tokens,
+        "batch": batch,
+        "seed": seed,
+        "rate": 0,
+    }
     with contextlib.ExitStack() as stack:
         if not external:
-
             b = stack.enter_context(EmbeddedBroker())
             cfg = cfg.model_copy(update={"bootstrap_servers": b.bootstrap})
         raws, codecs = [], []
@@ -231,8 +262,14 @@ def run(
         "paced_fraction": pace,
         "peak_ready_latency_ms_p50": codec["ready_latency_ms_p50"],
         "peak_ready_latency_ms_p99": codec["ready_latency_ms_p99"],
-        "settings": {"trajectories": trajectories, "mean_tokens": mean_tokens,
-                     "chunk_tokens": chunk_tokens, "batch": batch, "repeats": repeats,
-                     "compression": cfg.compression, "linger_ms": cfg.linger_ms},
+        "settings": {
+            "trajectories": trajectories,
+            "mean_tokens": mean_tokens,
+            "chunk_tokens": chunk_tokens,
+            "batch": batch,
+            "repeats": repeats,
+            "compression": cfg.compression,
+            "linger_ms": cfg.linger_ms,
+        },
         "phases": {"raw": raws, "codec": codecs, "paced": paced},
-    }  # fmt: skip
+    }

@@ -75,8 +75,11 @@ def run_bench(
     create_topics(cfg)
     bucket = layout.buckets[0]
     results: dict[str, dict[str, float]] = {}
-    cases = [Case("batch1", 1, False), Case(f"batch{cfg.max_batch}", cfg.max_batch, False),
-             Case(f"batch{cfg.max_batch}+publish", cfg.max_batch, True)]  # fmt: skip
+    cases = [
+        Case("batch1", 1, False),
+        Case(f"batch{cfg.max_batch}", cfg.max_batch, False),
+        Case(f"batch{cfg.max_batch}+publish", cfg.max_batch, True),
+    ]
     engines = {c.batch: make_engine(cfg.model_copy(update={"max_batch": c.batch})) for c in cases}
     for e in engines.values():
         _no_eos(e)
@@ -94,8 +97,12 @@ def run_bench(
 
                     def sink(e: Any, chunker: Chunker = chunker) -> None:
                         for ch in chunker.add(e.key, e.tokens, e.logprobs, 0, e.finish_reason):
-                            producer.produce(layout.trajectories, encode(ch), key=ch.trajectory_id,
-                                             partition=layout.partition_for(bucket, ch.trajectory_id))  # fmt: skip
+                            producer.produce(
+                                layout.trajectories,
+                                encode(ch),
+                                key=ch.trajectory_id,
+                                partition=layout.partition_for(bucket, ch.trajectory_id),
+                            )
 
                 tokens, secs, cpu = _run(engine, reqs, sink)
                 if c.publish:
@@ -103,8 +110,16 @@ def run_bench(
                     producer.flush()
                     secs += time.perf_counter() - t0
                     cpu += time.process_time() - c0
-                best = results.setdefault(c.name, {"tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0,
-                                                   "cpu_seconds": 0.0, "tokens_per_cpu_s": 0.0})  # fmt: skip
+                best = results.setdefault(
+                    c.name,
+                    {
+                        "tokens": 0,
+                        "seconds": 0.0,
+                        "tokens_per_s": 0.0,
+                        "cpu_seconds": 0.0,
+                        "tokens_per_cpu_s": 0.0,
+                    },
+                )
                 if tokens / secs > best["tokens_per_s"]:
                     best.update(
                         tokens=tokens, seconds=round(secs, 3), tokens_per_s=round(tokens / secs, 1)

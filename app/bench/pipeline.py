@@ -152,8 +152,9 @@ def sim_reward(prompt: str, completion: str, metadata: dict[str, Any]) -> float:
 
 
 # -- one mode, for real ---------------------------------------------------------------------------
-def mode_configs(w: Workload, mode: str, split: dict[str, Any], top: dict[str, Any],
-                 model_dir: Path) -> tuple[Any, list[Any], Any]:  # fmt: skip
+def mode_configs(
+    w: Workload, mode: str, split: dict[str, Any], top: dict[str, Any], model_dir: Path
+) -> tuple[Any, list[Any], Any]:
     """The dispatcher's, the generators' and the trainer's configs of one mode."""
 
     k = w.k(mode)
@@ -161,22 +162,60 @@ def mode_configs(w: Workload, mode: str, split: dict[str, Any], top: dict[str, A
     hist = LengthHistogram.load(w.lengths, w.scale)
     max_len = int(math.ceil(float(np.max(hist.hi)) * w.scale)) + 1
     B = w.groups_per_step
-    dispatch = {"max_staleness": k, "groups_per_step": B, "window": B, "max_pending": 2 * B,
-                "partitioning": "key" if mode in RANDOM_DISPATCH else "balanced",
-                "tasks_per_group": w.tasks_per_group} | d_over  # fmt: skip
-    dcfg = DispatchConfig(**top, task="sim", lengths=w.lengths, length_scale=w.scale,
-                          num_prompts=B * (w.iterations + w.max_staleness + 2), epochs=1000, group_size=w.group_size,
-                          max_new_tokens=max_len, seed=w.seed, predictor="oracle" if mode in LPT_MODES else "baseline",
-                          pools=("gen",), **dispatch)  # fmt: skip
-    gcfgs = [GenerateConfig(**top, pool="gen", worker_id=f"gen-{i}", engine="sim", max_batch=w.b_max,
-                            chunk_tokens=w.chunk_tokens, max_staleness=k, time_scale=1.0 / w.compression,
-                            sim_tokens_per_step=w.tokens_per_step, seed=w.seed + i, stats_interval_s=2.0,
-                            commit_interval_s=0.5, drain_timeout_s=0.0)
-             for i in range(split["instances"])]  # fmt: skip
-    tcfg = TrainConfig(**top, model=str(model_dir), reward="app.bench.pipeline:sim_reward",
-                       groups_per_step=B, max_staleness=k, sync_barrier=mode in ("colocated", "sync"),
-                       max_steps=w.iterations, checkpoint_every=1000, micro_batch_tokens=65_536,
-                       expire_s=600.0, idle_exit_s=120.0, **t_over)  # fmt: skip
+    dispatch = {
+        "max_staleness": k,
+        "groups_per_step": B,
+        "window": B,
+        "max_pending": 2 * B,
+        "partitioning": "key" if mode in RANDOM_DISPATCH else "balanced",
+        "tasks_per_group": w.tasks_per_group,
+    } | d_over
+    dcfg = DispatchConfig(
+        **top,
+        task="sim",
+        lengths=w.lengths,
+        length_scale=w.scale,
+        num_prompts=B * (w.iterations + w.max_staleness + 2),
+        epochs=1000,
+        group_size=w.group_size,
+        max_new_tokens=max_len,
+        seed=w.seed,
+        predictor="oracle" if mode in LPT_MODES else "baseline",
+        pools=("gen",),
+        **dispatch,
+    )
+    gcfgs = [
+        GenerateConfig(
+            **top,
+            pool="gen",
+            worker_id=f"gen-{i}",
+            engine="sim",
+            max_batch=w.b_max,
+            chunk_tokens=w.chunk_tokens,
+            max_staleness=k,
+            time_scale=1.0 / w.compression,
+            sim_tokens_per_step=w.tokens_per_step,
+            seed=w.seed + i,
+            stats_interval_s=2.0,
+            commit_interval_s=0.5,
+            drain_timeout_s=0.0,
+        )
+        for i in range(split["instances"])
+    ]
+    tcfg = TrainConfig(
+        **top,
+        model=str(model_dir),
+        reward="app.bench.pipeline:sim_reward",
+        groups_per_step=B,
+        max_staleness=k,
+        sync_barrier=mode in ("colocated", "sync"),
+        max_steps=w.iterations,
+        checkpoint_every=1000,
+        micro_batch_tokens=65_536,
+        expire_s=600.0,
+        idle_exit_s=120.0,
+        **t_over,
+    )
     return dcfg, gcfgs, tcfg
 
 
@@ -185,17 +224,24 @@ def run_mode(
 ) -> dict[str, Any]:
 
     tag = uuid.uuid4().hex[:6]
-    top = {"bootstrap_servers": bootstrap, "topic_prefix": f"bench.{mode.replace('+', '-')}.{tag}",
-           "run": f"pipe-{tag}", "store": f"file://{work / ('store-' + tag)}",
-           "prompt_partitions": split["instances"], "linger_ms": 2.0}  # fmt: skip
+    top = {
+        "bootstrap_servers": bootstrap,
+        "topic_prefix": f"bench.{mode.replace('+', '-')}.{tag}",
+        "run": f"pipe-{tag}",
+        "store": f"file://{work / ('store-' + tag)}",
+        "prompt_partitions": split["instances"],
+        "linger_ms": 2.0,
+    }
     dcfg, gcfgs, tcfg = mode_configs(w, mode, split, top, model_dir)
     create_topics(dcfg)
     prompts = load_source(dcfg)
     predictor = make_predictor(dcfg, prompts)
     stop = threading.Event()
     errors: list[BaseException] = []
-    engines = [LoggedSimEngine(c.max_batch, None, c.time_scale, c.seed, c.sim_tokens_per_step)
-               for c in gcfgs]  # fmt: skip
+    engines = [
+        LoggedSimEngine(c.max_batch, None, c.time_scale, c.seed, c.sim_tokens_per_step)
+        for c in gcfgs
+    ]
 
     def guarded(fn: Any, *args: Any) -> None:
         try:
@@ -204,10 +250,15 @@ def run_mode(
             errors.append(e)
             stop.set()
 
-    threads = [threading.Thread(target=guarded, args=(run_generator, c, stop, e), daemon=True)
-               for c, e in zip(gcfgs, engines, strict=True)]  # fmt: skip
-    threads.append(threading.Thread(target=guarded, args=(run_dispatcher, dcfg, prompts, predictor, stop),
-                                    daemon=True))  # fmt: skip
+    threads = [
+        threading.Thread(target=guarded, args=(run_generator, c, stop, e), daemon=True)
+        for c, e in zip(gcfgs, engines, strict=True)
+    ]
+    threads.append(
+        threading.Thread(
+            target=guarded, args=(run_dispatcher, dcfg, prompts, predictor, stop), daemon=True
+        )
+    )
     stream = mode not in ("colocated", "sync")
     sim_train = SimTrainEngine(
         w.train_s_per_token / split["trainer_devices"] / w.compression, stream
@@ -226,15 +277,30 @@ def run_mode(
         raise SrlError(f"bench pipeline {mode}: {type(errors[0]).__name__}: {errors[0]}")
     events = metric_events(tcfg, tcfg.run)
     decoded = [e.first_decode for e in engines if e.first_decode is not None]
-    out = summarize(w, mode, split, events, wall, min(decoded, default=None),
-                    sum(e.simulated_ms for e in engines) / 1000.0, sim_train.busy_s * w.compression)  # fmt: skip
+    out = summarize(
+        w,
+        mode,
+        split,
+        events,
+        wall,
+        min(decoded, default=None),
+        sum(e.simulated_ms for e in engines) / 1000.0,
+        sim_train.busy_s * w.compression,
+    )
     out["design"] = "barrier" if mode in BARRIER else w.design
     return out
 
 
-def summarize(w: Workload, mode: str, split: dict[str, Any], events: list[Any], wall: float,
-              first_decode: float | None, gen_busy_sim_s: float,
-              train_busy_sim_s: float) -> dict[str, Any]:  # fmt: skip
+def summarize(
+    w: Workload,
+    mode: str,
+    split: dict[str, Any],
+    events: list[Any],
+    wall: float,
+    first_decode: float | None,
+    gen_busy_sim_s: float,
+    train_busy_sim_s: float,
+) -> dict[str, Any]:
     """One mode's figures from the trainer's metric events (see docs/benchmarks.md)."""
     steps = {int(e.step): e for e in events if e.kind == "train_step" and e.step is not None}
     if len(steps) < w.iterations:
@@ -247,14 +313,24 @@ def summarize(w: Workload, mode: str, split: dict[str, Any], events: list[Any], 
     samples: dict[str, tuple[str, int, int, int]] = {}  # id -> (outcome, tokens, step, staleness)
     for e in events:
         if e.kind == "sample":
-            samples[e.labels["trajectory_id"]] = (e.labels.get("outcome", ""), int(e.values.get("tokens", 0)),
-                                                  int(e.step or 0), int(e.values.get("staleness", 0)))  # fmt: skip
+            samples[e.labels["trajectory_id"]] = (
+                e.labels.get("outcome", ""),
+                int(e.values.get("tokens", 0)),
+                int(e.step or 0),
+                int(e.values.get("staleness", 0)),
+            )
     trained = [x for x in samples.values() if x[0] == "trained"]
     dropped = [x for x in samples.values() if x[0] == "dropped_stale"]
     measured = [x for x in trained if x[2] in order[1:]]
     measured_tokens = sum(x[1] for x in measured)
-    work = [StepWork(s, [x[1] for x in samples.values() if x[2] == s],
-                     sum(x[1] for x in trained if x[2] == s)) for s in order]  # fmt: skip
+    work = [
+        StepWork(
+            s,
+            [x[1] for x in samples.values() if x[2] == s],
+            sum(x[1] for x in trained if x[2] == s),
+        )
+        for s in order
+    ]
     paced = mode in BARRIER or DESIGNS[w.design][0].get("max_staleness", 0) is not None
     bound = run_bound(w, mode, split, work, paced)
     # the whole run, from the first decode step (nothing can be generated before it)
@@ -267,23 +343,36 @@ def summarize(w: Workload, mode: str, split: dict[str, Any], events: list[Any], 
         "samples_per_s": round(rate, 3),
         "trained_tokens_per_s": round(measured_tokens / span_sim, 1) if span_sim > 0 else 0.0,
         "fraction_of_bound": round(bound["bound_s"] / run_s, 3) if run_s > 0 else 0.0,
-        "generated_tokens": gen_tokens, "trained_tokens": sum(x[1] for x in trained),
+        "generated_tokens": gen_tokens,
+        "trained_tokens": sum(x[1] for x in trained),
         "dropped_tokens": sum(x[1] for x in dropped),
         "dropped_token_fraction": round(sum(x[1] for x in dropped) / max(1, gen_tokens), 4),
         "mean_generated_tokens": round(gen_tokens / len(samples), 1) if samples else 0.0,
-        "mean_trained_tokens": round(sum(x[1] for x in trained) / len(trained), 1) if trained else 0.0,
-        "generated": len(samples), "trained": len(trained), "dropped_stale": len(dropped),
+        "mean_trained_tokens": round(sum(x[1] for x in trained) / len(trained), 1)
+        if trained
+        else 0.0,
+        "generated": len(samples),
+        "trained": len(trained),
+        "dropped_stale": len(dropped),
         "staleness_mean": round(float(np.mean(stale)), 3) if stale else 0.0,
         "staleness_max": max(stale, default=0),
         "gen_idle": round(max(0.0, 1 - gen_busy_sim_s / (split["instances"] * run_sim)), 3),
         "train_idle": round(max(0.0, 1 - train_busy_sim_s / run_sim), 3),
-        "span_s": round(span_sim, 2), "run_s": round(run_s, 2), "bound_s": round(bound["bound_s"], 2),
-        "bound_steps_s": bound["steps_s"], "measured_tokens": measured_tokens,
-        "steps": len(order), "measured_steps": len(order) - 1, "wall_s": round(wall, 1), "split": split,
-    }  # fmt: skip
+        "span_s": round(span_sim, 2),
+        "run_s": round(run_s, 2),
+        "bound_s": round(bound["bound_s"], 2),
+        "bound_steps_s": bound["steps_s"],
+        "measured_tokens": measured_tokens,
+        "steps": len(order),
+        "measured_steps": len(order) - 1,
+        "wall_s": round(wall, 1),
+        "split": split,
+    }
     # the trained tokens/s this mode would reach at the bound (for the plot)
     out["bound_tokens_per_s"] = (
-        round(out["trained_tokens_per_s"] / out["fraction_of_bound"], 1) if out["fraction_of_bound"] else None
+        round(out["trained_tokens_per_s"] / out["fraction_of_bound"], 1)
+        if out["fraction_of_bound"]
+        else None
     )
     return out
 
@@ -292,8 +381,9 @@ def ratio(a: float, b: float | None) -> float | None:
     return round(a / b, 3) if b else None
 
 
-def run(w: Workload, external: str | None = None, progress: Any = None,
-        modes: tuple[str, ...] = MODES) -> dict[str, Any]:  # fmt: skip
+def run(
+    w: Workload, external: str | None = None, progress: Any = None, modes: tuple[str, ...] = MODES
+) -> dict[str, Any]:
     """The ``modes`` on one broker; ratios against ``colocated`` and ``sync`` of the same run."""
 
     hist = LengthHistogram.load(w.lengths, w.scale)
@@ -305,11 +395,15 @@ def run(w: Workload, external: str | None = None, progress: Any = None,
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="srl-bench-pipeline-")))
         # the trainer loads a tokenizer and HF files from a model directory; nothing is computed
-        spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+        spec = TinyModelSpec(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
         model_dir = build_tiny_model(work / "model", spec, seed=0)
         if external is None:
-
             bootstrap = stack.enter_context(EmbeddedBroker()).bootstrap
         else:
             bootstrap = external
@@ -347,8 +441,15 @@ def plot(r: dict[str, Any], path: str) -> None:
     ax.bar(x + 0.2, bound, 0.4, label="bound of its split", alpha=0.5)
     for i, m in enumerate(modes):
         mm = r["modes"][m]
-        ax.text(i - 0.2, rate[i], f"x{mm['tokens_ratio_vs_colocated']} coloc.\n"
-                f"{mm['dropped_token_fraction']:.0%} dropped", ha="center", va="bottom", fontsize=8)  # fmt: skip
+        ax.text(
+            i - 0.2,
+            rate[i],
+            f"x{mm['tokens_ratio_vs_colocated']} coloc.\n"
+            f"{mm['dropped_token_fraction']:.0%} dropped",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_xticks(x, modes)
     ax.set_ylim(0, max(rate + bound) * 1.25)  # room for the labels above the bars
     ax.set_ylabel("trained tokens / s (simulated time)")

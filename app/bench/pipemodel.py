@@ -17,7 +17,8 @@ The modes (WORKLOAD.md, "Fair comparison"):
 
 :func:`model_iteration` is a mode's modelled iteration; :func:`best_split` picks each mode's
 split by it. :func:`run_bound` is what no schedule of the generated workload could beat on a
-split, from the first decode step to the end of the last step (docs/benchmarks.md gives the formulas); a measured
+split, from the first decode step to the end of the last step (docs/benchmarks.md gives the
+formulas); a measured
 fraction of it above 1.0 would mean the bound or the accounting is wrong.
 """
 
@@ -121,8 +122,9 @@ def group_finish(w: Workload, group_lengths: np.ndarray, instances: int, lpt: bo
     return done
 
 
-def model_iteration(w: Workload, mode: str, group_lengths: np.ndarray, instances: int,
-                    devices: int) -> dict[str, float]:  # fmt: skip
+def model_iteration(
+    w: Workload, mode: str, group_lengths: np.ndarray, instances: int, devices: int
+) -> dict[str, float]:
     """Modelled seconds of one iteration of ``mode`` on ``instances`` + ``devices``.
 
     Barrier modes: generation is the step's makespan, tail included; ``sync`` and
@@ -152,16 +154,23 @@ def best_split(w: Workload, mode: str, batches: list[np.ndarray]) -> dict[str, A
     """The (instances, trainer devices) split minimising ``mode``'s modelled iteration time,
     averaged over ``batches`` (per-group lengths of sampled steps: one step's longest sample
     varies a lot). ``colocated`` has one split: every device, for each phase in turn."""
-    options = [(w.devices, w.devices)] if mode == "colocated" else [
-        (n, w.devices - n) for n in range(1, w.devices)]  # fmt: skip
+    options = (
+        [(w.devices, w.devices)]
+        if mode == "colocated"
+        else [(n, w.devices - n) for n in range(1, w.devices)]
+    )
     best: dict[str, Any] | None = None
     for n, g in options:
         ms = [model_iteration(w, mode, b, n, g) for b in batches]
         mean = {k: float(np.mean([m[k] for m in ms])) for k in ("iteration_s", "gen_s", "train_s")}
         if best is None or mean["iteration_s"] < best["model_iteration_s"]:
-            best = {"instances": n, "trainer_devices": g,
-                    "model_iteration_s": round(mean["iteration_s"], 2),
-                    "model_gen_s": round(mean["gen_s"], 2), "model_train_s": round(mean["train_s"], 2)}  # fmt: skip
+            best = {
+                "instances": n,
+                "trainer_devices": g,
+                "model_iteration_s": round(mean["iteration_s"], 2),
+                "model_gen_s": round(mean["gen_s"], 2),
+                "model_train_s": round(mean["train_s"], 2),
+            }
     assert best is not None
     return best
 
@@ -186,8 +195,9 @@ def longest_s(lengths: Sequence[int]) -> float:
     return max(lengths, default=0) * PTL(1) / 1000.0
 
 
-def run_bound(w: Workload, mode: str, split: dict[str, Any], work: list[StepWork],
-              paced: bool = True) -> dict[str, Any]:  # fmt: skip
+def run_bound(
+    w: Workload, mode: str, split: dict[str, Any], work: list[StepWork], paced: bool = True
+) -> dict[str, Any]:
     """Simulated seconds, from the first decode step to the end of the last step, that no
     schedule of the generated workload could beat on ``split`` (docs/benchmarks.md).
 

@@ -29,18 +29,31 @@ from srl.tinymodel import TinyModelSpec, build_tiny_model
 @click.option("--groups", default=4, show_default=True, help="Groups per step.")
 @click.option("--n", default=4, show_default=True, help="Samples per group.")
 @click.option("--budget", default=4096, show_default=True, help="Micro-batch token budget.")
-@click.option("--spec", type=click.Choice(["default", "test"]), default="default", show_default=True,
-              help="default: TinyModelSpec() (~0.9M params); test: the test fixture's smaller one.")  # fmt: skip
+@click.option(
+    "--spec",
+    type=click.Choice(["default", "test"]),
+    default="default",
+    show_default=True,
+    help="default: TinyModelSpec() (~0.9M params); test: the test fixture's smaller one.",
+)
 @click.option("--threads", default=0, help="torch threads; 0: torch's default.")
 def main(steps: int, groups: int, n: int, budget: int, spec: str, threads: int) -> None:
     import numpy as np
     import torch
 
-
     if threads:
         torch.set_num_threads(threads)
-    shape = TinyModelSpec() if spec == "default" else TinyModelSpec(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    shape = (
+        TinyModelSpec()
+        if spec == "default"
+        else TinyModelSpec(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(tmp, shape)
@@ -72,10 +85,21 @@ def main(steps: int, groups: int, n: int, budget: int, spec: str, threads: int) 
                 times.append(time.perf_counter() - t0)
                 tokens += sum(r.loss_tokens for r in rows)
                 padded += stats.padded_tokens
-    echo_json({"spec": spec, "params": params, "steps": steps, "rows_per_step": groups * n, "budget": budget,
-               "threads": torch.get_num_threads(), "completion_tokens": tokens, "padded_tokens": padded,
-               "seconds": round(sum(times), 3), "tokens_per_s": round(tokens / sum(times), 1),
-               "step_s_median": round(float(np.median(times)), 3)})  # fmt: skip
+    echo_json(
+        {
+            "spec": spec,
+            "params": params,
+            "steps": steps,
+            "rows_per_step": groups * n,
+            "budget": budget,
+            "threads": torch.get_num_threads(),
+            "completion_tokens": tokens,
+            "padded_tokens": padded,
+            "seconds": round(sum(times), 3),
+            "tokens_per_s": round(tokens / sum(times), 1),
+            "step_s_median": round(float(np.median(times)), 3),
+        }
+    )
 
 
 if __name__ == "__main__":

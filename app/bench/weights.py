@@ -42,22 +42,45 @@ from srl.weights import fetch_tensors, load_manifest, publish
 
 # about 10M, 100M and 500M parameters with the 260-token byte vocabulary
 SIZES: dict[str, TinyModelSpec] = {
-    "10M": TinyModelSpec(hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
-                         num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False),
-    "100M": TinyModelSpec(hidden_size=768, intermediate_size=2816, num_hidden_layers=12,
-                          num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=False),
-    "500M": TinyModelSpec(hidden_size=1024, intermediate_size=4096, num_hidden_layers=32,
-                          num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False),
-    "1M": TinyModelSpec(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
-}  # fmt: skip
+    "10M": TinyModelSpec(
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ),
+    "100M": TinyModelSpec(
+        hidden_size=768,
+        intermediate_size=2816,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
+    "500M": TinyModelSpec(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
+    "1M": TinyModelSpec(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ),
+}
 
 
 def _model_dir(out: Path, spec: TinyModelSpec, dtype: Any, seed: int) -> Path:
     """An HF model directory (config, tokenizer, random weights in ``dtype``)."""
     import torch
     from transformers import AutoModelForCausalLM
-
 
     tok = build_tokenizer()
     torch.manual_seed(seed)
@@ -78,7 +101,6 @@ def _fsync_copy(src: Path, dst: Path) -> None:
 
 def bench_size(name: str, spec: TinyModelSpec, work: Path, repeats: int = 1) -> dict[str, Any]:
     import torch
-
 
     model_dir = _model_dir(work / f"model-{name}", spec, torch.bfloat16, seed=0)
     engine = HFEngine(model_dir, max_batch=1, dtype="bfloat16", seed=0)
@@ -108,31 +130,46 @@ def bench_size(name: str, spec: TinyModelSpec, work: Path, repeats: int = 1) -> 
         c1 = time.perf_counter()
         for i in range(len(files)):
             (work / f"copy-{name}-{version}-{i}").unlink()
-        runs.append({"publish_s": t1 - t0, "fetch_verify_s": t2 - t1, "load_s": t3 - t2,
-                     "publish_load_s": t3 - t0, "plain_copy_s": c1 - c0,
-                     "bytes": pub.manifest.total_bytes})  # fmt: skip
+        runs.append(
+            {
+                "publish_s": t1 - t0,
+                "fetch_verify_s": t2 - t1,
+                "load_s": t3 - t2,
+                "publish_load_s": t3 - t0,
+                "plain_copy_s": c1 - c0,
+                "bytes": pub.manifest.total_bytes,
+            }
+        )
     shutil.rmtree(store.root)
     del engine, tensors
     gc.collect()
     best = min(runs, key=lambda r: r["publish_load_s"])
     copy = min(r["plain_copy_s"] for r in runs)
     return {
-        "name": name, "params": params, "bytes": best["bytes"], "dtype": "bfloat16",
-        "publish_s": round(best["publish_s"], 6), "fetch_verify_s": round(best["fetch_verify_s"], 6),
-        "load_s": round(best["load_s"], 6), "publish_load_s": round(best["publish_load_s"], 6),
-        "plain_copy_s": round(copy, 6), "ratio": round(best["publish_load_s"] / copy, 2),
-    }  # fmt: skip
+        "name": name,
+        "params": params,
+        "bytes": best["bytes"],
+        "dtype": "bfloat16",
+        "publish_s": round(best["publish_s"], 6),
+        "fetch_verify_s": round(best["fetch_verify_s"], 6),
+        "load_s": round(best["load_s"], 6),
+        "publish_load_s": round(best["publish_load_s"], 6),
+        "plain_copy_s": round(copy, 6),
+        "ratio": round(best["publish_load_s"] / copy, 2),
+    }
 
 
 def swap_pause(work: Path, swaps: int = 20, batch: int = 8) -> dict[str, Any]:
-    """Decode-stop time of a swap on the demo model's shape (HFEngine, fp32), median of ``swaps``."""
+    """Decode-stop time of a swap on the demo model's shape (HFEngine, fp32), median of
+    ``swaps``."""
     import torch
-
 
     model_dir = build_tiny_model(work / "demo-model", TinyModelSpec())
     engine = HFEngine(model_dir, max_batch=batch, seed=0)
-    versions = [{k: v.clone() + 0.001 * i for k, v in engine.model.state_dict().items()}
-                for i in range(1, 3)]  # fmt: skip
+    versions = [
+        {k: v.clone() + 0.001 * i for k, v in engine.model.state_dict().items()}
+        for i in range(1, 3)
+    ]
     chunker = Chunker(32, "bench-swap")
     for i in range(batch):
         key = f"r{i}"

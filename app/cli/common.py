@@ -41,18 +41,44 @@ COMMON_KEYS = {
 def common_options(f: F) -> F:
     """The options every Kafka-facing command takes, defined once."""
     options = [
-        click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
-                     help="TOML config file (top-level keys, plus this command's table). Env: SRL_CONFIG."),
-        click.option("--bootstrap", "bootstrap", default=None, metavar="HOST:PORT",
-                     help="Kafka bootstrap servers. Env: SRL_BOOTSTRAP_SERVERS. Default 127.0.0.1:9092."),
-        click.option("--topic-prefix", "topic_prefix", default=None,
-                     help="Topic name prefix. Env: SRL_TOPIC_PREFIX. Default srl."),
-        click.option("--run", "run", default=None, help="Run name (weights namespace). Env: SRL_RUN."),
-        click.option("--store", "store", default=None, metavar="URL",
-                     help="Object store: file://DIR or s3://bucket/prefix. Env: SRL_STORE."),
-        click.option("-X", "kafka_setting", multiple=True, metavar="KEY=VALUE",
-                     help="Any librdkafka setting, passed through (repeatable), as in kcat."),
-    ]  # fmt: skip
+        click.option(
+            "--config",
+            "config",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="TOML config file (top-level keys, plus this command's table). Env: SRL_CONFIG.",
+        ),
+        click.option(
+            "--bootstrap",
+            "bootstrap",
+            default=None,
+            metavar="HOST:PORT",
+            help="Kafka bootstrap servers. Env: SRL_BOOTSTRAP_SERVERS. Default 127.0.0.1:9092.",
+        ),
+        click.option(
+            "--topic-prefix",
+            "topic_prefix",
+            default=None,
+            help="Topic name prefix. Env: SRL_TOPIC_PREFIX. Default srl.",
+        ),
+        click.option(
+            "--run", "run", default=None, help="Run name (weights namespace). Env: SRL_RUN."
+        ),
+        click.option(
+            "--store",
+            "store",
+            default=None,
+            metavar="URL",
+            help="Object store: file://DIR or s3://bucket/prefix. Env: SRL_STORE.",
+        ),
+        click.option(
+            "-X",
+            "kafka_setting",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help="Any librdkafka setting, passed through (repeatable), as in kcat.",
+        ),
+    ]
     for option in reversed(options):
         f = option(f)
     return f

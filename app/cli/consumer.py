@@ -2,7 +2,8 @@
 
 ``srl-consumer train`` turns its options into a :class:`~consumers.config.TrainConfig` and
 calls :func:`consumers.trainer.run_trainer`; torch and transformers are imported there, so
-``--help`` answers at once. Several ranks: ``torchrun --nproc-per-node N -m app.cli.consumer train …``.
+``--help`` answers at once. Several ranks: ``torchrun --nproc-per-node N -m app.cli.consumer train
+…``.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def _flag(name: str) -> Any:
 @click.option(
     "--batching",
     type=click.Choice(["windows", "groups"]),
-    help="windows: step t trains the groups released for step t; groups: the first G complete. Default windows.",
+    help="windows: step t trains the groups released for step t; groups: the first G complete. "
+    "Default windows.",
 )
 @click.option(
     "--groups-per-step",
@@ -133,7 +135,8 @@ def train(as_json: bool, **kw: Any) -> None:
         echo_json({"steps": result.steps, "version": result.version, "outcomes": result.outcomes})
     else:
         click.echo(
-            f"trained {result.steps} steps; policy version {result.version}; outcomes {result.outcomes}"
+            f"trained {result.steps} steps; policy version {result.version}; outcomes "
+            f"{result.outcomes}"
         )
 
 

@@ -34,9 +34,12 @@ def broker() -> None:
 
 def _data_dir_option(f: Any) -> Any:
     return click.option(
-        "--data-dir", type=click.Path(file_okay=False, path_type=Path), default=Path(".srl/broker"),
-        show_default=True, help="Where the broker keeps its data, log and pid file.",
-    )(f)  # fmt: skip
+        "--data-dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=Path(".srl/broker"),
+        show_default=True,
+        help="Where the broker keeps its data, log and pid file.",
+    )(f)
 
 
 @broker.command("start")
@@ -122,14 +125,23 @@ def topics_describe(as_json: bool, **kw: Any) -> None:
     rows: list[dict[str, Any]] = []
     for (topic, part), (low, high) in sorted(watermarks(cfg, names).items()):
         bucket = layout.bucket_of_partition(part) if topic == layout.trajectories else None
-        rows.append({"topic": topic, "partition": part, "bucket": bucket, "low": low, "high": high,
-                     "messages": high - low})  # fmt: skip
+        rows.append(
+            {
+                "topic": topic,
+                "partition": part,
+                "bucket": bucket,
+                "low": low,
+                "high": high,
+                "messages": high - low,
+            }
+        )
     if as_json:
         echo_json({"bootstrap": cfg.bootstrap_servers, "partitions": rows})
         return
     if not rows:
         click.echo(
-            f"no topics with prefix {layout.prefix!r} at {cfg.bootstrap_servers}; run `srl topics create`"
+            f"no topics with prefix {layout.prefix!r} at {cfg.bootstrap_servers}; run `srl topics "
+            f"create`"
         )
         return
     from rich.console import Console
@@ -157,7 +169,8 @@ def store() -> None:
 @store.command("init")
 @common_options
 def store_init(**kw: Any) -> None:
-    """Create the store (the S3 bucket, or the directory) if missing; say how writes stay create-only."""
+    """Create the store (the S3 bucket, or the directory) if missing; say how writes stay
+    create-only."""
     from srl.config import CommonConfig
     from srl.stores import store_from_config
 
@@ -167,8 +180,10 @@ def store_init(**kw: Any) -> None:
 
     if isinstance(st, S3Store):
         created = st.ensure_bucket()
-        click.echo(f"bucket {st.bucket} {'created' if created else 'exists'} at "
-                   f"{st.settings.endpoint_url or 'AWS'}; create-only writes: {st.create_only_mode()}")  # fmt: skip
+        click.echo(
+            f"bucket {st.bucket} {'created' if created else 'exists'} at "
+            f"{st.settings.endpoint_url or 'AWS'}; create-only writes: {st.create_only_mode()}"
+        )
     else:
         click.echo(f"store {st.url} ready; create-only writes: hard links")
 
@@ -188,7 +203,8 @@ def store_init(**kw: Any) -> None:
     type=click.IntRange(1, 65535),
     default=None,
     metavar="PORT",
-    help="Serve /metrics on PORT (kafka_exporter names for lag, srl_* for the rest) instead of the view.",
+    help="Serve /metrics on PORT (kafka_exporter names for lag, srl_* for the rest) instead of the "
+    "view.",
 )
 @click.option(
     "--listen",
@@ -210,10 +226,23 @@ def store_init(**kw: Any) -> None:
     show_default=True,
     help="Seconds of metric events behind rates, staleness and drops.",
 )
-@click.option("--stall-after", type=click.FloatRange(1, 86_400), default=60.0, show_default=True,
-              help="Flag a partition with lag whose committed offset has not moved for this long.")  # fmt: skip
-def top(once: bool, as_json: bool, prometheus: int | None, listen: str, interval: float,
-        window: float, stall_after: float, **kw: Any) -> None:  # fmt: skip
+@click.option(
+    "--stall-after",
+    type=click.FloatRange(1, 86_400),
+    default=60.0,
+    show_default=True,
+    help="Flag a partition with lag whose committed offset has not moved for this long.",
+)
+def top(
+    once: bool,
+    as_json: bool,
+    prometheus: int | None,
+    listen: str,
+    interval: float,
+    window: float,
+    stall_after: float,
+    **kw: Any,
+) -> None:
     """Live view of every srl topic and consumer group.
 
     Per partition the columns of kafka-consumer-groups.sh (GROUP TOPIC PARTITION CURRENT-OFFSET
@@ -226,8 +255,16 @@ def top(once: bool, as_json: bool, prometheus: int | None, listen: str, interval
     from srl.config import CommonConfig
 
     cfg = config_from(CommonConfig, kw)
-    run_top(cfg, once=once, as_json=as_json, prometheus=prometheus, listen=listen,
-            interval_s=interval, window_s=window, stall_after_s=stall_after)  # fmt: skip
+    run_top(
+        cfg,
+        once=once,
+        as_json=as_json,
+        prometheus=prometheus,
+        listen=listen,
+        interval_s=interval,
+        window_s=window,
+        stall_after_s=stall_after,
+    )
 
 
 # -- init-model ------------------------------------------------------------------------------
@@ -269,8 +306,13 @@ def init_model(out: str | None, seed: int, steps: int | None, force: bool) -> No
 # -- smoke and demo ------------------------------------------------------------------------
 @cli.command()
 @common_options
-@click.option("--trajectories", type=click.IntRange(1, 100_000), default=200, show_default=True,
-              help="Synthetic trajectories to stream through the broker.")  # fmt: skip
+@click.option(
+    "--trajectories",
+    type=click.IntRange(1, 100_000),
+    default=200,
+    show_default=True,
+    help="Synthetic trajectories to stream through the broker.",
+)
 def smoke(trajectories: int, **kw: Any) -> None:
     """Data-plane smoke test: synthetic trajectories through the broker, codec and topics.
 

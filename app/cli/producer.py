@@ -95,7 +95,8 @@ def _csv(value: str | None) -> list[str] | None:
     "--max-staleness",
     type=int,
     metavar="K",
-    help="Release trainer step t's prompts once step t-1-K is announced (0: synchronous). Default 1.",
+    help="Release trainer step t's prompts once step t-1-K is announced (0: synchronous). Default "
+    "1.",
 )
 @click.option(
     "--unpaced",
@@ -106,7 +107,8 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option(
     "--tasks-per-group",
     type=int,
-    help="Split each group into this many tasks (sample runs) that may go to different workers. Default 1.",
+    help="Split each group into this many tasks (sample runs) that may go to different workers. "
+    "Default 1.",
 )
 @click.option(
     "--partitioning",
@@ -121,7 +123,9 @@ def _csv(value: str | None) -> list[str] | None:
 )
 @click.option(
     "--pools",
-    help="Comma-separated generator pools whose progress counts for --max-pending. Default regular.",
+    help=(
+        "Comma-separated generator pools whose progress counts for --max-pending. Default regular."
+    ),
 )
 @click.option("--epochs", type=int, help="Passes over the prompts. Default 1.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
@@ -150,7 +154,8 @@ def dispatch(as_json: bool, pools: str | None, unpaced: bool, **kw: Any) -> None
     prompts = load_source(cfg)
     if cfg.task == "sim":
         click.echo(
-            f"sim workload: {len(prompts)} prompts with SIMULATED lengths from {cfg.lengths} (x{cfg.length_scale:g})",
+            f"sim workload: {len(prompts)} prompts with SIMULATED lengths from {cfg.lengths} "
+            f"(x{cfg.length_scale:g})",
             err=True,
         )
     with _kafka_errors():
@@ -160,7 +165,8 @@ def dispatch(as_json: bool, pools: str | None, unpaced: bool, **kw: Any) -> None
     else:
         buckets = ", ".join(f"{b}: {n}" for b, n in summary.by_bucket.items())
         click.echo(
-            f"dispatched {summary.tasks} tasks ({cfg.group_size} samples each) from {summary.prompts} prompts; {buckets}"
+            f"dispatched {summary.tasks} tasks ({cfg.group_size} samples each) from "
+            f"{summary.prompts} prompts; {buckets}"
         )
 
 
@@ -203,7 +209,8 @@ def dispatch(as_json: bool, pools: str | None, unpaced: bool, **kw: Any) -> None
 @click.option(
     "--migrate-to",
     metavar="BUCKET",
-    help="Hand stragglers (past --migrate-factor x their predicted length) to this long-tail bucket.",
+    help="Hand stragglers (past --migrate-factor x their predicted length) to this long-tail "
+    "bucket.",
 )
 @click.option(
     "--migrate-factor", type=float, help="Straggler: generated > factor x predicted. Default 2."
@@ -256,7 +263,8 @@ def generate(as_json: bool, buckets: str | None, **kw: Any) -> None:
     stop = _stop_on_signals()
     if cfg.engine == "sim":
         click.echo(
-            "engine sim: token ids, log-probs and timing are SIMULATED (PTL model); chunks are labelled simulated",
+            "engine sim: token ids, log-probs and timing are SIMULATED (PTL model); chunks are "
+            "labelled simulated",
             err=True,
         )
     logging.getLogger("srl").info(
@@ -268,9 +276,14 @@ def generate(as_json: bool, buckets: str | None, **kw: Any) -> None:
         echo_json(s.to_dict())
     else:
         label = " (SIMULATED engine)" if s.simulated else ""
-        click.echo(f"generator {s.worker_id}{label}: {s.tasks} tasks, {s.trajectories} trajectories, {s.tokens} tokens "
-                   f"in {s.chunks} chunks; resumed {s.resumed}, handed off {s.handed_off}, migrated {s.migrated}, dead letters "
-                   f"{s.dead_letters}, weights loaded {s.weights_loaded} refused {s.weights_refused}, policy v{s.policy_version}")  # fmt: skip
+        click.echo(
+            f"generator {s.worker_id}{label}: {s.tasks} tasks, {s.trajectories} trajectories, "
+            f"{s.tokens} tokens "
+            f"in {s.chunks} chunks; resumed {s.resumed}, handed off {s.handed_off}, migrated "
+            f"{s.migrated}, dead letters "
+            f"{s.dead_letters}, weights loaded {s.weights_loaded} refused {s.weights_refused}, "
+            f"policy v{s.policy_version}"
+        )
 
 
 @cli.command()
@@ -308,8 +321,11 @@ def bench(as_json: bool, requests_n: int, max_new_tokens: int, repeats: int, **k
     from app.bench.engine import run_bench
     from producers.config import GenerateConfig
 
-    own = {k: kw.pop(k) for k in list(kw)
-           if k not in ("config", "bootstrap", "topic_prefix", "run", "store", "kafka_setting")}  # fmt: skip
+    own = {
+        k: kw.pop(k)
+        for k in list(kw)
+        if k not in ("config", "bootstrap", "topic_prefix", "run", "store", "kafka_setting")
+    }
     with contextlib.ExitStack() as stack:
         if own.get("model") is None and own.get("engine") in (None, "hf"):
             from srl.tinymodel import build_tiny_model
@@ -328,11 +344,13 @@ def bench(as_json: bool, requests_n: int, max_new_tokens: int, repeats: int, **k
         return
     for name, r in out["cases"].items():
         click.echo(
-            f"{name:>16}: {r['tokens_per_s']:>9,.1f} tokens/s ({r['tokens']} tokens in {r['seconds']} s), "
+            f"{name:>16}: {r['tokens_per_s']:>9,.1f} tokens/s ({r['tokens']} tokens in "
+            f"{r['seconds']} s), "
             f"{r['tokens_per_cpu_s']:,.1f} tokens/CPU-s"
         )
     click.echo(
-        f"batching speed-up x{out['batch_speedup']}; chunk publishing overhead {out['publish_overhead']:.1%} "
+        f"batching speed-up x{out['batch_speedup']}; chunk publishing overhead "
+        f"{out['publish_overhead']:.1%} "
         f"(wall), {out['publish_overhead_cpu']:.1%} (CPU)"
     )
 

@@ -24,16 +24,30 @@ def ranker() -> None:
 
 def _ranker_options(f: Any) -> Any:
     options = [
-        click.option("--model-dir", default=None, metavar="DIR",
-                     help="Policy model directory (its tokenizer turns prompt tokens into text)."),
-        click.option("--window", type=int, default=None, help="Most recent pairs a version trains on."),
+        click.option(
+            "--model-dir",
+            default=None,
+            metavar="DIR",
+            help="Policy model directory (its tokenizer turns prompt tokens into text).",
+        ),
+        click.option(
+            "--window", type=int, default=None, help="Most recent pairs a version trains on."
+        ),
         click.option("--retrain-every", type=int, default=None, help="New pairs between versions."),
-        click.option("--min-pairs", type=int, default=None, help="Pairs needed before the first version."),
+        click.option(
+            "--min-pairs", type=int, default=None, help="Pairs needed before the first version."
+        ),
         click.option("--epochs", type=int, default=None, help="Training epochs per version."),
-        click.option("--hidden", default=None, metavar="N,N",
-                     help="MLP hidden sizes, e.g. 64,32 (empty: linear). Default 64,32."),
-        click.option("--buckets", type=int, default=None, help="Hashed slots per n-gram family (default 16)."),
-    ]  # fmt: skip
+        click.option(
+            "--hidden",
+            default=None,
+            metavar="N,N",
+            help="MLP hidden sizes, e.g. 64,32 (empty: linear). Default 64,32.",
+        ),
+        click.option(
+            "--buckets", type=int, default=None, help="Hashed slots per n-gram family (default 16)."
+        ),
+    ]
     for option in reversed(options):
         f = option(f)
     return f
@@ -56,7 +70,8 @@ def _config(kw: dict[str, Any]) -> Any:
     "demo_n",
     type=click.IntRange(10, 1_000_000),
     default=None,
-    help="Fit one version on N training prompts of the demo task (their true lengths) and publish it.",
+    help="Fit one version on N training prompts of the demo task (their true lengths) and publish "
+    "it.",
 )
 @click.option(
     "--online",
@@ -78,8 +93,14 @@ def _config(kw: dict[str, Any]) -> Any:
 @click.option(
     "--seed", type=int, default=0, show_default=True, help="Seed for demo prompts and init."
 )
-def train(demo_n: int | None, online: bool, max_versions: int | None, idle_timeout: float | None,
-          seed: int, **kw: Any) -> None:  # fmt: skip
+def train(
+    demo_n: int | None,
+    online: bool,
+    max_versions: int | None,
+    idle_timeout: float | None,
+    seed: int,
+    **kw: Any,
+) -> None:
     """Train the ranker and publish versions to the object store (ranker/{run}/v…/).
 
     With --demo N it bootstraps from the demo task; with --online it learns from the (prompt,
@@ -139,8 +160,9 @@ def train(demo_n: int | None, online: bool, max_versions: int | None, idle_timeo
     help="Also write the (true, predicted) pairs as CSV (input of `srl ranker simulate`).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def eval_(version: int | None, demo_n: int, seed: int, pairs_out: Path | None, as_json: bool,
-          **kw: Any) -> None:  # fmt: skip
+def eval_(
+    version: int | None, demo_n: int, seed: int, pairs_out: Path | None, as_json: bool, **kw: Any
+) -> None:
     """Recall of the truly longest 20/10/5 % and Spearman's rho on held-out prompts."""
     from app.task import demo_pairs
     from ranker.evaluate import evaluate_on_pairs, write_pairs
@@ -183,8 +205,15 @@ def eval_(version: int | None, demo_n: int, seed: int, pairs_out: Path | None, a
 )
 @click.option("--always-split", is_flag=True, help="Never keep one shared pool.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def plan(instances: int, b_max: int, batch: int, alpha: float, always_split: bool, as_json: bool,
-         **kw: Any) -> None:  # fmt: skip
+def plan(
+    instances: int,
+    b_max: int,
+    batch: int,
+    alpha: float,
+    always_split: bool,
+    as_json: bool,
+    **kw: Any,
+) -> None:
     """Algorithm 2's pool split for the next launch: long-tail and regular instances and batch
     caps, from the recent actual lengths published with the latest ranker version."""
     import math
@@ -203,19 +232,31 @@ def plan(instances: int, b_max: int, batch: int, alpha: float, always_split: boo
     lengths = history_lengths(quantiles, alpha)
     n_lt = math.ceil(alpha * batch - 1e-9)
     p = plan_pools(n_lt, batch - n_lt, instances, lengths, PtlModel(), b_max, not always_split)
-    out = {"ranker_version": ranker.version, "alpha": alpha, "batch": batch, **p.to_dict(),
-           "class_lengths": vars(lengths), "ptl_ms": "8.1 + 0.056*BS"}  # fmt: skip
+    out = {
+        "ranker_version": ranker.version,
+        "alpha": alpha,
+        "batch": batch,
+        **p.to_dict(),
+        "class_lengths": vars(lengths),
+        "ptl_ms": "8.1 + 0.056*BS",
+    }
     if as_json:
         echo_json(out)
         return
     if p.longtail_instances == 0:
-        click.echo(f"one shared pool: {p.regular_instances} instances, --max-batch {p.regular_batch} "
-                   f"(modelled {p.regular_model_s:.1f} s; long-tail prompts simply go first)")  # fmt: skip
+        click.echo(
+            f"one shared pool: {p.regular_instances} instances, --max-batch {p.regular_batch} "
+            f"(modelled {p.regular_model_s:.1f} s; long-tail prompts simply go first)"
+        )
     else:
-        click.echo(f"long-tail pool: {p.longtail_instances} instances, --max-batch {p.longtail_batch} "
-                   f"(modelled {p.longtail_model_s:.1f} s)")  # fmt: skip
-        click.echo(f"regular pool:   {p.regular_instances} instances, --max-batch {p.regular_batch} "
-                   f"(modelled {p.regular_model_s:.1f} s)")  # fmt: skip
+        click.echo(
+            f"long-tail pool: {p.longtail_instances} instances, --max-batch {p.longtail_batch} "
+            f"(modelled {p.longtail_model_s:.1f} s)"
+        )
+        click.echo(
+            f"regular pool:   {p.regular_instances} instances, --max-batch {p.regular_batch} "
+            f"(modelled {p.regular_model_s:.1f} s)"
+        )
 
 
 @ranker.command("simulate")
@@ -290,9 +331,20 @@ def plan(instances: int, b_max: int, batch: int, alpha: float, always_split: boo
     help="Also simulate migration of regular-pool samples past this multiple of their prediction.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def simulate(lengths: Path, scale: float, pairs: Path | None, instances: int, b_max: int,
-             batch: int, alpha: float, iterations: int, seed: int, always_split: bool,
-             migrate_factor: float, as_json: bool) -> None:  # fmt: skip
+def simulate(
+    lengths: Path,
+    scale: float,
+    pairs: Path | None,
+    instances: int,
+    b_max: int,
+    batch: int,
+    alpha: float,
+    iterations: int,
+    seed: int,
+    always_split: bool,
+    migrate_factor: float,
+    as_json: bool,
+) -> None:
     """SIMULATED generation makespan: random dispatch + FIFO vs ranker dispatch + LPT vs oracle.
 
     Time comes from the PTL(BS) = 8.1 + 0.056·BS ms model (the sim engine's), not from a
@@ -300,8 +352,19 @@ def simulate(lengths: Path, scale: float, pairs: Path | None, instances: int, b_
     """
     from ranker.evaluate import simulate_report
 
-    report = simulate_report(lengths, scale, pairs, instances, b_max, batch, alpha, iterations,
-                             seed, allow_shared=not always_split, migrate_factor=migrate_factor)  # fmt: skip
+    report = simulate_report(
+        lengths,
+        scale,
+        pairs,
+        instances,
+        b_max,
+        batch,
+        alpha,
+        iterations,
+        seed,
+        allow_shared=not always_split,
+        migrate_factor=migrate_factor,
+    )
     if as_json:
         echo_json(report)
         return
@@ -311,14 +374,20 @@ def simulate(lengths: Path, scale: float, pairs: Path | None, instances: int, b_
         f"({s['rounds']:.1f} rounds), alpha={s['alpha']}, {s['iterations']} iterations"
     )
     ms = report["makespan_s"]
-    for key, label in (("random_fifo", "random + FIFO"), ("ranker_lpt", "ranker + LPT"),
-                       ("ranker_lpt_migrate", "  + migration"), ("oracle_lpt", "oracle + LPT"),
-                       ("lower_bound", "lower bound")):  # fmt: skip
+    for key, label in (
+        ("random_fifo", "random + FIFO"),
+        ("ranker_lpt", "ranker + LPT"),
+        ("ranker_lpt_migrate", "  + migration"),
+        ("oracle_lpt", "oracle + LPT"),
+        ("lower_bound", "lower bound"),
+    ):
         if key in r or key == "random_fifo":
             secs = f"{ms[key]['mean']:9.1f} s" if key in ms else " " * 11
             ratio = "1.000" if key == "random_fifo" else f"{r[key]['mean']:.3f}"
             click.echo(f"  {label:14s} {secs}  ratio {ratio}")
     if "ranker_quality" in report:
         q = report["ranker_quality"]
-        click.echo(f"  ranker: recall@20 {q['recall_at_20']:.3f}, spearman {q['spearman']:.3f} "
-                   f"on {q['n']} held-out pairs; plans {report['ranker_plans']}")  # fmt: skip
+        click.echo(
+            f"  ranker: recall@20 {q['recall_at_20']:.3f}, spearman {q['spearman']:.3f} "
+            f"on {q['n']} held-out pairs; plans {report['ranker_plans']}"
+        )

@@ -42,14 +42,13 @@ def make_engine(cfg: GenerateConfig) -> Engine:
 
         torch.set_num_threads(cfg.threads)
     if cfg.engine == "hf":
-
         assert cfg.model is not None
         return HFEngine(cfg.model, cfg.max_batch, cfg.device, cfg.dtype or "float32", cfg.seed)
     if cfg.engine == "vllm":
-
         assert cfg.model is not None
         return VLLMEngine(cfg.model, cfg.max_batch, cfg.dtype or "auto", cfg.seed)
 
     lengths = LengthHistogram.load(cfg.lengths, cfg.length_scale) if cfg.lengths else None
-    return SimEngine(cfg.max_batch, lengths, cfg.time_scale, cfg.seed, cfg.sim_tokens_per_step,
-                     cfg.sim_vocab)  # fmt: skip
+    return SimEngine(
+        cfg.max_batch, lengths, cfg.time_scale, cfg.seed, cfg.sim_tokens_per_step, cfg.sim_vocab
+    )

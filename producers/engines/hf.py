@@ -75,7 +75,6 @@ class HFEngine(Engine):
         )  # not the lazy top level: thread-safe import
         from transformers.utils import logging as hf_logging
 
-
         super().__init__(max_batch)
         if not Path(model_dir, "config.json").is_file():
             raise ConfigError(f"model: {model_dir} is not a Hugging Face model directory")
@@ -152,8 +151,15 @@ class HFEngine(Engine):
             k for k in tensors if k in own and tuple(tensors[k].shape) != tuple(own[k].shape)
         )
         if unknown or missing or bad_shape:
-            what = [f"{len(x)} {name} (e.g. {x[0]})" for name, x in
-                    (("unknown tensors", unknown), ("missing tensors", missing), ("shape mismatches", bad_shape)) if x]  # fmt: skip
+            what = [
+                f"{len(x)} {name} (e.g. {x[0]})"
+                for name, x in (
+                    ("unknown tensors", unknown),
+                    ("missing tensors", missing),
+                    ("shape mismatches", bad_shape),
+                )
+                if x
+            ]
             raise WeightsError(f"v{version} does not fit the model: {', '.join(what)}")
         with torch.no_grad():
             self.model.load_state_dict(tensors, strict=False)
@@ -171,8 +177,12 @@ class HFEngine(Engine):
             [self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype, device=dev)], 1
         )
         logits = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache, use_cache=True
-        ).logits[:, -1]  # fmt: skip
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=self.cache,
+            use_cache=True,
+        ).logits[:, -1]
         self.mask = mask
         for r in self.rows:
             r.valid += 1
@@ -197,8 +207,10 @@ class HFEngine(Engine):
         logits = self.model(
             input_ids=torch.tensor([ids], device=self.device),
             position_ids=torch.arange(len(ids), device=self.device)[None],
-            past_key_values=cache, use_cache=True, logits_to_keep=1,
-        ).logits[:, -1]  # fmt: skip
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
         tokens, logprobs = self._sample(logits, [req])
         row = _Row(req, generated=len(req.prefix) + 1, next_token=tokens[0], valid=len(ids))
         finish = self._finish(row, tokens[0])
@@ -209,7 +221,6 @@ class HFEngine(Engine):
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float]]:
         import torch
-
 
         temp = torch.tensor([r.temperature for r in reqs], device=self.device)
         top_p = torch.tensor([r.top_p for r in reqs], device=self.device)
@@ -260,7 +271,8 @@ class HFEngine(Engine):
 
 
 def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
-    """Zero-pad the sequence dimension (-2 for K/V [B, H, T, D], -1 for masks [B, T]) on the left."""
+    """Zero-pad the sequence dimension (-2 for K/V [B, H, T, D], -1 for masks [B, T]) on the
+    left."""
     import torch.nn.functional as F
 
     if x.dim() == 2:
@@ -275,7 +287,8 @@ def _check_layers(cache: Any) -> None:
         if type(layer) is not DynamicLayer:
             raise ConfigError(
                 f"hf engine: the model uses {type(layer).__name__} cache layers (sliding-window or "
-                "hybrid attention), which its continuous batching does not support; use the vllm engine"
+                "hybrid attention), which its continuous batching does not support; use the vllm "
+                "engine"
             )
 
 

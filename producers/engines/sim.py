@@ -131,7 +131,8 @@ class SimEngine(Engine):
         return len(self.rows) < n
 
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Verification happened upstream (the follower); a simulated policy only changes version."""
+        """Verification happened upstream (the follower); a simulated policy only changes
+        version."""
         self.version = version
 
     def describe(self) -> dict[str, Any]:

@@ -69,15 +69,21 @@ class VLLMEngine(Engine):
             from vllm import EngineArgs, LLMEngine
         except ImportError:
             raise ConfigError(
-                "engine vllm: vLLM is not installed here; pip install -e '.[vllm]' on a GPU machine, "
+                "engine vllm: vLLM is not installed here; pip install -e '.[vllm]' on a GPU "
+                "machine, "
                 "or use --engine hf"
             ) from None
         super().__init__(max_batch)
         args = EngineArgs(
-            model=str(model_dir), dtype=dtype, seed=seed or 0, max_num_seqs=max_batch,
-            gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{__name__}.SrlWorkerExtension", enable_prefix_caching=True,
-        )  # fmt: skip
+            model=str(model_dir),
+            dtype=dtype,
+            seed=seed or 0,
+            max_num_seqs=max_batch,
+            gpu_memory_utilization=gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.SrlWorkerExtension",
+            enable_prefix_caching=True,
+        )
         self.llm = LLMEngine.from_engine_args(args)
         self.tokenizer = self.llm.get_tokenizer()
         self._running: set[str] = set()
@@ -117,9 +123,13 @@ class VLLMEngine(Engine):
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
-            n=1, temperature=req.temperature, top_p=req.top_p, logprobs=0,
-            max_tokens=req.max_new_tokens - len(req.prefix), output_kind=RequestOutputKind.DELTA,
-        )  # fmt: skip
+            n=1,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            logprobs=0,
+            max_tokens=req.max_new_tokens - len(req.prefix),
+            output_kind=RequestOutputKind.DELTA,
+        )
         prompt = TokensPrompt(prompt_token_ids=[*req.prompt_ids, *req.prefix])
         self.llm.add_request(req.key, prompt, params)
         self._running.add(req.key)

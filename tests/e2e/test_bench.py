@@ -1,4 +1,5 @@
-"""``srl bench``: the real CLI at small sizes; checks the JSON shape and its arithmetic, not speed."""
+"""``srl bench``: the real CLI at small sizes; checks the JSON shape and its arithmetic, not
+speed."""
 
 from __future__ import annotations
 
@@ -11,12 +12,29 @@ from tests.e2e.test_cli import run
 
 
 def test_bench_dataplane_json(cli_env: dict[str, str]) -> None:
-    out = run("srl", "bench", "dataplane", "--trajectories", "40", "--mean-tokens", "64",
-              "--batch", "8", "--json", env=cli_env, timeout=240)  # fmt: skip
+    out = run(
+        "srl",
+        "bench",
+        "dataplane",
+        "--trajectories",
+        "40",
+        "--mean-tokens",
+        "64",
+        "--batch",
+        "8",
+        "--json",
+        env=cli_env,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr
     r = orjson.loads(out.stdout)
-    for key in ("tokens_per_s", "trajectories_per_s", "raw_tokens_per_s",
-                "ready_latency_ms_p50", "ready_latency_ms_p99"):  # fmt: skip
+    for key in (
+        "tokens_per_s",
+        "trajectories_per_s",
+        "raw_tokens_per_s",
+        "ready_latency_ms_p50",
+        "ready_latency_ms_p99",
+    ):
         assert r[key] > 0, key
     assert r["ready_latency_ms_p50"] <= r["ready_latency_ms_p99"]
     assert abs(r["overhead"] - (r["raw_tokens_per_s"] / r["tokens_per_s"] - 1)) < 1e-3
@@ -56,17 +74,48 @@ def test_bench_weights_rejects_unknown_size() -> None:
 def test_bench_pipeline_json_on_another_histogram(cli_env: dict[str, str], tmp_path: Path) -> None:
     hist = tmp_path / "short.csv"
     hist.write_text("# lo,hi,probability\n20,60,0.6\n60,200,0.3\n200,400,0.1\n")
-    out = run("srl", "bench", "pipeline", "--lengths", str(hist), "--scale", "1", "--groups", "3",
-              "--group-size", "2", "--iterations", "3", "--devices", "3", "--compression", "20",
-              "--json", env=cli_env, timeout=600)  # fmt: skip
+    out = run(
+        "srl",
+        "bench",
+        "pipeline",
+        "--lengths",
+        str(hist),
+        "--scale",
+        "1",
+        "--groups",
+        "3",
+        "--group-size",
+        "2",
+        "--iterations",
+        "3",
+        "--devices",
+        "3",
+        "--compression",
+        "20",
+        "--json",
+        env=cli_env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     r = orjson.loads(out.stdout)
     assert r["simulated"] is True and r["time_compression"] == 20
     assert set(r["modes"]) == {"colocated", "sync", "stream", "async", "async+skew"}
-    fields = ("samples_per_s", "trained_tokens_per_s", "generated_tokens", "trained_tokens",
-              "dropped_token_fraction", "mean_generated_tokens", "mean_trained_tokens",
-              "tokens_ratio_vs_colocated", "tokens_ratio_vs_sync", "fraction_of_bound", "gen_idle",
-              "train_idle", "staleness_mean", "staleness_max")  # fmt: skip
+    fields = (
+        "samples_per_s",
+        "trained_tokens_per_s",
+        "generated_tokens",
+        "trained_tokens",
+        "dropped_token_fraction",
+        "mean_generated_tokens",
+        "mean_trained_tokens",
+        "tokens_ratio_vs_colocated",
+        "tokens_ratio_vs_sync",
+        "fraction_of_bound",
+        "gen_idle",
+        "train_idle",
+        "staleness_mean",
+        "staleness_max",
+    )
     means = set()
     for name, m in r["modes"].items():
         for key in fields:

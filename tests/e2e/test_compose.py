@@ -147,15 +147,28 @@ def test_compose_up_brings_up_a_pipeline_that_trains() -> None:
     from tests.s3server import TEST_CREDENTIALS
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("SRL_")}
-    env.update({**TEST_CREDENTIALS, "AWS_ACCESS_KEY_ID": "srl-local", "AWS_SECRET_ACCESS_KEY": "srl-local-secret",
-                "SRL_BOOTSTRAP_SERVERS": "127.0.0.1:9092", "SRL_RUN": "compose", "SRL_STORE": "s3://srl/compose",
-                "SRL_S3_ENDPOINT_URL": "http://127.0.0.1:9000"})  # fmt: skip
+    env.update(
+        {
+            **TEST_CREDENTIALS,
+            "AWS_ACCESS_KEY_ID": "srl-local",
+            "AWS_SECRET_ACCESS_KEY": "srl-local-secret",
+            "SRL_BOOTSTRAP_SERVERS": "127.0.0.1:9092",
+            "SRL_RUN": "compose",
+            "SRL_STORE": "s3://srl/compose",
+            "SRL_S3_ENDPOINT_URL": "http://127.0.0.1:9000",
+        }
+    )
     with DockerCompose(ROOT, compose_file_name="docker-compose.yml", build=True, wait=False):
         deadline = time.monotonic() + 1500
         weights: dict[str, Any] = {}
         while time.monotonic() < deadline:
-            out = subprocess.run([bin_path("srl"), "top", "--json"], env=env, capture_output=True, text=True,
-                                 timeout=120)  # fmt: skip
+            out = subprocess.run(
+                [bin_path("srl"), "top", "--json"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             if out.returncode == 0:
                 weights = orjson.loads(out.stdout)["weights"]
                 if (weights["version"] or 0) >= 1 and weights["manifest_ok"]:

@@ -23,14 +23,23 @@ DELAY_MS, RATE_MBIT = 50.0, 50.0
 
 def test_links_delay_every_packet_each_way() -> None:
     with Topology(DELAY_MS, RATE_MBIT) as t:
-        t.start("broker", [sys.executable, "-c",
-                           "import socket,time; s=socket.socket(); s.bind(('0.0.0.0', 7000)); s.listen(); time.sleep(60)"])  # fmt: skip
-        probe = ("import socket,sys,time\n"
-                 "for _ in range(100):\n"
-                 "    t0=time.monotonic()\n"
-                 "    try: socket.create_connection((sys.argv[1], 7000), timeout=5).close()\n"
-                 "    except OSError: time.sleep(0.1); continue\n"
-                 "    print(time.monotonic()-t0); break\n")  # fmt: skip
+        t.start(
+            "broker",
+            [
+                sys.executable,
+                "-c",
+                "import socket,time; s=socket.socket(); s.bind(('0.0.0.0', 7000)); s.listen(); "
+                "time.sleep(60)",
+            ],
+        )
+        probe = (
+            "import socket,sys,time\n"
+            "for _ in range(100):\n"
+            "    t0=time.monotonic()\n"
+            "    try: socket.create_connection((sys.argv[1], 7000), timeout=5).close()\n"
+            "    except OSError: time.sleep(0.1); continue\n"
+            "    print(time.monotonic()-t0); break\n"
+        )
         time.sleep(0.5)
         out = t.run("gen", [sys.executable, "-c", probe, t.ip("broker")])
         assert out.returncode == 0 and out.stdout.strip(), out.stderr

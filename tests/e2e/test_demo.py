@@ -56,9 +56,19 @@ def _demo(tmp_path: Path, cli_env: dict[str, str], tiny_model: Path, *args: str)
     # a small held-out set and no intermediate evaluations keep the test short on a busy machine
     (tmp_path / "demo.toml").write_text("[demo]\neval_prompts = 32\neval_every = 0\n")
     return [
-        bin_path("srl"), "-v", "demo", "--out", str(tmp_path / "demo"), "--model", "policy0",
-        "--config", str(tmp_path / "demo.toml"), "--steps", "3", *args,
-    ]  # fmt: skip
+        bin_path("srl"),
+        "-v",
+        "demo",
+        "--out",
+        str(tmp_path / "demo"),
+        "--model",
+        "policy0",
+        "--config",
+        str(tmp_path / "demo.toml"),
+        "--steps",
+        "3",
+        *args,
+    ]
 
 
 def _run_to_end(
@@ -67,8 +77,13 @@ def _run_to_end(
     """Run the demo to its end (exit 0): (what --json printed, report.json, the demo's log)."""
     log, out = tmp_path / "demo.log", tmp_path / "demo.json"
     with log.open("w") as f, out.open("wb") as o:
-        proc = subprocess.Popen([*_demo(tmp_path, env, tiny_model, *args), "--json"],
-                                env=env, stdout=o, stderr=f, cwd=tmp_path)  # fmt: skip
+        proc = subprocess.Popen(
+            [*_demo(tmp_path, env, tiny_model, *args), "--json"],
+            env=env,
+            stdout=o,
+            stderr=f,
+            cwd=tmp_path,
+        )
     try:
         rc = proc.wait(900)
     finally:
@@ -142,8 +157,11 @@ def test_ctrl_c_stops_every_process_and_still_writes_the_report(
     with log.open("w") as f:
         proc = subprocess.Popen(
             _demo(tmp_path, cli_env, tiny_model, "--steps", "500"),
-            env=cli_env, stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path,
-        )  # fmt: skip
+            env=cli_env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+        )
     try:
         deadline = time.monotonic() + 600
         trained = re.compile(r"^step [1-9]\d*/500", re.MULTILINE)  # progress skips steps

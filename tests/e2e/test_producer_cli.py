@@ -33,8 +33,24 @@ def worker(
     env: dict[str, str], model: Path, wid: str, log: Path, *extra: str
 ) -> Iterator[subprocess.Popen[str]]:
     """A ``srl-producer generate`` process; killed on exit if the test did not stop it."""
-    args = [bin_path("srl-producer"), "-v", "generate", "--model", str(model), "--worker-id", wid,
-            "--threads", "1", "--max-batch", "2", "--chunk-tokens", "8", "--buckets", "le1024", *extra]  # fmt: skip
+    args = [
+        bin_path("srl-producer"),
+        "-v",
+        "generate",
+        "--model",
+        str(model),
+        "--worker-id",
+        wid,
+        "--threads",
+        "1",
+        "--max-batch",
+        "2",
+        "--chunk-tokens",
+        "8",
+        "--buckets",
+        "le1024",
+        *extra,
+    ]
     with open(log, "w") as out:
         proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
@@ -75,8 +91,13 @@ def wait_running(*logs: Path, timeout_s: float = 60) -> None:
         time.sleep(0.2)
 
 
-def until(t: Trajectories, what: Any, procs: dict[str, subprocess.Popen[str]], logs: dict[str, Path],
-          timeout_s: float) -> None:  # fmt: skip
+def until(
+    t: Trajectories,
+    what: Any,
+    procs: dict[str, subprocess.Popen[str]],
+    logs: dict[str, Path],
+    timeout_s: float,
+) -> None:
     """``t.wait`` that fails at once, with the log, if a worker process exits."""
 
     def check(t: Trajectories) -> bool:
@@ -132,8 +153,20 @@ def test_sigkill_of_a_worker_mid_trajectory_is_resumed_by_another(
     ):
         wait_running(logs["wa"], logs["wb"])
         time.sleep(3)  # both members of the group
-        out = run("srl-producer", "dispatch", "--unpaced", "--partitioning", "key", "--prompts", str(tmp_path / "p.jsonl"), "--group-size", "4",
-                  "--max-new-tokens", "400", env=cli_env)  # fmt: skip
+        out = run(
+            "srl-producer",
+            "dispatch",
+            "--unpaced",
+            "--partitioning",
+            "key",
+            "--prompts",
+            str(tmp_path / "p.jsonl"),
+            "--group-size",
+            "4",
+            "--max-new-tokens",
+            "400",
+            env=cli_env,
+        )
         assert out.returncode == 0, out.stderr
         until(t, lambda t: len(incomplete_of(t, "wa")) >= 2, {"wa": wa, "wb": wb}, logs, 60)
         wa.send_signal(signal.SIGKILL)
@@ -173,14 +206,31 @@ def test_sigkill_then_a_replacement_under_a_new_group_resumes_the_dead_workers_t
     """
     ids = balanced_prompts(tmp_path / "p.jsonl", 4)
     short = [f"s{i}" for i in range(4)]  # finished and committed before the kill
-    (tmp_path / "s.jsonl").write_text("".join(
-        orjson.dumps({"prompt_id": p, "prompt": f"short {p}?"}).decode() + "\n" for p in short))  # fmt: skip
+    (tmp_path / "s.jsonl").write_text(
+        "".join(
+            orjson.dumps({"prompt_id": p, "prompt": f"short {p}?"}).decode() + "\n" for p in short
+        )
+    )
     cfg = cfg_from_env(cli_env)
     assert run("srl", "topics", "create", env=cli_env).returncode == 0
     (tmp_path / "d.toml").write_text("[dispatch]\nbaseline_length = 400\n")  # all in le1024
     for file, n in (("s.jsonl", "4"), ("p.jsonl", "400")):
-        out = run("srl-producer", "dispatch", "--unpaced", "--partitioning", "key", "--config", str(tmp_path / "d.toml"), "--prompts",
-                  str(tmp_path / file), "--group-size", "4", "--max-new-tokens", n, env=cli_env)  # fmt: skip
+        out = run(
+            "srl-producer",
+            "dispatch",
+            "--unpaced",
+            "--partitioning",
+            "key",
+            "--config",
+            str(tmp_path / "d.toml"),
+            "--prompts",
+            str(tmp_path / file),
+            "--group-size",
+            "4",
+            "--max-new-tokens",
+            n,
+            env=cli_env,
+        )
         assert out.returncode == 0, out.stderr
     t = Trajectories(cfg)
     logs = {w: tmp_path / f"{w}.log" for w in ("wa", "wc")}
@@ -200,13 +250,28 @@ def test_sigkill_then_a_replacement_under_a_new_group_resumes_the_dead_workers_t
         return all((done[tp] or 0) >= per_part[tp[1]] for tp in parts)
 
     with worker(cli_env, tiny_model, "wa", logs["wa"]) as wa:
-        until(t, lambda t: short_ones_committed(t) and len(incomplete_of(t, "wa")) >= 2,
-              {"wa": wa}, logs, 240)  # fmt: skip
+        until(
+            t,
+            lambda t: short_ones_committed(t) and len(incomplete_of(t, "wa")) >= 2,
+            {"wa": wa},
+            logs,
+            240,
+        )
         wa.send_signal(signal.SIGKILL)
         assert wa.wait(timeout=10) == -signal.SIGKILL
     killed_mid = set(incomplete_of(t, "wa"))
-    with worker(cli_env, tiny_model, "wc", logs["wc"], "--group-id", f"{old_group}.r1",
-                "--take-over-from", old_group, "--idle-exit", "3") as wc:  # fmt: skip
+    with worker(
+        cli_env,
+        tiny_model,
+        "wc",
+        logs["wc"],
+        "--group-id",
+        f"{old_group}.r1",
+        "--take-over-from",
+        old_group,
+        "--idle-exit",
+        "3",
+    ) as wc:
         assert wc.wait(timeout=400) == 0, logs["wc"].read_text()[-3000:]
     t.wait(lambda t: len(t.complete()) == 32, timeout_s=30)
     done = check_exactly_once(t, {(p, s) for p in ids + short for s in range(4)})
@@ -233,8 +298,20 @@ def test_sigterm_hands_off_in_flight_work_and_exits_cleanly(
     ids = balanced_prompts(tmp_path / "p.jsonl", 4)
     cfg = cfg_from_env(cli_env)
     assert run("srl", "topics", "create", env=cli_env).returncode == 0
-    out = run("srl-producer", "dispatch", "--unpaced", "--partitioning", "key", "--prompts", str(tmp_path / "p.jsonl"), "--group-size", "4",
-              "--max-new-tokens", "400", env=cli_env)  # fmt: skip
+    out = run(
+        "srl-producer",
+        "dispatch",
+        "--unpaced",
+        "--partitioning",
+        "key",
+        "--prompts",
+        str(tmp_path / "p.jsonl"),
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "400",
+        env=cli_env,
+    )
     assert out.returncode == 0, out.stderr
     t = Trajectories(cfg)
     with worker(cli_env, tiny_model, "w1", tmp_path / "w1.log", "--drain-timeout", "0") as w1:
@@ -280,11 +357,36 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(cli_env: dict[str, str], tmp_p
 def test_sim_generate_says_it_is_simulated(cli_env: dict[str, str], tmp_path: Path) -> None:
     hist = "/work/shared/data/streamrl_output_length_hist.csv"
     env = cli_env
-    out = run("srl-producer", "dispatch", "--task", "sim", "--lengths", hist, "--scale", "0.005",
-              "--num-prompts", "3", "--group-size", "2", "--predictor", "oracle", env=env)  # fmt: skip
+    out = run(
+        "srl-producer",
+        "dispatch",
+        "--task",
+        "sim",
+        "--lengths",
+        hist,
+        "--scale",
+        "0.005",
+        "--num-prompts",
+        "3",
+        "--group-size",
+        "2",
+        "--predictor",
+        "oracle",
+        env=env,
+    )
     assert out.returncode == 0 and "SIMULATED" in out.stderr, out.stderr
-    out = run("srl-producer", "generate", "--engine", "sim", "--time-scale", "0", "--idle-exit", "2", "--json",
-              env=env)  # fmt: skip
+    out = run(
+        "srl-producer",
+        "generate",
+        "--engine",
+        "sim",
+        "--time-scale",
+        "0",
+        "--idle-exit",
+        "2",
+        "--json",
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     assert "SIMULATED" in out.stderr
     summary = orjson.loads(out.stdout)

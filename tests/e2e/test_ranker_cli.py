@@ -15,9 +15,12 @@ HIST = Path(__file__).resolve().parents[1] / "unit" / "data" / "streamrl_output_
 
 def srl(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [bin_path("srl"), *args], capture_output=True, text=True, cwd=cwd,
+        [bin_path("srl"), *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
         timeout=120,
-    )  # fmt: skip
+    )
 
 
 def test_simulate_json_with_pairs(tmp_path: Path) -> None:
@@ -25,8 +28,23 @@ def test_simulate_json_with_pairs(tmp_path: Path) -> None:
     true = rng.lognormal(5, 1, 500)
     pairs = tmp_path / "pairs.csv"
     pairs.write_text("# true,pred\n" + "\n".join(f"{t:.0f},{t:.0f}" for t in true) + "\n")
-    r = srl("ranker", "simulate", "--lengths", str(HIST), "--pairs", str(pairs), "--instances", "4",
-            "--b-max", "16", "--batch", "512", "--iterations", "2", "--json")  # fmt: skip
+    r = srl(
+        "ranker",
+        "simulate",
+        "--lengths",
+        str(HIST),
+        "--pairs",
+        str(pairs),
+        "--instances",
+        "4",
+        "--b-max",
+        "16",
+        "--batch",
+        "512",
+        "--iterations",
+        "2",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     report = orjson.loads(r.stdout)
     assert report["simulated"] is True and report["settings"]["rounds"] == 8
@@ -37,8 +55,20 @@ def test_simulate_json_with_pairs(tmp_path: Path) -> None:
 
 
 def test_simulate_text_and_bad_input(tmp_path: Path) -> None:
-    r = srl("ranker", "simulate", "--lengths", str(HIST), "--iterations", "1", "--batch", "256",
-            "--instances", "2", "--b-max", "8")  # fmt: skip
+    r = srl(
+        "ranker",
+        "simulate",
+        "--lengths",
+        str(HIST),
+        "--iterations",
+        "1",
+        "--batch",
+        "256",
+        "--instances",
+        "2",
+        "--b-max",
+        "8",
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("SIMULATED") and "oracle + LPT" in r.stdout
     bad = tmp_path / "bad.csv"
@@ -56,8 +86,19 @@ def test_train_on_demo_then_eval_json(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "ranker v1 published" in r.stdout
     pairs = tmp_path / "pairs.csv"
-    r = srl("ranker", "eval", "--store", store, "--run", "x", "--demo", "400", "--json",
-            "--pairs-out", str(pairs))  # fmt: skip
+    r = srl(
+        "ranker",
+        "eval",
+        "--store",
+        store,
+        "--run",
+        "x",
+        "--demo",
+        "400",
+        "--json",
+        "--pairs-out",
+        str(pairs),
+    )
     assert r.returncode == 0, r.stderr
     report = orjson.loads(r.stdout)
     for key in ("recall_at_20", "recall_at_10", "recall_at_5", "spearman"):
@@ -78,19 +119,58 @@ def test_plan_from_the_published_history(tmp_path: Path) -> None:
     from srl.store import LocalStore
 
     lengths = LengthHistogram.from_file(HIST).sample(400, np.random.default_rng(0))
-    r = LengthRanker.fit([f"p {i}" for i in range(400)], lengths, spec=FeatureSpec(4), hidden=(),
-                         epochs=2)  # fmt: skip
+    r = LengthRanker.fit(
+        [f"p {i}" for i in range(400)], lengths, spec=FeatureSpec(4), hidden=(), epochs=2
+    )
     r.info["length_quantiles"] = length_quantiles(lengths)
     publish(LocalStore(tmp_path / "store"), "x", r)
     store = f"file://{tmp_path / 'store'}"
-    few = srl("ranker", "plan", "--store", store, "--run", "x", "--instances", "8", "--b-max", "64",
-              "--batch", "1024", "--json")  # fmt: skip
-    many = srl("ranker", "plan", "--store", store, "--run", "x", "--instances", "16", "--b-max",
-               "32", "--batch", "2048", "--json")  # fmt: skip
+    few = srl(
+        "ranker",
+        "plan",
+        "--store",
+        store,
+        "--run",
+        "x",
+        "--instances",
+        "8",
+        "--b-max",
+        "64",
+        "--batch",
+        "1024",
+        "--json",
+    )
+    many = srl(
+        "ranker",
+        "plan",
+        "--store",
+        store,
+        "--run",
+        "x",
+        "--instances",
+        "16",
+        "--b-max",
+        "32",
+        "--batch",
+        "2048",
+        "--json",
+    )
     assert few.returncode == 0 and many.returncode == 0, few.stderr + many.stderr
     a, b = orjson.loads(few.stdout), orjson.loads(many.stdout)
     assert a["longtail_instances"] + a["regular_instances"] == 8 and a["ranker_version"] == 1
     assert b["longtail_instances"] == 0 and b["regular_batch"] == 32  # 4 rounds: one shared pool
-    text = srl("ranker", "plan", "--store", store, "--run", "x", "--instances", "16", "--b-max", "32",
-               "--batch", "2048")  # fmt: skip
+    text = srl(
+        "ranker",
+        "plan",
+        "--store",
+        store,
+        "--run",
+        "x",
+        "--instances",
+        "16",
+        "--b-max",
+        "32",
+        "--batch",
+        "2048",
+    )
     assert text.returncode == 0 and text.stdout.startswith("one shared pool: 16 instances")

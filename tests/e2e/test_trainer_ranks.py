@@ -17,9 +17,29 @@ from tests.chunks import produce
 from tests.conftest import bin_path
 from tests.integration.test_trainer import make_groups
 
-ARGS = ["train", "--groups-per-step", "2", "--max-steps", "3", "--micro-batch-tokens", "40",
-        "--lr", "1e-3", "--idle-exit-s", "5", "--device", "cpu", "--loss", "decoupled",
-        "--updates-per-step", "2", "--max-staleness", "100", "--reward", "consumers.rewards:first_line_match"]  # fmt: skip
+ARGS = [
+    "train",
+    "--groups-per-step",
+    "2",
+    "--max-steps",
+    "3",
+    "--micro-batch-tokens",
+    "40",
+    "--lr",
+    "1e-3",
+    "--idle-exit-s",
+    "5",
+    "--device",
+    "cpu",
+    "--loss",
+    "decoupled",
+    "--updates-per-step",
+    "2",
+    "--max-staleness",
+    "100",
+    "--reward",
+    "consumers.rewards:first_line_match",
+]
 
 
 def weights(store_url: str, run: str, version: int) -> dict[str, torch.Tensor]:
@@ -28,8 +48,9 @@ def weights(store_url: str, run: str, version: int) -> dict[str, torch.Tensor]:
     return fetch_tensors(store, Manifest.from_json(store.get(key)))
 
 
-def one_torch_rank(cli_env: dict[str, str], tiny_model: Path, bootstrap: str, prefix: str,
-                   seed: int) -> dict[str, str]:  # fmt: skip
+def one_torch_rank(
+    cli_env: dict[str, str], tiny_model: Path, bootstrap: str, prefix: str, seed: int
+) -> dict[str, str]:
     """Records on one partition (both runs see them in the same order and form the same steps),
     then run "one": a single torch rank, 3 steps. Returns the environment for the other run."""
     env = {**cli_env, "SRL_PARTITIONS_PER_BUCKET": "1", "GLOO_SOCKET_IFNAME": "lo"}
@@ -37,8 +58,13 @@ def one_torch_rank(cli_env: dict[str, str], tiny_model: Path, bootstrap: str, pr
     create_topics(cfg)
     produce(cfg, make_groups(6, seed=seed))
     # the run name goes by SRL_RUN: torchrun would take a --run after the module for its own
-    one = subprocess.run([bin_path("srl-consumer"), *ARGS, "--model", str(tiny_model)],
-                         env={**env, "SRL_RUN": "one"}, capture_output=True, text=True, timeout=300)  # fmt: skip
+    one = subprocess.run(
+        [bin_path("srl-consumer"), *ARGS, "--model", str(tiny_model)],
+        env={**env, "SRL_RUN": "one"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     assert "trained 3 steps; policy version 3" in one.stdout
     return env
@@ -47,10 +73,28 @@ def one_torch_rank(cli_env: dict[str, str], tiny_model: Path, bootstrap: str, pr
 def two_ranks(env: dict[str, str], tiny_model: Path, *extra: str) -> str:
     """Run "two" on two gloo ranks under torchrun; returns its stdout."""
     two = subprocess.run(
-        [bin_path("torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), "-m", "app.cli.consumer", *ARGS, "--model", str(tiny_model), *extra],
-        env={**env, "SRL_RUN": "two"}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            bin_path("torchrun"),
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "app.cli.consumer",
+            *ARGS,
+            "--model",
+            str(tiny_model),
+            *extra,
+        ],
+        env={**env, "SRL_RUN": "two"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     return two.stdout
 
@@ -71,11 +115,20 @@ needs_deepspeed = pytest.mark.skipif(
 BACKENDS = [
     pytest.param([], id="torch"),
     *(
-        pytest.param(["--backend", "deepspeed", "--zero-stage", str(s), *(["--micro-batch-tokens", "24"] if s == 2 else [])], id=f"zero{s}",
-                     marks=needs_deepspeed)
+        pytest.param(
+            [
+                "--backend",
+                "deepspeed",
+                "--zero-stage",
+                str(s),
+                *(["--micro-batch-tokens", "24"] if s == 2 else []),
+            ],
+            id=f"zero{s}",
+            marks=needs_deepspeed,
+        )
         for s in (0, 1, 2)
     ),
-]  # fmt: skip
+]
 
 
 @pytest.mark.slow
@@ -101,8 +154,22 @@ def test_two_gloo_ranks_match_one_rank(
 
 @needs_deepspeed
 def test_zero_3_is_refused_in_one_line(cli_env: dict[str, str], tiny_model: Path) -> None:
-    r = subprocess.run([bin_path("srl-consumer"), *ARGS, "--model", str(tiny_model), "--backend", "deepspeed",
-                        "--zero-stage", "3"], env=cli_env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [
+            bin_path("srl-consumer"),
+            *ARGS,
+            "--model",
+            str(tiny_model),
+            "--backend",
+            "deepspeed",
+            "--zero-stage",
+            "3",
+        ],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "zero_stage: 3 partitions the parameters" in r.stderr
 

@@ -35,9 +35,17 @@ def wave(first: int, count: int, rng: random.Random) -> list[TrajectoryChunk]:
         version = max(0, g // 3 - rng.choice([0, 0, 1, 3]))  # some groups lag far behind
         for i in range(4):
             answer = str(a + b) if rng.random() < 0.5 else str(rng.randrange(20))
-            chunks = traj_chunks(f"p{g}", i, 4, text_ids(f"{a}+{b}="), text_ids(answer + "\n\n"),
-                                 chunk_tokens=2, versions=version, logprobs=[-5.5] * (len(answer) + 2),
-                                 metadata={"answer": a + b})  # fmt: skip
+            chunks = traj_chunks(
+                f"p{g}",
+                i,
+                4,
+                text_ids(f"{a}+{b}="),
+                text_ids(answer + "\n\n"),
+                chunk_tokens=2,
+                versions=version,
+                logprobs=[-5.5] * (len(answer) + 2),
+                metadata={"answer": a + b},
+            )
             if i == 1 and len(chunks) > 1:  # resumed by worker B in the long-tail bucket
                 chunks = chunks[:1] + [
                     dataclasses.replace(c, worker_id="B", bucket="le1024") for c in chunks
@@ -48,12 +56,38 @@ def wave(first: int, count: int, rng: random.Random) -> list[TrajectoryChunk]:
     return out
 
 
-def train(cli_env: dict[str, str], model: Path, log: Path,
-          reward: str = "consumers.rewards:first_line_match", idle_exit_s: int = 6) -> subprocess.Popen[bytes]:  # fmt: skip
-    args = [bin_path("srl-consumer"), "-v", "train", "--model", str(model), "--groups-per-step", "1",
-            "--publish-every", "1", "--checkpoint-every", "2", "--max-staleness", "1", "--lr", "1e-3",
-            "--micro-batch-tokens", "64", "--idle-exit-s", str(idle_exit_s), "--device", "cpu",
-            "--reward", reward]  # fmt: skip
+def train(
+    cli_env: dict[str, str],
+    model: Path,
+    log: Path,
+    reward: str = "consumers.rewards:first_line_match",
+    idle_exit_s: int = 6,
+) -> subprocess.Popen[bytes]:
+    args = [
+        bin_path("srl-consumer"),
+        "-v",
+        "train",
+        "--model",
+        str(model),
+        "--groups-per-step",
+        "1",
+        "--publish-every",
+        "1",
+        "--checkpoint-every",
+        "2",
+        "--max-staleness",
+        "1",
+        "--lr",
+        "1e-3",
+        "--micro-batch-tokens",
+        "64",
+        "--idle-exit-s",
+        str(idle_exit_s),
+        "--device",
+        "cpu",
+        "--reward",
+        reward,
+    ]
     with log.open("ab") as out:
         return subprocess.Popen(args, env=cli_env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -147,9 +181,27 @@ def test_sigkill_and_restart_train_each_trajectory_exactly_once(
 
 def generator(cli_env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     """A real sim-engine generator worker; token ids fit the tiny model's vocabulary."""
-    args = [bin_path("srl-producer"), "-v", "generate", "--engine", "sim", "--time-scale", "1",
-            "--max-batch", "8", "--chunk-tokens", "8", "--sim-vocab", "250", "--worker-id", "sim-0",
-            "--seed", "0", "--max-backlog-chunks", "24"]  # fmt: skip
+    args = [
+        bin_path("srl-producer"),
+        "-v",
+        "generate",
+        "--engine",
+        "sim",
+        "--time-scale",
+        "1",
+        "--max-batch",
+        "8",
+        "--chunk-tokens",
+        "8",
+        "--sim-vocab",
+        "250",
+        "--worker-id",
+        "sim-0",
+        "--seed",
+        "0",
+        "--max-backlog-chunks",
+        "24",
+    ]
     with log.open("ab") as out:
         return subprocess.Popen(args, env=cli_env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -171,9 +223,16 @@ def test_sigkill_the_trainer_fed_by_a_sim_generator_and_every_trajectory_is_deci
     rng = random.Random(3)
     with Producer(cfg, "test-dispatcher") as p:
         for i in range(40):  # 40 groups of 4; lengths 6-40 tokens (1-5 chunks)
-            task = PromptTask(task_id=f"task-{i}", prompt_id=f"p{i}", prompt=f"{i}+{i}=", group_size=4,
-                              max_new_tokens=48, bucket=layout.buckets[0], prompt_tokens=pack_tokens(text_ids(f"{i}+{i}=")),
-                              metadata=orjson.dumps({"sim_length": rng.randrange(6, 41)}).decode())  # fmt: skip
+            task = PromptTask(
+                task_id=f"task-{i}",
+                prompt_id=f"p{i}",
+                prompt=f"{i}+{i}=",
+                group_size=4,
+                max_new_tokens=48,
+                bucket=layout.buckets[0],
+                prompt_tokens=pack_tokens(text_ids(f"{i}+{i}=")),
+                metadata=orjson.dumps({"sim_length": rng.randrange(6, 41)}).decode(),
+            )
             p.produce(layout.prompts(task.bucket), encode(task), key=task.prompt_id)
     glog, tlog = tmp_path / "generator.log", tmp_path / "trainer.log"
     gen = generator(cli_env, glog)

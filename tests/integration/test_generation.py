@@ -42,8 +42,11 @@ class TopicReader:
     """Reads a topic from the start in the test's thread, remembering when each record arrived."""
 
     def __init__(self, cfg: CommonConfig, topic: str) -> None:
-        self.c = Consumer(base_settings(cfg, "test-reader") | {"group.id": f"test-{uuid.uuid4().hex[:8]}",
-                                                               "enable.auto.commit": False} | cfg.kafka)  # fmt: skip
+        self.c = Consumer(
+            base_settings(cfg, "test-reader")
+            | {"group.id": f"test-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}
+            | cfg.kafka
+        )
         md = self.c.list_topics(topic, timeout=10)
         self.c.assign([TopicPartition(topic, p, 0) for p in md.topics[topic].partitions])
         self.records: list[tuple[int, int, Any]] = []  # (broker timestamp, received_ms, message)
@@ -58,7 +61,8 @@ class TopicReader:
 
 
 class Trajectories:
-    """Chunks of the trajectories topic, deduplicated by (trajectory_id, seq), as the trainer does."""
+    """Chunks of the trajectories topic, deduplicated by (trajectory_id, seq), as the trainer
+    does."""
 
     def __init__(self, cfg: CommonConfig) -> None:
         self.reader = TopicReader(cfg, Layout.from_config(cfg).trajectories)
@@ -162,8 +166,15 @@ def workers(*cfgs: GenerateConfig, no_eos: bool = False) -> Iterator[Workers]:
 
 
 def gen_cfg(make_cfg: Any, tiny_model: Path, **kw: Any) -> GenerateConfig:
-    base = {"model": str(tiny_model), "max_batch": 4, "chunk_tokens": 16, "threads": 1, "stats_interval_s": 0.5,
-            "drain_timeout_s": 10.0, "seed": 0}  # fmt: skip
+    base = {
+        "model": str(tiny_model),
+        "max_batch": 4,
+        "chunk_tokens": 16,
+        "threads": 1,
+        "stats_interval_s": 0.5,
+        "drain_timeout_s": 10.0,
+        "seed": 0,
+    }
     return make_cfg(GenerateConfig, **{**base, **kw})  # type: ignore[no-any-return]
 
 
@@ -177,7 +188,8 @@ def prompts(n: int) -> list[SourcePrompt]:
 def publish_weights(
     cfg: CommonConfig, version: int, tensors: dict[str, torch.Tensor], corrupt: bool = False
 ) -> Any:
-    """The trainer's side of the weights protocol; ``corrupt`` flips a byte of the shard before announcing."""
+    """The trainer's side of the weights protocol; ``corrupt`` flips a byte of the shard before
+    announcing."""
     store = store_from_config(cfg)
     pub = publish(
         store, cfg.run, version, tensors, trainer_step=version, parent_version=version - 1
@@ -310,8 +322,15 @@ def test_weights_published_mid_generation_are_followed_and_a_corrupt_version_ref
 def test_sync_barrier_publishes_one_step_of_prompts_per_weights_version(
     make_cfg: Any, tiny_model: Path
 ) -> None:
-    dcfg = make_cfg(DispatchConfig, prompts="unused.jsonl", group_size=2, max_new_tokens=40, max_staleness=0,
-                    groups_per_step=2, barrier_timeout_s=60)  # fmt: skip
+    dcfg = make_cfg(
+        DispatchConfig,
+        prompts="unused.jsonl",
+        group_size=2,
+        max_new_tokens=40,
+        max_staleness=0,
+        groups_per_step=2,
+        barrier_timeout_s=60,
+    )
     cfg = gen_cfg(make_cfg, tiny_model, max_staleness=0, worker_id="ws")
     layout = Layout.from_config(dcfg)
     create_topics(dcfg)
@@ -353,8 +372,16 @@ def test_sync_barrier_publishes_one_step_of_prompts_per_weights_version(
 
 
 def test_async_dispatch_keeps_the_backlog_bounded(make_cfg: Any) -> None:
-    dcfg = make_cfg(DispatchConfig, task="sim", lengths=HIST, length_scale=0.01, num_prompts=12, group_size=2,
-                    max_new_tokens=500, max_pending=3).model_copy(update={"max_staleness": None})  # fmt: skip
+    dcfg = make_cfg(
+        DispatchConfig,
+        task="sim",
+        lengths=HIST,
+        length_scale=0.01,
+        num_prompts=12,
+        group_size=2,
+        max_new_tokens=500,
+        max_pending=3,
+    ).model_copy(update={"max_staleness": None})
     cfg = make_cfg(
         GenerateConfig,
         engine="sim",
@@ -394,8 +421,15 @@ def test_unusable_tasks_are_dead_lettered_and_committed(make_cfg: Any, tiny_mode
     layout = Layout.from_config(cfg)
     create_topics(cfg)
     topic = layout.prompts("le256")
-    bad_meta = PromptTask(task_id="k1", prompt_id="m", prompt="x", group_size=1, max_new_tokens=5, bucket="le256",
-                          metadata="[1, 2]")  # fmt: skip
+    bad_meta = PromptTask(
+        task_id="k1",
+        prompt_id="m",
+        prompt="x",
+        group_size=1,
+        max_new_tokens=5,
+        bucket="le256",
+        metadata="[1, 2]",
+    )
     too_long = PromptTask(
         task_id="k2",
         prompt_id="l",

@@ -29,15 +29,29 @@ STRAGGLER = 240  # tokens a straggler really needs; predicted: 20 → migrates a
 
 def _task(layout: Layout, bucket: str, i: int, predicted: int, length: int) -> PromptTask:
     return PromptTask(
-        task_id=uuid.uuid4().hex, prompt_id=f"p{i}", prompt=f"prompt {i}", group_size=2,
-        max_new_tokens=512, bucket=bucket, prompt_tokens=pack_tokens([5, 6, 7 + i]),
-        predicted_length=predicted, metadata=orjson.dumps({"sim_length": length}).decode(),
-    )  # fmt: skip
+        task_id=uuid.uuid4().hex,
+        prompt_id=f"p{i}",
+        prompt=f"prompt {i}",
+        group_size=2,
+        max_new_tokens=512,
+        bucket=bucket,
+        prompt_tokens=pack_tokens([5, 6, 7 + i]),
+        predicted_length=predicted,
+        metadata=orjson.dumps({"sim_length": length}).decode(),
+    )
 
 
 def _gen(make_cfg: Any, **kw: Any) -> GenerateConfig:
-    base = {"engine": "sim", "time_scale": 0.05, "max_batch": 4, "chunk_tokens": 16, "seed": 0,
-            "stats_interval_s": 0.5, "commit_interval_s": 0.2, "drain_timeout_s": 5.0}  # fmt: skip
+    base = {
+        "engine": "sim",
+        "time_scale": 0.05,
+        "max_batch": 4,
+        "chunk_tokens": 16,
+        "seed": 0,
+        "stats_interval_s": 0.5,
+        "commit_interval_s": 0.2,
+        "drain_timeout_s": 5.0,
+    }
     return make_cfg(GenerateConfig, **{**base, **kw})  # type: ignore[no-any-return]
 
 
@@ -118,8 +132,13 @@ def test_a_straggler_moves_to_the_long_tail_pool_and_completes_exactly_once(
     assert any(e.values["paused"] == 1 and e.values["backlog"] > 1 for e in lt_stats)
 
     # redelivery: a fresh group re-reads every regular task; nothing is generated twice
-    again = regular_cfg.model_copy(update={"group_id": f"again-{uuid.uuid4().hex[:6]}",
-                                           "worker_id": "again", "idle_exit_s": 3.0})  # fmt: skip
+    again = regular_cfg.model_copy(
+        update={
+            "group_id": f"again-{uuid.uuid4().hex[:6]}",
+            "worker_id": "again",
+            "idle_exit_s": 3.0,
+        }
+    )
     with workers(again) as ws2:
         deadline = time.monotonic() + 60
         while len(ws2.summaries) < 1 and time.monotonic() < deadline:

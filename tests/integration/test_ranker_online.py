@@ -27,20 +27,35 @@ def _trajectory(i: int, k: int, layout: Layout) -> list[TrajectoryChunk]:
     while offset < length:
         n = min(16, length - offset)
         last = offset + n == length
-        chunks.append(TrajectoryChunk(
-            trajectory_id=tid, prompt_id=f"p{i}", task_id=f"t{i}", sample_index=0, group_size=1,
-            seq=seq, token_offset=offset, tokens=pack_tokens([5] * n), logprobs=pack_logprobs([0.0] * n),
-            policy_version=0, is_last=last, worker_id="w", bucket=layout.bucket_for(length), started_ms=0,
-            finish_reason="stop" if last else None, predicted_length=None if i % 2 else 50,
-            prompt_tokens=pack_tokens(TOKENIZER.encode(prompt)) if seq == 0 else None,
-        ))  # fmt: skip
+        chunks.append(
+            TrajectoryChunk(
+                trajectory_id=tid,
+                prompt_id=f"p{i}",
+                task_id=f"t{i}",
+                sample_index=0,
+                group_size=1,
+                seq=seq,
+                token_offset=offset,
+                tokens=pack_tokens([5] * n),
+                logprobs=pack_logprobs([0.0] * n),
+                policy_version=0,
+                is_last=last,
+                worker_id="w",
+                bucket=layout.bucket_for(length),
+                started_ms=0,
+                finish_reason="stop" if last else None,
+                predicted_length=None if i % 2 else 50,
+                prompt_tokens=pack_tokens(TOKENIZER.encode(prompt)) if seq == 0 else None,
+            )
+        )
         offset, seq = offset + n, seq + 1
     return chunks
 
 
 def test_online_training_publishes_versions_and_commits(make_cfg) -> None:  # type: ignore[no-untyped-def]
-    cfg: RankerConfig = make_cfg(RankerConfig, window=400, retrain_every=150, min_pairs=150,
-                                 epochs=60, hidden=(32,))  # fmt: skip
+    cfg: RankerConfig = make_cfg(
+        RankerConfig, window=400, retrain_every=150, min_pairs=150, epochs=60, hidden=(32,)
+    )
     layout = Layout.from_config(cfg)
     create_topics(cfg)
     rng = np.random.default_rng(0)
@@ -49,8 +64,12 @@ def test_online_training_publishes_versions_and_commits(make_cfg) -> None:  # ty
         p.produce(layout.trajectories, b"not avro", key="junk", partition=0)
         for i, k in enumerate(ks):
             for c in _trajectory(i, int(k), layout):
-                p.produce(layout.trajectories, encode(c), key=c.trajectory_id,
-                          partition=layout.partition_for(c.bucket, c.trajectory_id))  # fmt: skip
+                p.produce(
+                    layout.trajectories,
+                    encode(c),
+                    key=c.trajectory_id,
+                    partition=layout.partition_for(c.bucket, c.trajectory_id),
+                )
     seen: list[dict[str, float]] = []
     n = run_online(cfg, max_versions=2, idle_timeout_s=15, on_version=lambda r, v: seen.append(v))
     assert n == 2 and [int(v["version"]) for v in seen] == [1, 2]

@@ -156,21 +156,32 @@ def test_server_that_ignores_if_none_match_falls_back_to_check_then_put(
     assert store.get("k") == b"one" and store.list() == ["k"]
     # Pinning the mode skips the probe; "conditional" on such a server would overwrite, which
     # is why auto probes first.
-    pinned = S3Store(bucket, prefix, S3Settings(endpoint_url=ignoring_endpoint,
-                                                create_only="check-then-put"))  # fmt: skip
+    pinned = S3Store(
+        bucket, prefix, S3Settings(endpoint_url=ignoring_endpoint, create_only="check-then-put")
+    )
     with pytest.raises(ObjectExists):
         pinned.put("k", b"three")
 
 
 def test_errors_are_one_line(s3_server, s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    missing = S3Store("no-such-bucket-here", "x", S3Settings(endpoint_url=s3_server.endpoint,
-                                                             create_only="conditional"))  # fmt: skip
+    missing = S3Store(
+        "no-such-bucket-here",
+        "x",
+        S3Settings(endpoint_url=s3_server.endpoint, create_only="conditional"),
+    )
     with pytest.raises(StoreError, match="bucket no-such-bucket-here does not exist"):
         missing.put("k", b"x")
     from srl.broker import free_port
 
-    dead = S3Store("bkt", "", S3Settings(endpoint_url=f"http://127.0.0.1:{free_port()}",
-                                         connect_timeout_s=0.5, create_only="conditional"))  # fmt: skip
+    dead = S3Store(
+        "bkt",
+        "",
+        S3Settings(
+            endpoint_url=f"http://127.0.0.1:{free_port()}",
+            connect_timeout_s=0.5,
+            create_only="conditional",
+        ),
+    )
     with pytest.raises(StoreError, match="cannot get k in s3://bkt") as e:
         dead.get("k")
     assert "\n" not in str(e.value)
@@ -245,12 +256,22 @@ def test_weights_protocol_through_s3_survives_crashes(  # type: ignore[no-untype
 
     cfg = make_cfg(store=s3_url, s3_endpoint_url=s3_server.endpoint, run="r1")
     create_topics(cfg)
-    env = {**cli_env, **TEST_CREDENTIALS, "SRL_STORE": s3_url, "SRL_RUN": "r1",
-           "SRL_S3_ENDPOINT_URL": s3_server.endpoint}  # fmt: skip
+    env = {
+        **cli_env,
+        **TEST_CREDENTIALS,
+        "SRL_STORE": s3_url,
+        "SRL_RUN": "r1",
+        "SRL_S3_ENDPOINT_URL": s3_server.endpoint,
+    }
 
     def publisher(crash_at: str, version: int) -> int:
-        p = subprocess.run([sys.executable, "-c", PUBLISHER, crash_at, str(version)], env=env,
-                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        p = subprocess.run(
+            [sys.executable, "-c", PUBLISHER, crash_at, str(version)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert p.returncode in (0, -9), p.stderr
         return p.returncode
 
@@ -286,8 +307,12 @@ def test_store_init_creates_the_bucket_once(  # type: ignore[no-untyped-def]
 
     for k, v in TEST_CREDENTIALS.items():
         monkeypatch.setenv(k, v)
-    env = {**cli_env, **TEST_CREDENTIALS, "SRL_STORE": "s3://made-by-init/run",
-           "SRL_S3_ENDPOINT_URL": s3_server.endpoint}  # fmt: skip
+    env = {
+        **cli_env,
+        **TEST_CREDENTIALS,
+        "SRL_STORE": "s3://made-by-init/run",
+        "SRL_S3_ENDPOINT_URL": s3_server.endpoint,
+    }
     first = subprocess.run(
         [bin_path("srl"), "store", "init"], env=env, capture_output=True, text=True
     )

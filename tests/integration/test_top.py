@@ -22,8 +22,13 @@ from tests.conftest import bin_path
 
 
 def top_json(env: dict[str, str], *args: str) -> dict[str, Any]:
-    out = subprocess.run([bin_path("srl"), "top", "--json", *args], env=env, capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [bin_path("srl"), "top", "--json", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return dict(orjson.loads(out.stdout))
 
@@ -34,8 +39,9 @@ def chunks_in_buckets(layout: Layout) -> list[TrajectoryChunk]:
     for i, (bucket, length, size) in enumerate(
         [("le256", 10, 4), ("le256", 7, 4), ("le1024", 12, 5), ("le1024", 9, 5), ("le4096", 6, 6)]
     ):
-        out += traj_chunks(f"p{i}", 0, 1, [1, 2], list(range(length)), chunk_tokens=size,
-                           bucket=bucket, versions=0)  # fmt: skip
+        out += traj_chunks(
+            f"p{i}", 0, 1, [1, 2], list(range(length)), chunk_tokens=size, bucket=bucket, versions=0
+        )
     return out
 
 
@@ -60,8 +66,10 @@ def test_once_json_reports_exact_lag_for_known_committed_offsets(cfg, cli_env) -
     commits = {used[0]: len(tokens[used[0]]), used[1]: len(tokens[used[1]]) // 2}
     group = f"{cfg.topic_prefix}-trainer"
     c = Consumer(base_settings(cfg) | {"group.id": group, "enable.auto.commit": False})
-    c.commit(offsets=[TopicPartition(layout.trajectories, p, o) for p, o in commits.items()],
-             asynchronous=False)  # fmt: skip
+    c.commit(
+        offsets=[TopicPartition(layout.trajectories, p, o) for p, o in commits.items()],
+        asynchronous=False,
+    )
     c.close()
 
     snap = top_json(cli_env)
@@ -98,8 +106,13 @@ def test_once_json_reports_exact_lag_for_known_committed_offsets(cfg, cli_env) -
     assert {s["partition"] for s in snap["stalled"] if s["group"] == group} == {
         p for p, r in rows.items() if r["lag"]
     }
-    assert snap["weights"] == {"run": "default", "version": None, "manifest_uri": None,
-                               "manifest_ok": None, "error": None}  # fmt: skip
+    assert snap["weights"] == {
+        "run": "default",
+        "version": None,
+        "manifest_uri": None,
+        "manifest_ok": None,
+        "error": None,
+    }
 
 
 def test_members_and_the_text_view(cfg, cli_env) -> None:  # type: ignore[no-untyped-def]
@@ -113,8 +126,13 @@ def test_members_and_the_text_view(cfg, cli_env) -> None:  # type: ignore[no-unt
         deadline = time.monotonic() + 30
         while not consumer.assignment() and time.monotonic() < deadline:
             consumer.poll(0.2)
-        consumer.commit(offsets=[TopicPartition(layout.trajectories, p, 0)
-                                 for p in range(layout.trajectory_partition_count)], asynchronous=False)  # fmt: skip
+        consumer.commit(
+            offsets=[
+                TopicPartition(layout.trajectories, p, 0)
+                for p in range(layout.trajectory_partition_count)
+            ],
+            asynchronous=False,
+        )
         snap = top_json(cli_env)
         rows = [r for r in snap["groups"] if r["group"] == group]
         assert len(rows) == layout.trajectory_partition_count
@@ -122,12 +140,27 @@ def test_members_and_the_text_view(cfg, cli_env) -> None:  # type: ignore[no-unt
         assert all(r["host"] and r["state"] == "STABLE" for r in rows)
         assert snap["group_info"][group] == {"state": "STABLE", "members": 1}
         assert not [s for s in snap["stalled"] if s["group"] == group]  # consumed, just started
-        text = subprocess.run([bin_path("srl"), "top", "--once"], env=cli_env, capture_output=True,
-                              text=True, timeout=120)  # fmt: skip
+        text = subprocess.run(
+            [bin_path("srl"), "top", "--once"],
+            env=cli_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert text.returncode == 0, text.stderr
         header = next(line for line in text.stdout.splitlines() if "CURRENT-OFFSET" in line)
-        assert header.split() == ["GROUP", "TOPIC", "PARTITION", "BUCKET", "CURRENT-OFFSET",
-                                  "LOG-END-OFFSET", "LAG", "CONSUMER-ID", "HOST", "CLIENT-ID"]  # fmt: skip
+        assert header.split() == [
+            "GROUP",
+            "TOPIC",
+            "PARTITION",
+            "BUCKET",
+            "CURRENT-OFFSET",
+            "LOG-END-OFFSET",
+            "LAG",
+            "CONSUMER-ID",
+            "HOST",
+            "CLIENT-ID",
+        ]
         assert f"{group} " in text.stdout and "weights: no version announced" in text.stdout
     finally:
         consumer.close()
@@ -143,8 +176,13 @@ def test_metric_events_weights_and_dead_letters(s3_server, s3_url, make_cfg, cli
     from tests.s3server import TEST_CREDENTIALS
 
     cfg = make_cfg(store=s3_url, s3_endpoint_url=s3_server.endpoint, run="r7")
-    env = {**cli_env, **TEST_CREDENTIALS, "SRL_STORE": s3_url, "SRL_RUN": "r7",
-           "SRL_S3_ENDPOINT_URL": s3_server.endpoint}  # fmt: skip
+    env = {
+        **cli_env,
+        **TEST_CREDENTIALS,
+        "SRL_STORE": s3_url,
+        "SRL_RUN": "r7",
+        "SRL_S3_ENDPOINT_URL": s3_server.endpoint,
+    }
     create_topics(cfg)
     layout = Layout.from_config(cfg)
     store = open_store(s3_url)
@@ -171,11 +209,18 @@ def test_metric_events_weights_and_dead_letters(s3_server, s3_url, make_cfg, cli
     assert snap["throughput"]["gen_tokens_per_s"] == 150
     assert snap["throughput"]["train_tokens_per_s"] == 80
     assert snap["throughput"]["trajectories_per_s"] > 0
-    assert snap["versions"] == {"trainer": 3, "published": 3, "in_backlog": {},
-                                "generators": {"gen-0": 3, "gen-1": 2}}  # fmt: skip
+    assert snap["versions"] == {
+        "trainer": 3,
+        "published": 3,
+        "in_backlog": {},
+        "generators": {"gen-0": 3, "gen-1": 2},
+    }
     assert snap["staleness"] == {"histogram": {"0": 3, "1": 2, "3": 1}, "mean": 5 / 6, "max": 3}
-    assert snap["drops"] == {"by_outcome": {"dropped_stale": 1}, "dead_letters_counted": 2,
-                             "dead_letter_records": 1}  # fmt: skip
+    assert snap["drops"] == {
+        "by_outcome": {"dropped_stale": 1},
+        "dead_letters_counted": 2,
+        "dead_letter_records": 1,
+    }
     assert snap["weights"]["version"] == 3 and snap["weights"]["manifest_ok"] is True
     assert snap["weights"]["manifest_uri"] == pub.manifest_uri
     store.delete(f"{version_prefix('r7', 3)}/model.safetensors")
@@ -189,8 +234,14 @@ def test_a_partition_whose_offset_does_not_move_is_flagged(cfg) -> None:  # type
     create_topics(cfg)
     monitor = Monitor(cfg, stall_after_s=60)
     try:
-        row = {"group": "g", "topic": "t", "partition": 0, "current_offset": 5, "lag": 3,
-               "consumer_id": "m-1"}  # fmt: skip
+        row = {
+            "group": "g",
+            "topic": "t",
+            "partition": 0,
+            "current_offset": 5,
+            "lag": 3,
+            "consumer_id": "m-1",
+        }
         assert monitor.stalled([row], now=1_000_000) == []
         assert monitor.stalled([row], now=1_059_000) == []
         assert monitor.stalled([row], now=1_061_000)[0]["reason"].startswith(
@@ -228,8 +279,11 @@ def test_prometheus_endpoint_uses_kafka_exporter_names(cfg, cli_env) -> None:  #
     port = free_port()
     proc = subprocess.Popen(
         [bin_path("srl"), "top", "--prometheus", str(port), "--interval", "0.5"],
-        env=cli_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        env=cli_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
         deadline = time.monotonic() + 60
@@ -240,8 +294,11 @@ def test_prometheus_endpoint_uses_kafka_exporter_names(cfg, cli_env) -> None:  #
             except OSError:
                 time.sleep(0.3)
                 continue
-            samples = {(s.name, frozenset(s.labels.items())): s.value
-                       for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}  # fmt: skip
+            samples = {
+                (s.name, frozenset(s.labels.items())): s.value
+                for fam in text_string_to_metric_families(body.decode())
+                for s in fam.samples
+            }
             if ("srl_top_up", frozenset()) in samples and samples[("srl_top_up", frozenset())] == 1:
                 break
             time.sleep(0.3)
@@ -286,8 +343,9 @@ def test_unreachable_broker_is_one_line(cli_env) -> None:  # type: ignore[no-unt
         "SRL_BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
         "SRL_CONNECT_TIMEOUT_S": "1",
     }
-    out = subprocess.run([bin_path("srl"), "top", "--json"], env=env, capture_output=True, text=True,
-                         timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [bin_path("srl"), "top", "--json"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode != 0 and out.stdout == ""
     assert (
         out.stderr.startswith("srl: error: no Kafka broker answered")
@@ -305,11 +363,30 @@ def test_top_reads_what_the_real_trainer_reports(cfg, cli_env, tiny_model) -> No
     chunks: list[TrajectoryChunk] = []
     for g in range(4):
         for i in range(4):
-            chunks += traj_chunks(f"p{g}", i, 4, text_ids(f"{g}+1="), text_ids(f"{g + i % 2 + 1}\n"),
-                                  chunk_tokens=2, metadata={"answer": g + 1})  # fmt: skip
+            chunks += traj_chunks(
+                f"p{g}",
+                i,
+                4,
+                text_ids(f"{g}+1="),
+                text_ids(f"{g + i % 2 + 1}\n"),
+                chunk_tokens=2,
+                metadata={"answer": g + 1},
+            )
     produce(cfg, chunks)
-    args = [bin_path("srl-consumer"), "train", "--model", str(tiny_model), "--groups-per-step", "2",
-            "--idle-exit-s", "4", "--device", "cpu", "--reward", "consumers.rewards:first_line_match"]  # fmt: skip
+    args = [
+        bin_path("srl-consumer"),
+        "train",
+        "--model",
+        str(tiny_model),
+        "--groups-per-step",
+        "2",
+        "--idle-exit-s",
+        "4",
+        "--device",
+        "cpu",
+        "--reward",
+        "consumers.rewards:first_line_match",
+    ]
     out = subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     snap = top_json(cli_env)

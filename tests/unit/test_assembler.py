@@ -17,8 +17,17 @@ def feed(asm: Assembler, chunks: list) -> list:
 
 
 def test_in_order_chunks_make_one_trajectory() -> None:
-    chunks = traj_chunks("p", 1, 4, [9, 8], list(range(10, 20)), chunk_tokens=4, versions=[3, 2, 4],
-                         logprobs=[-0.1 * i for i in range(10)], metadata={"answer": "x"})  # fmt: skip
+    chunks = traj_chunks(
+        "p",
+        1,
+        4,
+        [9, 8],
+        list(range(10, 20)),
+        chunk_tokens=4,
+        versions=[3, 2, 4],
+        logprobs=[-0.1 * i for i in range(10)],
+        metadata={"answer": "x"},
+    )
     asm = Assembler(set())
     assert [asm.add(c) for c in chunks[:-1]] == [None, None]
     t = asm.add(chunks[-1])
@@ -85,8 +94,10 @@ def test_malformed_chunks_are_refused(change: dict, match: str) -> None:
 def test_a_migrated_trajectory_stitches_through_its_hand_off_chunk() -> None:
     chunks = traj_chunks("p", 0, 1, [1], list(range(6)), chunk_tokens=2)  # seq 0, 1, 2 (last)
     marker = dataclasses.replace(chunks[1], tokens=b"", logprobs=b"", finish_reason=MIGRATED)
-    rest = [dataclasses.replace(chunks[1], seq=2, worker_id="B"),
-            dataclasses.replace(chunks[2], seq=3, worker_id="B")]  # fmt: skip
+    rest = [
+        dataclasses.replace(chunks[1], seq=2, worker_id="B"),
+        dataclasses.replace(chunks[2], seq=3, worker_id="B"),
+    ]
     done = feed(Assembler(set()), [rest[1], chunks[0], marker, rest[0]])
     assert len(done) == 1 and done[0].tokens.tolist() == list(range(6))
     assert done[0].finish_reason == chunks[2].finish_reason

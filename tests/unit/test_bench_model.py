@@ -74,16 +74,22 @@ def test_best_split_minimises_the_mean_over_sampled_steps() -> None:
     batches = [np.array([100.0, 900.0, 50.0]), np.array([400.0, 400.0, 30.0])]
     for mode in ("sync", "stream", "async", "async+skew"):
         split = p.best_split(w, mode, batches)
-        means = {n: np.mean([p.model_iteration(w, mode, g, n, 4 - n)["iteration_s"] for g in batches])
-                 for n in range(1, 4)}  # fmt: skip
+        means = {
+            n: np.mean([p.model_iteration(w, mode, g, n, 4 - n)["iteration_s"] for g in batches])
+            for n in range(1, 4)
+        }
         assert means[split["instances"]] == pytest.approx(min(means.values()))  # ties: either
         assert split["instances"] + split["trainer_devices"] == 4
         assert split["model_iteration_s"] == pytest.approx(min(means.values()), abs=0.01)
 
 
 def steps() -> list[p.StepWork]:
-    return [p.StepWork(1, [100, 50], 150), p.StepWork(2, [400, 100], 500),
-            p.StepWork(3, [200, 200], 400), p.StepWork(4, [300], 300)]  # fmt: skip
+    return [
+        p.StepWork(1, [100, 50], 150),
+        p.StepWork(2, [400, 100], 500),
+        p.StepWork(3, [200, 200], 400),
+        p.StepWork(4, [300], 300),
+    ]
 
 
 def test_run_bound_of_the_barrier_modes_chains_each_step_after_the_previous() -> None:

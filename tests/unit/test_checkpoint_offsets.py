@@ -25,8 +25,18 @@ def adam_state() -> tuple[torch.nn.Linear, torch.optim.AdamW]:
 def test_checkpoint_round_trips_model_optimizer_and_ledger(tmp_path: Path) -> None:
     store = LocalStore(tmp_path)
     model, opt = adam_state()
-    ckpts.save(store, "r", 1, step=7, version=3, ledger={"t1": ["trained", 7]}, events=[{"x": 1}],
-               model=model.state_dict(), optimizer=opt.state_dict(), extra={"lineage": 3})  # fmt: skip
+    ckpts.save(
+        store,
+        "r",
+        1,
+        step=7,
+        version=3,
+        ledger={"t1": ["trained", 7]},
+        events=[{"x": 1}],
+        model=model.state_dict(),
+        optimizer=opt.state_dict(),
+        extra={"lineage": 3},
+    )
     assert not any(k.endswith(".pkl") or k.endswith(".pt") for k in store.list())
     c = ckpts.load(store, "r", 1)
     assert (c.step, c.version, c.ledger, c.events, c.extra) == (
@@ -62,8 +72,17 @@ def test_interrupted_checkpoints_are_ignored_then_pruned(tmp_path: Path) -> None
 def test_a_corrupted_checkpoint_file_refuses_to_load(tmp_path: Path) -> None:
     store = LocalStore(tmp_path)
     model, opt = adam_state()
-    ckpts.save(store, "r", 1, step=1, version=0, ledger={}, events=[], model=model.state_dict(),
-               optimizer=opt.state_dict())  # fmt: skip
+    ckpts.save(
+        store,
+        "r",
+        1,
+        step=1,
+        version=0,
+        ledger={},
+        events=[],
+        model=model.state_dict(),
+        optimizer=opt.state_dict(),
+    )
     path = tmp_path / "checkpoints/r/c00000001/state.json"
     path.chmod(0o644)
     path.write_bytes(path.read_bytes().replace(b'"step":1', b'"step":9'))

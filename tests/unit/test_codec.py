@@ -57,10 +57,22 @@ def avro_str(s: str) -> bytes:
 
 def chunk() -> TrajectoryChunk:
     return TrajectoryChunk(
-        trajectory_id="t1", prompt_id="p1", task_id="k1", sample_index=2, group_size=4, seq=0, token_offset=0,
-        tokens=pack_tokens([1, 2, 300]), logprobs=pack_logprobs([-0.5, -1.0, -0.25]), policy_version=3,
-        is_last=False, worker_id="w", bucket="le256", started_ms=1_700_000_000_000, created_ms=1_700_000_000_123,
-    )  # fmt: skip
+        trajectory_id="t1",
+        prompt_id="p1",
+        task_id="k1",
+        sample_index=2,
+        group_size=4,
+        seq=0,
+        token_offset=0,
+        tokens=pack_tokens([1, 2, 300]),
+        logprobs=pack_logprobs([-0.5, -1.0, -0.25]),
+        policy_version=3,
+        is_last=False,
+        worker_id="w",
+        bucket="le256",
+        started_ms=1_700_000_000_000,
+        created_ms=1_700_000_000_123,
+    )
 
 
 def test_crc64_avro_matches_the_spec_vector() -> None:
@@ -73,13 +85,30 @@ def test_exact_bytes_for_a_fixed_chunk() -> None:
     tokens = struct.pack("<3i", 1, 2, 300)
     logprobs = struct.pack("<3f", -0.5, -1.0, -0.25)
     expected = (
-        b"\xc3\x01" + crc64_avro(version.canonical.encode()).to_bytes(8, "little")
-        + avro_str("t1") + avro_str("p1") + avro_str("k1") + zz(2) + zz(4) + zz(0) + zz(0)
-        + avro_bytes(tokens) + avro_bytes(logprobs) + zz(3) + b"\x00" + b"\x00"  # is_last false, finish_reason null
-        + avro_str("w") + avro_str("le256") + b"\x00" + b"\x00" + b"\x00"  # predicted_length, prompt_tokens, metadata null
-        + zz(1_700_000_000_000) + zz(1_700_000_000_123)
-        + b"\x00" + b"\x00"  # step, step_groups null
-    )  # fmt: skip
+        b"\xc3\x01"
+        + crc64_avro(version.canonical.encode()).to_bytes(8, "little")
+        + avro_str("t1")
+        + avro_str("p1")
+        + avro_str("k1")
+        + zz(2)
+        + zz(4)
+        + zz(0)
+        + zz(0)
+        + avro_bytes(tokens)
+        + avro_bytes(logprobs)
+        + zz(3)
+        + b"\x00"
+        + b"\x00"  # is_last false, finish_reason null
+        + avro_str("w")
+        + avro_str("le256")
+        + b"\x00"
+        + b"\x00"
+        + b"\x00"  # predicted_length, prompt_tokens, metadata null
+        + zz(1_700_000_000_000)
+        + zz(1_700_000_000_123)
+        + b"\x00"
+        + b"\x00"  # step, step_groups null
+    )
     assert encode(chunk()) == expected
     stepped = TrajectoryChunk(**{**chunk().to_dict(), "step": 7, "step_groups": 12})
     assert encode(stepped) == expected[:-2] + b"\x02" + zz(7) + b"\x02" + zz(12)
@@ -98,7 +127,7 @@ def test_round_trip_every_record_type() -> None:
                 "metadata": '{"answer": "42"}',
                 "predicted_length": 17,
             }
-        ),  # fmt: skip
+        ),
         PromptTask(
             task_id="k",
             prompt_id="p",
@@ -110,7 +139,7 @@ def test_round_trip_every_record_type() -> None:
             metadata='{"a": 1}',
             predicted_length=12,
             ranker_version=2,
-        ),  # fmt: skip
+        ),
         PromptTask(
             task_id="k",
             prompt_id="p",
@@ -120,7 +149,7 @@ def test_round_trip_every_record_type() -> None:
             bucket="gt4096",
             prompt_tokens=pack_tokens([1]),
             resume=ResumePrefix("t1", 1, 5, pack_tokens([7, 8]), 2, "migrate"),
-        ),  # fmt: skip
+        ),
         WeightsAnnouncement(
             run="r",
             version=7,
@@ -129,7 +158,7 @@ def test_round_trip_every_record_type() -> None:
             trainer_step=70,
             total_bytes=123,
             parent_version=6,
-        ),  # fmt: skip
+        ),
         MetricEvent(
             kind="train_step",
             source="trainer-0",
@@ -263,13 +292,31 @@ _blob = st.binary(max_size=300)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.fixed_dictionaries({
-    "trajectory_id": _text, "prompt_id": _text, "task_id": _text, "sample_index": _i32, "group_size": _i32,
-    "seq": _i32, "token_offset": _i32, "tokens": _blob, "logprobs": _blob, "policy_version": _i64,
-    "is_last": st.booleans(), "finish_reason": st.none() | _text, "worker_id": _text, "bucket": _text,
-    "predicted_length": st.none() | _i32, "prompt_tokens": st.none() | _blob, "metadata": st.none() | _text,
-    "started_ms": _i64, "created_ms": _i64,
-}))  # fmt: skip
+@given(
+    st.fixed_dictionaries(
+        {
+            "trajectory_id": _text,
+            "prompt_id": _text,
+            "task_id": _text,
+            "sample_index": _i32,
+            "group_size": _i32,
+            "seq": _i32,
+            "token_offset": _i32,
+            "tokens": _blob,
+            "logprobs": _blob,
+            "policy_version": _i64,
+            "is_last": st.booleans(),
+            "finish_reason": st.none() | _text,
+            "worker_id": _text,
+            "bucket": _text,
+            "predicted_length": st.none() | _i32,
+            "prompt_tokens": st.none() | _blob,
+            "metadata": st.none() | _text,
+            "started_ms": _i64,
+            "created_ms": _i64,
+        }
+    )
+)
 def test_flat_chunk_path_writes_and_reads_exactly_what_fastavro_does(record: dict) -> None:
     parsed, (read, write) = _fastavro("srl.TrajectoryChunk")
     buf = io.BytesIO()
@@ -307,10 +354,20 @@ def test_record_objects_go_straight_through_the_flat_path_and_stay_frozen() -> N
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.fixed_dictionaries({
-    "run": _text, "version": _i64, "manifest_uri": _text, "manifest_sha256": _text, "trainer_step": _i64,
-    "parent_version": st.none() | _i64, "total_bytes": _i64, "created_ms": _i64,
-}))  # fmt: skip
+@given(
+    st.fixed_dictionaries(
+        {
+            "run": _text,
+            "version": _i64,
+            "manifest_uri": _text,
+            "manifest_sha256": _text,
+            "trainer_step": _i64,
+            "parent_version": st.none() | _i64,
+            "total_bytes": _i64,
+            "created_ms": _i64,
+        }
+    )
+)
 def test_flat_announcement_path_matches_fastavro(record: dict) -> None:
     parsed, (read, write) = _fastavro("srl.WeightsAnnouncement")
     buf = io.BytesIO()
@@ -326,9 +383,14 @@ def test_nested_and_map_schemas_stay_on_fastavro() -> None:
 
 @pytest.mark.parametrize(
     ("change", "match"),
-    [({"seq": 2**31}, "out of int range"), ({"seq": None}, "no value"), ({"tokens": "abc"}, "expected bytes"),
-     ({"is_last": 1}, "expected boolean"), ({"finish_reason": 5}, "expected string")],
-)  # fmt: skip
+    [
+        ({"seq": 2**31}, "out of int range"),
+        ({"seq": None}, "no value"),
+        ({"tokens": "abc"}, "expected bytes"),
+        ({"is_last": 1}, "expected boolean"),
+        ({"finish_reason": 5}, "expected string"),
+    ],
+)
 def test_flat_encoding_refuses_bad_values_with_a_schema_error(change: dict, match: str) -> None:
     with pytest.raises(SchemaError, match=match):
         Codec().encode("srl.TrajectoryChunk", {**chunk().to_dict(), **change})

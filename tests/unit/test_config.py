@@ -108,7 +108,15 @@ def test_env_kafka_settings_add_to_the_file_table(tmp_path: Path) -> None:
         "client.rack": "b",
         "sasl.password": "s3cret",
     }
-    cfg = load_config(CommonConfig, file=f, env={"SRL_KAFKA": "sasl.password=s3cret"},
-                      cli={"kafka": {"sasl.username": "u"}})  # fmt: skip
-    assert cfg.kafka == {"security.protocol": "SASL_SSL", "client.rack": "a",
-                         "sasl.password": "s3cret", "sasl.username": "u"}  # fmt: skip
+    cfg = load_config(
+        CommonConfig,
+        file=f,
+        env={"SRL_KAFKA": "sasl.password=s3cret"},
+        cli={"kafka": {"sasl.username": "u"}},
+    )
+    assert cfg.kafka == {
+        "security.protocol": "SASL_SSL",
+        "client.rack": "a",
+        "sasl.password": "s3cret",
+        "sasl.username": "u",
+    }

@@ -43,8 +43,14 @@ def micro_batches(seed: int, n: int, vocab: int) -> list[tuple[MicroBatch, float
 
 def config(model: Path, **kw: object) -> TrainConfig:
     # lr and a small clipping norm so that three steps move the weights and clipping acts
-    base: dict[str, object] = {"model": str(model), "device": "cpu", "lr": 1e-3, "max_grad_norm": 0.1,
-                               "weight_decay": 0.01, "loss": "ppo"}  # fmt: skip
+    base: dict[str, object] = {
+        "model": str(model),
+        "device": "cpu",
+        "lr": 1e-3,
+        "max_grad_norm": 0.1,
+        "weight_decay": 0.01,
+        "loss": "ppo",
+    }
     return TrainConfig(**(base | kw))
 
 
@@ -83,8 +89,10 @@ def test_zero_stage_trains_to_the_torch_backends_weights(tiny_model: Path, stage
     assert type(ds).__name__ == "DeepSpeedEngine"
     ds_norms = train(ds, steps, discard_at=1)
     moved, diff = max_diff(ref.tensors(), start), max_diff(ref.tensors(), ds.tensors())
-    print(f"ZeRO-{stage}: weights moved {moved:.2e}, differ from torch by {diff:.2e}; "
-          f"grad norms torch {ref_norms} deepspeed {ds_norms}")  # fmt: skip
+    print(
+        f"ZeRO-{stage}: weights moved {moved:.2e}, differ from torch by {diff:.2e}; "
+        f"grad norms torch {ref_norms} deepspeed {ds_norms}"
+    )
     assert moved > 1e-3 and diff < 1e-6
     assert max(ref_norms) > 0.1, "clipping did not act; the test would not see a wrong norm"
     assert np.allclose(ref_norms, ds_norms, rtol=1e-4)

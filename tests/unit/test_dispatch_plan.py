@@ -33,8 +33,13 @@ def test_tasks_are_bucketed_by_prediction_and_longest_first_across_buckets() -> 
         prompts, preds, layout, cfg(group_size=3, temperature=0.5), ranker_version=7
     )
     assert [(t.bucket, t.prompt_id) for t in tasks] == [
-        ("gt1000", "p1"), ("le1000", "p5"), ("le1000", "p3"), ("le100", "p2"), ("le100", "p0"), ("le100", "p4"),
-    ]  # fmt: skip
+        ("gt1000", "p1"),
+        ("le1000", "p5"),
+        ("le1000", "p3"),
+        ("le100", "p2"),
+        ("le100", "p0"),
+        ("le100", "p4"),
+    ]
     t = next(t for t in tasks if t.prompt_id == "p3")
     assert (t.group_size, t.predicted_length, t.ranker_version, t.temperature) == (3, 500, 7, 0.5)
     assert orjson.loads(t.metadata or "") == {"i": 3}
@@ -64,13 +69,20 @@ def test_windows_cover_the_source_in_order() -> None:
 def test_jsonl_source_and_its_errors(tmp_path: Path) -> None:
     f = tmp_path / "p.jsonl"
     f.write_text(
-        '{"prompt_id": "a", "prompt": "2+2=", "metadata": {"answer": "4"}}\n\n{"prompt_id": "b", "prompt": "x"}\n'
+        '{"prompt_id": "a", "prompt": "2+2=", "metadata": {"answer": "4"}}\n\n{"prompt_id": "b", '
+        '"prompt": "x"}\n'
     )
     assert read_jsonl(f) == [SourcePrompt("a", "2+2=", {"answer": "4"}), SourcePrompt("b", "x", {})]
-    for line, why in [("not json", "p.jsonl:1: not JSON"), ('{"prompt": "x"}', "prompt_id must be"),
-                      ('{"prompt_id": "a", "prompt": 3}', "prompt must be a string"),
-                      ('{"prompt_id": "a", "prompt": "x", "metadata": [1]}', "metadata must be a JSON object"),
-                      ('{"prompt_id": "a", "prompt": "x"}\n{"prompt_id": "a", "prompt": "y"}', "p.jsonl:2: duplicate")]:  # fmt: skip
+    for line, why in [
+        ("not json", "p.jsonl:1: not JSON"),
+        ('{"prompt": "x"}', "prompt_id must be"),
+        ('{"prompt_id": "a", "prompt": 3}', "prompt must be a string"),
+        ('{"prompt_id": "a", "prompt": "x", "metadata": [1]}', "metadata must be a JSON object"),
+        (
+            '{"prompt_id": "a", "prompt": "x"}\n{"prompt_id": "a", "prompt": "y"}',
+            "p.jsonl:2: duplicate",
+        ),
+    ]:
         f.write_text(line + "\n")
         with pytest.raises(ConfigError, match=why):
             read_jsonl(f)

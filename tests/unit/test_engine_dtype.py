@@ -18,8 +18,10 @@ def test_bfloat16_parameters_train_and_publish_as_bfloat16(tiny_model: Path) -> 
     assert {p.dtype for p in engine.params} == {torch.bfloat16}
     before = {k: v.clone() for k, v in engine.tensors().items()}
     rng = np.random.default_rng(0)
-    rows = [Row(f"t{i}", rng.integers(0, 64, 9), 4, np.full(5, -2.0, dtype="float32"), a)
-            for i, a in enumerate((1.0, -1.0))]  # fmt: skip
+    rows = [
+        Row(f"t{i}", rng.integers(0, 64, 9), 4, np.full(5, -2.0, dtype="float32"), a)
+        for i, a in enumerate((1.0, -1.0))
+    ]
     engine.backward(make_micro_batch(rows, seq_mean=False))
     stats = engine.step(10.0)
     after = engine.tensors()

@@ -17,8 +17,9 @@ from tests.chunks import traj_chunks
 
 def traj(prompt_id: str, index: int, n: int, length: int = 4, version: int = 0) -> Trajectory:
     asm = Assembler(set())
-    chunks = traj_chunks(prompt_id, index, n, [1, 2], list(range(length)), chunk_tokens=64,
-                         versions=version)  # fmt: skip
+    chunks = traj_chunks(
+        prompt_id, index, n, [1, 2], list(range(length)), chunk_tokens=64, versions=version
+    )
     out = [asm.add(c) for c in chunks][-1]
     assert out is not None
     return out
@@ -115,8 +116,11 @@ def test_builtin_rewards_and_loader() -> None:
     assert exact_match("q", "41", {"answer": "42"}) == 0.0
     assert contains_answer("q", "it is 42.", {"answer": "42"}) == 1.0
     assert load_reward("consumers.rewards:exact_match") is exact_match
-    for bad, match in [("nomodule_xyz:f", "cannot import"), ("consumers.rewards:nope", "no attribute"),
-                       ("consumers.rewards", "module:function")]:  # fmt: skip
+    for bad, match in [
+        ("nomodule_xyz:f", "cannot import"),
+        ("consumers.rewards:nope", "no attribute"),
+        ("consumers.rewards", "module:function"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             load_reward(bad)
 
@@ -139,12 +143,19 @@ def test_sync_barrier_config_rules() -> None:
         load_config(TrainConfig, cli={"sync_barrier": True}, env={})
     with pytest.raises(ConfigError, match="windows need --publish-every <= max_staleness"):
         load_config(TrainConfig, cli={"max_staleness": 1, "publish_every": 3}, env={})
-    cfg = load_config(TrainConfig, cli={"max_staleness": 1, "publish_every": 3, "batching": "groups"}, env={})
+    cfg = load_config(
+        TrainConfig, cli={"max_staleness": 1, "publish_every": 3, "batching": "groups"}, env={}
+    )
     assert cfg.publish_every == 3
     with pytest.raises(ConfigError, match="--sync-barrier publishes every step"):
         load_config(
             TrainConfig,
-            cli={"sync_barrier": True, "max_staleness": 0, "publish_every": 2, "batching": "groups"},
+            cli={
+                "sync_barrier": True,
+                "max_staleness": 0,
+                "publish_every": 2,
+                "batching": "groups",
+            },
             env={},
         )
     with pytest.raises(ConfigError, match="reward: .*module:function"):

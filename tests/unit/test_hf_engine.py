@@ -58,8 +58,10 @@ def test_continuous_batching_matches_unbatched_greedy_decoding(tiny_model: Path)
             outputs.setdefault(e.key, []).extend(e.tokens)
         seen_running.append(engine.running)
     assert max(seen_running) == 2
-    done = complete(HFEngine(tiny_model, max_batch=2, seed=0),
-                    [Request(r.key, r.prompt_ids, r.max_new_tokens, temperature=0) for r in reqs])  # fmt: skip
+    done = complete(
+        HFEngine(tiny_model, max_batch=2, seed=0),
+        [Request(r.key, r.prompt_ids, r.max_new_tokens, temperature=0) for r in reqs],
+    )
     for r in reqs:
         want, want_lp = reference_greedy(
             tiny_model, list(r.prompt_ids), r.max_new_tokens, engine.eos_ids

@@ -145,4 +145,6 @@ def test_token_logprobs_in_slices_equals_the_whole_with_gradients(dtype: torch.d
     assert whole_in.grad is not None and sliced_in.grad is not None
     assert torch.allclose(whole_in.grad.float(), sliced_in.grad.float(), atol=1e-6)
     with torch.no_grad():  # the reference model's path: no checkpointing
-        assert torch.allclose(token_logprobs(base, target, 0.7, positions=4), whole.detach(), atol=1e-6)
+        assert torch.allclose(
+            token_logprobs(base, target, 0.7, positions=4), whole.detach(), atol=1e-6
+        )

@@ -45,10 +45,23 @@ def outside_decode(table: dict[bytes, dict], data: bytes) -> dict:
 def test_outside_consumer_decodes_with_fastavro_and_the_schema_files() -> None:
     table = outside_decoder()
     c = TrajectoryChunk(
-        trajectory_id="traj", prompt_id="p", task_id="t", sample_index=1, group_size=2, seq=3, token_offset=48,
-        tokens=pack_tokens([10, 20]), logprobs=pack_logprobs([-0.1, -0.2]), policy_version=4, is_last=True,
-        worker_id="w", bucket="le1024", started_ms=1, created_ms=2, finish_reason="stop",
-    )  # fmt: skip
+        trajectory_id="traj",
+        prompt_id="p",
+        task_id="t",
+        sample_index=1,
+        group_size=2,
+        seq=3,
+        token_offset=48,
+        tokens=pack_tokens([10, 20]),
+        logprobs=pack_logprobs([-0.1, -0.2]),
+        policy_version=4,
+        is_last=True,
+        worker_id="w",
+        bucket="le1024",
+        started_ms=1,
+        created_ms=2,
+        finish_reason="stop",
+    )
     rec = outside_decode(table, encode(c))
     assert rec["trajectory_id"] == "traj" and rec["seq"] == 3 and rec["finish_reason"] == "stop"
     assert struct.unpack("<2i", rec["tokens"]) == (10, 20)

@@ -53,8 +53,17 @@ def test_temperature_scales_the_logprob() -> None:
 
 # -- chunker ----------------------------------------------------------------------------------
 def start(**kw) -> TrajectoryStart:  # type: ignore[no-untyped-def]
-    base = dict(trajectory_id="t", prompt_id="p", task_id="k", sample_index=1, group_size=4, bucket="le256",
-                predicted_length=9, prompt_tokens=pack_tokens([7, 8]), metadata='{"a": 1}')  # fmt: skip
+    base = dict(
+        trajectory_id="t",
+        prompt_id="p",
+        task_id="k",
+        sample_index=1,
+        group_size=4,
+        bucket="le256",
+        predicted_length=9,
+        prompt_tokens=pack_tokens([7, 8]),
+        metadata='{"a": 1}',
+    )
     return TrajectoryStart(**{**base, **kw})  # type: ignore[arg-type]
 
 

@@ -57,9 +57,14 @@ def test_histogram_statistics_match_workload_doc() -> None:
 
 @pytest.mark.parametrize(
     "text, msg",
-    [("", "no bins"), ("1,2\n", "expected lo,hi,probability"), ("2,1,0.5\n", "lo < hi"),
-     ("0,5,0.5\n4,8,0.5\n", "overlap"), ("0,5,0\n", "positive sum")],
-)  # fmt: skip
+    [
+        ("", "no bins"),
+        ("1,2\n", "expected lo,hi,probability"),
+        ("2,1,0.5\n", "lo < hi"),
+        ("0,5,0.5\n4,8,0.5\n", "overlap"),
+        ("0,5,0\n", "positive sum"),
+    ],
+)
 def test_bad_histogram_files(tmp_path: Path, text: str, msg: str) -> None:
     p = tmp_path / "h.csv"
     p.write_text("# comment\n" + text)

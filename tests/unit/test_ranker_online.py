@@ -10,11 +10,23 @@ from schemas.records import TrajectoryChunk, pack_logprobs, pack_tokens
 
 def chunk(tid: str, seq: int, offset: int, n: int, last: bool, **kw: object) -> TrajectoryChunk:
     return TrajectoryChunk(
-        trajectory_id=tid, prompt_id="p", task_id="t", sample_index=0, group_size=1, seq=seq,
-        token_offset=offset, tokens=pack_tokens(range(n)), logprobs=pack_logprobs([0.0] * n),
-        policy_version=0, is_last=last, worker_id="w", bucket="le256", started_ms=0,
-        finish_reason="stop" if last else None, **kw,  # type: ignore[arg-type]
-    )  # fmt: skip
+        trajectory_id=tid,
+        prompt_id="p",
+        task_id="t",
+        sample_index=0,
+        group_size=1,
+        seq=seq,
+        token_offset=offset,
+        tokens=pack_tokens(range(n)),
+        logprobs=pack_logprobs([0.0] * n),
+        policy_version=0,
+        is_last=last,
+        worker_id="w",
+        bucket="le256",
+        started_ms=0,
+        finish_reason="stop" if last else None,
+        **kw,  # type: ignore[arg-type]
+    )
 
 
 def test_pair_from_first_and_last_chunk() -> None:

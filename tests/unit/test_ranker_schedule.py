@@ -148,8 +148,18 @@ def test_assign_buckets_and_window_plan() -> None:
 
     pred = np.array([100, 5000, 300, 2000, 50, 8000, 900, 700, 10, 20], dtype=float)
     got = assign_buckets(pred, 0.2, "gt4096", bucket_for, ["le256", "le1024", "le4096"])
-    assert got == ["le256", "gt4096", "le1024", "le4096", "le256", "gt4096", "le1024",
-                   "le1024", "le256", "le256"]  # fmt: skip
+    assert got == [
+        "le256",
+        "gt4096",
+        "le1024",
+        "le4096",
+        "le256",
+        "gt4096",
+        "le1024",
+        "le1024",
+        "le256",
+        "le256",
+    ]
     # a large prediction outside the top alpha stays on the regular pool's last bucket
     got = assign_buckets([9000, 8000, 1], 0.3, "gt4096", bucket_for, ["le256", "le4096"])
     assert got == ["gt4096", "le4096", "le256"]

@@ -100,8 +100,15 @@ def test_the_model_is_the_sim_engines(cap: int) -> None:
     lengths = np.random.default_rng(cap).integers(1, 300, 100)
     engine = sim.SimEngine(max_batch=cap, time_scale=0.0, seed=0)
     for i, n in enumerate(lengths):
-        engine.add(base.Request(key=str(i), prompt_ids=[5], max_new_tokens=10_000,
-                                priority=float(n), target_length=int(n)))  # fmt: skip
+        engine.add(
+            base.Request(
+                key=str(i),
+                prompt_ids=[5],
+                max_new_tokens=10_000,
+                priority=float(n),
+                target_length=int(n),
+            )
+        )
     while engine.has_work:
         engine.step()
     ours = instance_makespan(np.sort(lengths)[::-1].copy(), cap, PTL)

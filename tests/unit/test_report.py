@@ -36,15 +36,24 @@ def test_pending_is_at_or_after_the_committed_offset_and_lost_is_below_it() -> N
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     report = {
-        "mode": "async", "seed": 0, "eval_accuracy_before": 0.2, "eval_accuracy_after": 0.5,
-        "steps": 3, "wall_s": 10.0, "lost": 0, "eval_prompts": 8,
+        "mode": "async",
+        "seed": 0,
+        "eval_accuracy_before": 0.2,
+        "eval_accuracy_after": 0.5,
+        "steps": 3,
+        "wall_s": 10.0,
+        "lost": 0,
+        "eval_prompts": 8,
         "staleness_hist": {"0": 5, "1": 3},
         "series": {
-            "step": [1, 2, 3], "t_s": [1.0, 2.0, 3.0], "reward_mean": [0.1, 0.3, 0.4],
-            "train_tokens_per_s": [10.0, 12.0, 11.0], "staleness_mean": [0, 0.5, 0.4],
+            "step": [1, 2, 3],
+            "t_s": [1.0, 2.0, 3.0],
+            "reward_mean": [0.1, 0.3, 0.4],
+            "train_tokens_per_s": [10.0, 12.0, 11.0],
+            "staleness_mean": [0, 0.5, 0.4],
             "gen": [[0.5, "regular-0", 100.0], [1.5, "regular-0", 120.0]],
             "ready_latency_ms": [5.0, 7.0, 30.0],
         },
-    }  # fmt: skip
+    }
     plot(report, tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -23,11 +23,26 @@ def test_step_t_is_released_by_the_announcement_of_step_t_minus_1_minus_k(
     assert release_after(step, k) == after
 
 
-def task(step: int | None = None, min_version: int | None = None, predicted: int | None = None,
-         resume: bool = False) -> PromptTask:  # fmt: skip
+def task(
+    step: int | None = None,
+    min_version: int | None = None,
+    predicted: int | None = None,
+    resume: bool = False,
+) -> PromptTask:
     prefix = ResumePrefix("t", 0, 3, b"", 1, "migrate") if resume else None
-    return PromptTask("id", "p", "x", 4, 16, "le256", step=step, step_groups=None if step is None else 4,
-                      min_version=min_version, predicted_length=predicted, resume=prefix)  # fmt: skip
+    return PromptTask(
+        "id",
+        "p",
+        "x",
+        4,
+        16,
+        "le256",
+        step=step,
+        step_groups=None if step is None else 4,
+        min_version=min_version,
+        predicted_length=predicted,
+        resume=prefix,
+    )
 
 
 @pytest.mark.parametrize(
@@ -55,9 +70,13 @@ def test_a_resumed_trajectory_continues_with_any_weights() -> None:
 
 
 def test_order_resumes_then_earliest_step_then_longest() -> None:
-    tasks = {"s2-long": task(step=2, predicted=900), "s1-short": task(step=1, predicted=10),
-             "s1-long": task(step=1, predicted=500), "resume": task(step=3, predicted=1, resume=True),
-             "unscheduled": task(predicted=10_000)}  # fmt: skip
+    tasks = {
+        "s2-long": task(step=2, predicted=900),
+        "s1-short": task(step=1, predicted=10),
+        "s1-long": task(step=1, predicted=500),
+        "resume": task(step=3, predicted=1, resume=True),
+        "unscheduled": task(predicted=10_000),
+    }
     order = sorted(tasks, key=lambda n: order_key(tasks[n]))
     assert order == ["resume", "s1-long", "s1-short", "s2-long", "unscheduled"]
 
@@ -70,7 +89,9 @@ def test_a_step_trains_exactly_the_groups_released_for_it() -> None:
     pl = StepPlanner(groups_per_step=2, expire_s=100, step=1)
     assert pl.add(group(2), now=0) == []  # step 2's group waits for step 2
     assert pl.add(group(1), now=1) and not pl.complete(now=1)
-    assert pl.add(group(1), now=2) and not pl.complete(now=2)  # 2 of 3, although 2 = groups_per_step
+    assert pl.add(group(1), now=2) and not pl.complete(
+        now=2
+    )  # 2 of 3, although 2 = groups_per_step
     assert pl.add(group(1), now=3) and pl.complete(now=3)
     joined = pl.advance(now=4)
     assert [g.step for g in joined] == [2] and pl.step == 2 and pl.arrived == 1
@@ -112,8 +133,12 @@ def test_a_step_whose_groups_stop_arriving_completes_by_expiry() -> None:
 
 @pytest.mark.parametrize(
     ("group_size", "tasks", "parts"),
-    [(8, 1, [None]), (8, 2, [(0, 1, 2, 3), (4, 5, 6, 7)]), (5, 2, [(0, 1), (2, 3, 4)]),
-     (3, 9, [(0,), (1,), (2,)])],  # fmt: skip
+    [
+        (8, 1, [None]),
+        (8, 2, [(0, 1, 2, 3), (4, 5, 6, 7)]),
+        (5, 2, [(0, 1), (2, 3, 4)]),
+        (3, 9, [(0,), (1,), (2,)]),
+    ],
 )
 def test_a_group_is_split_into_near_equal_runs_of_sample_indices(
     group_size: int, tasks: int, parts: list[tuple[int, ...] | None]

@@ -86,7 +86,7 @@ def _file(header: dict, data: bytes = b"\x00" * 8) -> bytearray:
                 }
             ),
             "overlap",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_malformed_files_are_weights_errors(buf: bytearray, match: str) -> None:

@@ -12,8 +12,14 @@ from srl.tinymodel import TinyModelSpec, build_tiny_model, load_model, load_toke
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_tiny_model_round_trips_through_hf_format(tmp_path: Path, arch: str) -> None:
-    spec = TinyModelSpec(arch=arch, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1)  # fmt: skip
+    spec = TinyModelSpec(
+        arch=arch,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     out = build_tiny_model(tmp_path / arch, spec, seed=1)
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     tok = load_tokenizer(out)

@@ -19,7 +19,11 @@ def test_names_and_buckets() -> None:
     ]
     assert layout.prompts("le1024") == "srl.prompts.le1024"
     assert (layout.trajectories, layout.weights, layout.metrics, layout.dlq) == (
-        "srl.trajectories", "srl.weights", "srl.metrics", "srl.dlq")  # fmt: skip
+        "srl.trajectories",
+        "srl.weights",
+        "srl.metrics",
+        "srl.dlq",
+    )
     with pytest.raises(ValueError, match="unknown bucket"):
         layout.prompts("huge")
 
@@ -41,8 +45,19 @@ def test_trajectory_partitions_are_grouped_by_bucket_and_stable() -> None:
 
 def test_specs_cover_every_topic_and_compact_weights() -> None:
     specs = {s.name: s for s in Layout("p").specs()}
-    assert set(specs) == {"p.prompts.le256", "p.prompts.le1024", "p.prompts.le4096", "p.prompts.gt4096",
-                          "p.resume.le256", "p.resume.le1024", "p.resume.le4096", "p.resume.gt4096",
-                          "p.trajectories", "p.weights", "p.metrics", "p.dlq"}  # fmt: skip
+    assert set(specs) == {
+        "p.prompts.le256",
+        "p.prompts.le1024",
+        "p.prompts.le4096",
+        "p.prompts.gt4096",
+        "p.resume.le256",
+        "p.resume.le1024",
+        "p.resume.le4096",
+        "p.resume.gt4096",
+        "p.trajectories",
+        "p.weights",
+        "p.metrics",
+        "p.dlq",
+    }
     assert specs["p.weights"].config["cleanup.policy"] == "compact"
     assert specs["p.trajectories"].partitions == 8
