@@ -59,7 +59,14 @@ from ranker.evaluate import train_on_pairs
 from schemas.records import MetricEvent, SchemaError, decode_as
 from srl.broker import EmbeddedBroker
 from srl.config import CommonConfig, load_config
-from srl.kafka import base_settings, committed_offsets, create_topics, wait_for_broker, watermarks
+from srl.kafka import (
+    OFFSET_BEGINNING,
+    Lag,
+    TopicPartition,
+    create_topics,
+    reader,
+    wait_for_broker,
+)
 from srl.topics import Layout
 
 log = logging.getLogger("app.demo")
@@ -81,16 +88,11 @@ class Watcher(threading.Thread):
         self.error: str | None = None
 
     def run(self) -> None:  # noqa: D102 (thread body)
-        from confluent_kafka import Consumer, TopicPartition
-
         layout = Layout.from_config(self.cfg)
-        c = Consumer(
-            base_settings(self.cfg, "demo-watch")
-            | {"group.id": f"srl-demo-watch-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}
-            | self.cfg.kafka
-        )
+        c = reader(self.cfg, f"demo-watch-{uuid.uuid4().hex[:8]}")
+        measure = Lag(self.cfg, timeout_s=3)
         try:
-            c.assign([TopicPartition(layout.metrics, 0, -2)])  # OFFSET_BEGINNING
+            c.assign([TopicPartition(layout.metrics, 0, OFFSET_BEGINNING)])
             next_lag = 0.0
             while not self.halt.is_set():
                 msg = c.poll(0.5)
@@ -100,15 +102,14 @@ class Watcher(threading.Thread):
                 if time.monotonic() >= next_lag:
                     next_lag = time.monotonic() + 3.0
                     with contextlib.suppress(Exception):
-                        hw = watermarks(self.cfg, [layout.trajectories], timeout_s=3)
-                        done = committed_offsets(self.cfg, self.trainer_group, list(hw), 3)
-                        lag = sum(hi - (done.get(tp) or lo) for tp, (lo, hi) in hw.items())
+                        lag = measure.total([self.trainer_group], [layout.trajectories])
                         with self.lock:
                             self.lag = lag
         except Exception as e:  # the demo goes on without live numbers; the report re-reads
             self.error = str(e)
         finally:
             c.close()
+            measure.close()
 
     def _take(self, e: Any) -> None:
         if e.run != self.run_name:

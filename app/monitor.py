@@ -25,14 +25,23 @@ import time
 from collections import Counter, defaultdict, deque
 from typing import Any
 
-from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, KafkaException, TopicPartition
-from confluent_kafka.admin import OffsetSpec
-
 from schemas.codec import SchemaError
 from schemas.records import MetricEvent, PromptTask, TrajectoryChunk, decode, decode_as, now_ms
 from srl.config import CommonConfig
 from srl.errors import SrlError
-from srl.kafka import POSITION_SUFFIX, _short, admin, base_settings, wait_for_broker
+from srl.kafka import (
+    POSITION_SUFFIX,
+    KafkaException,
+    Member,
+    PartitionLag,
+    TopicPartition,
+    admin,
+    describe,
+    describe_groups,
+    reader,
+    topic_watermarks,
+    wait_for_broker,
+)
 from srl.stores import store_for_uri, store_from_config
 from srl.topics import Layout
 from srl.weights import latest_announcement, load_manifest
@@ -55,16 +64,8 @@ class Monitor:
         self.stall_after_ms = int(stall_after_s * 1000)
         wait_for_broker(cfg)
         self.admin = admin(cfg)
-        self._reader = Consumer(
-            base_settings(cfg, "top")
-            | cfg.kafka
-            | {"group.id": "srl-top", "enable.auto.commit": False, "enable.partition.eof": False}
-        )
-        self._metrics = Consumer(
-            base_settings(cfg, "top-metrics")
-            | cfg.kafka
-            | {"group.id": "srl-top", "enable.auto.commit": False}
-        )
+        self._reader = reader(cfg, "top")
+        self._metrics = reader(cfg, "top-metrics")
         self._metrics_next: int | None = None  # next offset of {prefix}.metrics to read
         self.events: deque[MetricEvent] = deque()
         self._moved: dict[tuple[str, str, int], tuple[int | None, int]] = {}  # offset, since ms
@@ -79,56 +80,22 @@ class Monitor:
     # -- broker state ------------------------------------------------------------------
     def partitions(self) -> dict[tuple[str, int], tuple[int, int]]:
         """``{(topic, partition): (low, high)}`` for every srl topic, one admin round trip."""
-        md = self.admin.list_topics(timeout=self._timeout)
-        tps = [
-            TopicPartition(t, p)
-            for t, tm in md.topics.items()
-            if t.startswith(f"{self.layout.prefix}.")
-            for p in tm.partitions
-        ]
-        if not tps:
-            return {}
-        ends: dict[str, dict[tuple[str, int], int]] = {}
-        for name, spec in (("low", OffsetSpec.earliest()), ("high", OffsetSpec.latest())):
-            futures = self.admin.list_offsets(
-                {tp: spec for tp in tps}, request_timeout=self._timeout
-            )
-            ends[name] = {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
-        return {k: (ends["low"][k], ends["high"][k]) for k in sorted(ends["high"])}
+        return topic_watermarks(self.admin, self.layout.prefix, self._timeout)
 
     def group_rows(self, parts: dict[tuple[str, int], tuple[int, int]]) -> list[dict[str, Any]]:
-        listed = self.admin.list_consumer_groups(request_timeout=self._timeout).result()
-        ids = sorted(g.group_id for g in listed.valid)
-        if not ids:
-            return []
-        described = self.admin.describe_consumer_groups(ids, request_timeout=self._timeout)
         rows = []
         self.group_info = {}
-        for gid in ids:
-            try:
-                desc = described[gid].result()
-                req = [ConsumerGroupTopicPartitions(gid)]
-                offsets = self.admin.list_consumer_group_offsets(req, request_timeout=self._timeout)
-                committed = {
-                    (tp.topic, tp.partition): tp.offset
-                    for tp in offsets[gid].result().topic_partitions
-                    if tp.offset >= 0
-                }
-            except KafkaException:
-                continue  # the group went away between the calls
-            owner = {
-                (tp.topic, tp.partition): m
-                for m in desc.members
-                for tp in (m.assignment.topic_partitions if m.assignment else [])
-            }
-            topics = {t for t, _ in [*committed, *owner] if t.startswith(f"{self.layout.prefix}.")}
+        for g in describe_groups(self.admin, self._timeout):
+            keys = [*g.committed, *g.owners]
+            topics = {t for t, _ in keys if t.startswith(f"{self.layout.prefix}.")}
             if not topics:
                 continue  # not an srl group (or not one of this prefix)
-            state = str(desc.state).split(".")[-1]
-            self.group_info[gid] = {"state": state, "members": len(desc.members)}
+            self.group_info[g.group] = {"state": g.state, "members": g.members}
             for key in sorted(k for k in parts if k[0] in topics):
                 rows.append(
-                    self._row(gid, state, key, parts[key], committed.get(key), owner.get(key))
+                    self._row(
+                        g.group, g.state, key, parts[key], g.committed.get(key), g.owners.get(key)
+                    )
                 )
         return rows
 
@@ -139,7 +106,7 @@ class Monitor:
         key: tuple[str, int],
         ends: tuple[int, int],
         current: int | None,
-        member: Any,
+        member: Member | None,
     ) -> dict[str, Any]:
         topic, part = key
         return {
@@ -149,7 +116,7 @@ class Monitor:
             "bucket": self._bucket(topic, part),
             "current_offset": current,
             "log_end_offset": ends[1],
-            "lag": None if current is None else ends[1] - current,
+            "lag": None if current is None else PartitionLag(topic, part, *ends, current).lag,
             "consumer_id": member.member_id if member else None,
             "host": member.host if member else None,
             "client_id": member.client_id if member else None,
@@ -352,7 +319,7 @@ class Monitor:
         try:
             return self._snapshot()
         except KafkaException as e:
-            raise SrlError(f"{self.cfg.bootstrap_servers}: {_short(e)}") from None
+            raise SrlError(f"{self.cfg.bootstrap_servers}: {describe(e)}") from None
 
     def _snapshot(self) -> dict[str, Any]:
         now = now_ms()

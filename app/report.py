@@ -25,7 +25,6 @@ import contextlib
 import logging
 import math
 import shutil
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,7 +35,8 @@ import orjson
 
 from app import warmstart
 from schemas.records import MetricEvent, SchemaError, TrajectoryChunk, decode_as
-from srl.kafka import base_settings, committed_offsets, watermarks
+from srl.errors import SrlError
+from srl.kafka import committed_offsets, read_range, watermarks
 from srl.stores import store_from_config
 from srl.topics import Layout
 from srl.weights import load_manifest, materialize, read_announcements
@@ -56,35 +56,12 @@ def read_all(
     cfg: CommonConfig, topic: str, timeout_s: float = 30.0
 ) -> Iterator[tuple[int, int, bytes]]:
     """Every record of ``topic`` up to the high watermarks at call time: (partition, offset,
-    value)."""
-    from confluent_kafka import Consumer, TopicPartition
-
-    hw = {tp: (lo, hi) for tp, (lo, hi) in watermarks(cfg, [topic]).items() if hi > lo}
-    if not hw:
-        return
-    c = Consumer(
-        base_settings(cfg, "demo-report")
-        | {"group.id": "srl-demo-report", "enable.auto.commit": False}
-        | cfg.kafka
-    )
+    value). A read that times out is logged and ends there (the report says what it saw)."""
     try:
-        c.assign([TopicPartition(t, p, lo) for (t, p), (lo, _hi) in hw.items()])
-        todo = {p: hi for (_t, p), (_lo, hi) in hw.items()}
-        deadline = time.monotonic() + timeout_s
-        while todo and time.monotonic() < deadline:
-            msg = c.poll(0.5)
-            if msg is None or msg.error():
-                continue
-            p, o = msg.partition() or 0, msg.offset() or 0
-            if p not in todo or o >= todo[p]:
-                continue
-            yield p, o, msg.value() or b""
-            if o >= todo[p] - 1:
-                del todo[p]
-        if todo:
-            log.warning("%s: read timed out with partitions %s unfinished", topic, sorted(todo))
-    finally:
-        c.close()
+        for msg in read_range(cfg, topic, timeout_s=timeout_s, role="demo-report"):
+            yield msg.partition() or 0, msg.offset() or 0, msg.value() or b""
+    except SrlError as e:
+        log.warning("%s", e)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from schemas.records import TrajectoryChunk, decode_as, encode, now_ms, pack_log
 from srl.broker import EmbeddedBroker
 from srl.config import CommonConfig
 from srl.errors import SrlError
-from srl.kafka import Producer, create_topics, make_consumer
+from srl.kafka import Producer, TopicPartition, create_topics, make_consumer
 from srl.topics import Layout
 
 
@@ -86,6 +86,7 @@ def run_smoke(cfg: CommonConfig, n: int, external: bool = False) -> dict[str, An
         seen: dict[str, set[int]] = defaultdict(set)
         done: set[str] = set()
         duplicates = 0
+        ends: dict[tuple[str, int], int] = {}
         try:
             consumer.subscribe([layout.trajectories])
             deadline = time.monotonic() + 60
@@ -99,8 +100,8 @@ def run_smoke(cfg: CommonConfig, n: int, external: bool = False) -> dict[str, An
                     seen[c.trajectory_id].add(c.seq)
                     if len(seen[c.trajectory_id]) == expected.get(c.trajectory_id, -1):
                         done.add(c.trajectory_id)
-                    consumer.store_offsets(msg)
-            consumer.commit(asynchronous=False)
+                    ends[(msg.topic() or "", msg.partition() or 0)] = (msg.offset() or 0) + 1
+            consumer.commit_sync([TopicPartition(t, p, o) for (t, p), o in ends.items()])
         finally:
             consumer.close()
         wall = time.perf_counter() - t0

@@ -31,8 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from confluent_kafka import KafkaException
-
 from consumers import checkpoint as ckpts
 from consumers.assembler import Assembler, BadChunk, BadTrajectory, Partial, Trajectory
 from consumers.backends import make_engine
@@ -51,11 +49,12 @@ from schemas.codec import SchemaError
 from schemas.records import TrajectoryChunk, decode_as
 from srl.errors import ConfigError
 from srl.kafka import (
+    KafkaException,
     Producer,
+    TopicPartition,
     commit_sync,
     create_topics,
     make_consumer,
-    next_batch,
     position_group,
     share_positions,
 )
@@ -176,7 +175,7 @@ class Trainer:
             consumer.subscribe([self.layout.trajectories], on_assign=self._on_assign)
             while not self._done():
                 t0 = time.monotonic()
-                msgs = next_batch(consumer, 500, 0.2)
+                msgs = consumer.next_batch(500, 0.2)
                 now = time.monotonic()
                 self.idle_s += now - t0
                 for msg in msgs:
@@ -539,8 +538,6 @@ class Trainer:
         return self.engine.optimizer_state()
 
     def _checkpoint(self) -> None:
-        from confluent_kafka import TopicPartition
-
         t0 = time.perf_counter()
         self.ckpt_number += 1
         ckpts.save(

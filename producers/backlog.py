@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from confluent_kafka import Consumer, TopicPartition
-
 from srl.config import CommonConfig
-from srl.kafka import consumer_settings
+from srl.kafka import Lag
 
 
 class GroupLag:
+    """``srl.kafka.Lag`` of fixed groups on fixed topics, and the committed total it saw."""
+
     def __init__(
         self,
         cfg: CommonConfig,
@@ -34,39 +34,14 @@ class GroupLag:
     ) -> None:
         self.groups = list(groups)
         self.topics = list(topics)
-        self.timeout_s = timeout_s
-        self._clients = {g: Consumer(consumer_settings(cfg, g, "lag")) for g in self.groups}
+        self._lag = Lag(cfg, timeout_s)
         self.committed = 0  # sum of the furthest committed offsets, as of the last ``lag()``
-
-    def _partitions(self) -> list[TopicPartition]:
-        client = next(iter(self._clients.values()))
-        md = client.list_topics(timeout=self.timeout_s)
-        return [
-            TopicPartition(t, p)
-            for t in self.topics
-            if t in md.topics
-            for p in sorted(md.topics[t].partitions)
-        ]
 
     def lag(self) -> int:
         """Records on the topics not yet committed by any of the groups."""
-        tps = self._partitions()
-        if not tps:
-            return 0
-        furthest: dict[tuple[str, int], int] = {}
-        for client in self._clients.values():
-            for tp in client.committed(tps, timeout=self.timeout_s):
-                key = (tp.topic, tp.partition)
-                furthest[key] = max(furthest.get(key, -1), tp.offset)
-        client = next(iter(self._clients.values()))
-        total = 0
-        self.committed = sum(max(0, v) for v in furthest.values())
-        for tp in tps:
-            low, high = client.get_watermark_offsets(tp, timeout=self.timeout_s, cached=False)
-            done = furthest.get((tp.topic, tp.partition), -1)
-            total += max(0, high - (done if done >= 0 else low))
-        return total
+        rows = self._lag.partitions(self.groups, self.topics)
+        self.committed = sum(r.committed or 0 for r in rows)
+        return sum(r.lag for r in rows)
 
     def close(self) -> None:
-        for client in self._clients.values():
-            client.close()
+        self._lag.close()

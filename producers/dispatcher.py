@@ -55,7 +55,14 @@ from producers.config import DispatchConfig, pool_group
 from ranker.api import assign_buckets
 from schemas.records import PromptTask, SchemaError, WeightsAnnouncement, decode_as, encode
 from srl.errors import SrlError
-from srl.kafka import Producer, QuietTail, consumer_settings, create_topics
+from srl.kafka import (
+    OFFSET_BEGINNING,
+    Producer,
+    QuietTail,
+    TopicPartition,
+    create_topics,
+    reader,
+)
 from srl.topics import Layout
 
 if TYPE_CHECKING:
@@ -155,10 +162,8 @@ class Announcements:
     """The newest weights version (and its trainer step) announced for a run."""
 
     def __init__(self, cfg: DispatchConfig, layout: Layout) -> None:
-        from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
         self.run, self.latest, self.step = cfg.run, 0, 0
-        self._c = Consumer(consumer_settings(cfg, "srl-dispatch-weights", "dispatch-weights"))
+        self._c = reader(cfg, "dispatch-weights")
         self._tp = TopicPartition(layout.weights, 0)
         self._c.assign([TopicPartition(layout.weights, 0, OFFSET_BEGINNING)])
         self._tail = QuietTail(self._c, self._tp)

@@ -26,11 +26,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
 from schemas.records import SchemaError, WeightsAnnouncement, decode_as
 from srl.errors import SrlError, StoreError, WeightsError
-from srl.kafka import QuietTail, consumer_settings
+from srl.kafka import OFFSET_BEGINNING, QuietTail, TopicPartition, reader
 from srl.weights import fetch_tensors, load_manifest
 
 if TYPE_CHECKING:
@@ -66,11 +64,8 @@ class WeightFollower:
         self._stop = threading.Event()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="weight-follower", daemon=True)
-        settings = consumer_settings(
-            cfg, "srl-weights-follower", "weights-follower"
-        )  # assigned, never joins
-        self._consumer = Consumer(settings)
-        self._probe = Consumer(settings)  # watermarks, from the worker's thread only
+        self._consumer = reader(cfg, "weights-follower")
+        self._probe = reader(cfg, "weights-follower")  # watermarks, from the worker's thread
 
     # -- worker side ---------------------------------------------------------------------
     def start(self) -> WeightFollower:

@@ -22,16 +22,12 @@ partition (a crashed or stopped worker), and by anything that builds ``ResumePre
 from __future__ import annotations
 
 import contextlib
-import time
 import uuid
 from dataclasses import dataclass, field
 
-from confluent_kafka import Consumer, TopicPartition
-
 from schemas.records import MIGRATED, SchemaError, TrajectoryChunk, decode_as
 from srl.config import CommonConfig
-from srl.errors import SrlError
-from srl.kafka import committed_offsets, consumer_settings
+from srl.kafka import TopicPartition, committed_offsets, make_consumer, read_range
 from srl.topics import Layout
 
 _NAMESPACE = uuid.UUID("6f1d2a8e-3c1b-4f7a-9d8e-5a4b3c2d1e0f")
@@ -84,44 +80,22 @@ def read_prefixes(
     partitions = sorted({p for p, _ in wanted.values()})
     if not partitions:
         return found
-    consumer = Consumer(consumer_settings(cfg, "srl-recovery", "recovery"))  # assigned, never joins
-    try:
-        starts = consumer.offsets_for_times(
-            [TopicPartition(layout.trajectories, p, since_ms) for p in partitions],
-            timeout=timeout_s,
-        )
-        ends: dict[int, int] = {}
-        assign = []
-        for tp in starts:
-            _low, high = consumer.get_watermark_offsets(tp, timeout=timeout_s, cached=False)
-            if 0 <= tp.offset < high:
-                ends[tp.partition] = high
-                assign.append(TopicPartition(layout.trajectories, tp.partition, tp.offset))
-        if not assign:
-            return found
-        consumer.assign(assign)
-        deadline = time.monotonic() + timeout_s
-        while ends and time.monotonic() < deadline:
-            msg = consumer.poll(0.2)
-            if msg is None or msg.error():
-                continue
-            part, offset = msg.partition() or 0, msg.offset() or 0
-            if offset >= ends.get(part, 0) - 1:
-                ends.pop(part, None)
-            key = (msg.key() or b"").decode(errors="replace")
-            if key not in found:
-                continue
-            with contextlib.suppress(SchemaError):  # the trainer dead-letters bad chunks; skip here
-                chunk = decode_as(msg.value() or b"", TrajectoryChunk)
-                if chunk.seq >= wanted[key][1]:
-                    found[key].chunks.setdefault(chunk.seq, chunk)
-        if ends:
-            raise SrlError(
-                f"reading trajectories back timed out after {timeout_s:g}s on partitions "
-                f"{sorted(ends)}"
-            )
-    finally:
-        consumer.close()
+    records = read_range(
+        cfg,
+        layout.trajectories,
+        partitions,
+        since_ms=since_ms,
+        timeout_s=timeout_s,
+        role="recovery",
+    )
+    for msg in records:
+        key = (msg.key() or b"").decode(errors="replace")
+        if key not in found:
+            continue
+        with contextlib.suppress(SchemaError):  # the trainer dead-letters bad chunks; skip here
+            chunk = decode_as(msg.value() or b"", TrajectoryChunk)
+            if chunk.seq >= wanted[key][1]:
+                found[key].chunks.setdefault(chunk.seq, chunk)
     return found
 
 
@@ -137,18 +111,11 @@ def take_over_offsets(
     so a restarted replacement does not go back. Returns what was copied.
     """
 
-    c = Consumer(consumer_settings(cfg, new_group, "takeover"))  # commits only, never joins
-    try:
-        meta = c.list_topics(timeout=timeout_s)
-        parts = [(t, p) for t in topics if t in meta.topics for p in meta.topics[t].partitions]
+    with make_consumer(cfg, new_group, "takeover") as c:  # commits only, never joins
+        parts = [(tp.topic, tp.partition) for tp in c.partitions_of(topics, timeout_s)]
         old = committed_offsets(cfg, old_group, parts, timeout_s)
         mine = committed_offsets(cfg, new_group, parts, timeout_s)
         copy = {tp: off for tp, off in old.items() if off is not None and mine.get(tp) is None}
         if copy:
-            c.commit(
-                offsets=[TopicPartition(t, p, off) for (t, p), off in copy.items()],
-                asynchronous=False,
-            )
+            c.commit_sync([TopicPartition(t, p, off) for (t, p), off in copy.items()])
         return copy
-    finally:
-        c.close()

@@ -45,7 +45,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import orjson
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from producers.admission import may_start, order_key
 from producers.backlog import GroupLag
@@ -68,7 +67,17 @@ from schemas.records import (
     unpack_tokens,
 )
 from srl.errors import ConfigError, SrlError, WeightsError
-from srl.kafka import Producer, commit_sync, create_topics, make_consumer, position_group
+from srl.kafka import (
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+    commit_sync,
+    create_topics,
+    make_consumer,
+    position_group,
+)
 from srl.metrics import Metrics, dead_letter
 from srl.stores import store_from_config
 from srl.topics import Layout
@@ -613,7 +622,7 @@ class GeneratorWorker:
                 self.consumer.resume(free)
             self.paused = mode
 
-    def _on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
             _low, high = consumer.get_watermark_offsets(
                 tp, timeout=self.cfg.connect_timeout_s, cached=False
@@ -624,7 +633,7 @@ class GeneratorWorker:
             consumer.pause(hold)
 
     def _on_revoke(
-        self, consumer: Any, partitions: list[TopicPartition], lost: bool = False
+        self, consumer: Consumer, partitions: list[TopicPartition], lost: bool = False
     ) -> None:
         tps = {(tp.topic, tp.partition) for tp in partitions}
         self._handoff([st for st in self.live.values() if st.tp in tps])
@@ -640,7 +649,7 @@ class GeneratorWorker:
         for tp in tps:
             self.assigned_high.pop(tp, None)
 
-    def _on_lost(self, consumer: Any, partitions: list[TopicPartition]) -> None:
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._on_revoke(consumer, partitions, lost=True)
 
     def _commit(self, force: bool = False) -> bool:
@@ -660,7 +669,7 @@ class GeneratorWorker:
             if force:
                 commit_sync(self.consumer, offsets)
             else:
-                self.consumer.commit(offsets=offsets, asynchronous=True)
+                self.consumer.commit_async(offsets)
         except (
             KafkaException
         ) as e:  # e.g. a rebalance meanwhile: retried, or redone by the next owner

@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -38,7 +38,14 @@ from ranker.model import LengthRanker
 from ranker.publish import RankerFollower, publish
 from schemas.codec import SchemaError
 from schemas.records import TrajectoryChunk, decode_as, unpack_tokens
-from srl.kafka import Producer, consumer_settings, wait_for_broker
+from srl.kafka import (
+    Consumer,
+    Message,
+    Producer,
+    TopicPartition,
+    make_consumer,
+    wait_for_broker,
+)
 from srl.metrics import Metrics, dead_letter
 from srl.stores import store_from_config
 from srl.tinymodel import build_tokenizer, load_tokenizer
@@ -175,63 +182,68 @@ def run_online(
     """Consume trajectories and publish versions until ``max_versions`` or ``idle_timeout_s``
     without a new pair; returns the number of versions published. A version is trained the
     moment the ``retrain_every``-th new pair arrives, so versions hold exactly those pairs."""
-    from confluent_kafka import Consumer
-
     wait_for_broker(cfg)
     layout = Layout.from_config(cfg)
-    trainer = _VersionTrainer(cfg)
-    collector = PairCollector()
-    consumer = Consumer(consumer_settings(cfg, cfg.group_id(), "ranker"))
-    published, last_progress = 0, time.monotonic()
-    pending: list[Any] = []  # messages whose pairs are not yet in a published version
+    with (
+        Producer(cfg, "ranker") as producer,
+        make_consumer(cfg, cfg.group_id(), "ranker") as consumer,
+    ):
+        run = _OnlineRun(cfg, layout, consumer, producer)
+        consumer.subscribe([layout.trajectories])
+        while not run.done(max_versions) and not idle(run.last_progress, idle_timeout_s):
+            for msg in consumer.consume(500, 0.5):
+                if msg.error() or run.done(max_versions):
+                    continue  # past max_versions: left uncommitted for the next run
+                published = run.take(msg)
+                if published is not None and on_version is not None:
+                    on_version(*published)
+    return run.published
 
-    def done() -> bool:
-        return max_versions is not None and published >= max_versions
 
-    with Producer(cfg, "ranker") as producer:
-        metrics = Metrics(producer, layout, cfg.run, "ranker")
+class _OnlineRun:
+    """One ``run_online``: pairs in, versions out, offsets committed after each version."""
+
+    def __init__(
+        self, cfg: RankerConfig, layout: Layout, consumer: Consumer, producer: Producer
+    ) -> None:
+        self.layout, self.consumer, self.producer = layout, consumer, producer
+        self.metrics = Metrics(producer, layout, cfg.run, "ranker")
+        self.trainer = _VersionTrainer(cfg)
+        self.collector = PairCollector()
+        self.published, self.last_progress = 0, time.monotonic()
+        self.pending: dict[tuple[str, int], int] = {}  # next offsets not yet in a version
+
+    def done(self, max_versions: int | None) -> bool:
+        return max_versions is not None and self.published >= max_versions
+
+    def take(self, msg: Message) -> tuple[LengthRanker, dict[str, float]] | None:
+        """One record; the version published because of it, if any (steps 1-4 above)."""
+        self.pending[(msg.topic() or "", msg.partition() or 0)] = (msg.offset() or 0) + 1
         try:
-            consumer.subscribe([layout.trajectories])
-            while not done() and not idle(last_progress, idle_timeout_s):
-                for msg in consumer.consume(500, 0.5):
-                    if msg.error() or done():
-                        continue  # past max_versions: left uncommitted for the next run
-                    pending.append(msg)
-                    try:
-                        chunk = decode_as(msg.value() or b"", TrajectoryChunk)
-                    except SchemaError as e:
-                        dead_letter(
-                            producer,
-                            layout,
-                            msg.value(),
-                            msg.key(),
-                            str(e),
-                            f"{msg.topic()}/{msg.partition()}@{msg.offset()}",
-                            metrics,
-                        )
-                        continue
-                    pair = collector.add(chunk)
-                    if pair is None:
-                        continue
-                    last_progress = time.monotonic()
-                    trainer.add(pair)
-                    metrics.incr("ranker_pairs")
-                    if not trainer.window.due():
-                        continue
-                    ranker, values = trainer.train_and_publish()  # steps 2 and 3
-                    published += 1
-                    metrics.emit("ranker_published", values)
-                    metrics.flush_counters()
-                    for m in pending:  # step 4: the version holding these pairs is durable
-                        consumer.store_offsets(m)
-                    consumer.commit(asynchronous=False)
-                    pending.clear()
-                    if on_version is not None:
-                        on_version(ranker, values)
-                    log.info("ranker v%s published from %d pairs", ranker.version, values["pairs"])
-        finally:
-            consumer.close()
-    return published
+            chunk = decode_as(msg.value() or b"", TrajectoryChunk)
+        except SchemaError as e:
+            origin = f"{msg.topic()}/{msg.partition()}@{msg.offset()}"
+            dead_letter(
+                self.producer, self.layout, msg.value(), msg.key(), str(e), origin, self.metrics
+            )
+            return None
+        pair = self.collector.add(chunk)
+        if pair is None:
+            return None
+        self.last_progress = time.monotonic()
+        self.trainer.add(pair)
+        self.metrics.incr("ranker_pairs")
+        if not self.trainer.window.due():
+            return None
+        ranker, values = self.trainer.train_and_publish()  # steps 2 and 3
+        self.published += 1
+        self.metrics.emit("ranker_published", values)
+        self.metrics.flush_counters()
+        # step 4: the version holding these pairs is durable
+        self.consumer.commit_sync([TopicPartition(t, p, o) for (t, p), o in self.pending.items()])
+        self.pending.clear()
+        log.info("ranker v%s published from %d pairs", ranker.version, values["pairs"])
+        return ranker, values
 
 
 class _VersionTrainer:

@@ -18,7 +18,6 @@ Called by ``app.cli.main`` (``srl broker``), ``srl demo`` and ``tests/conftest.p
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import socket
@@ -32,6 +31,7 @@ from typing import Any
 import orjson
 
 from srl.errors import SrlError
+from srl.kafka import broker_answers
 
 # Brokers started by this process, kept referenced so they are reaped (not warned about) on stop.
 _children: dict[int, subprocess.Popen[bytes]] = {}
@@ -117,21 +117,12 @@ def status(data_dir: Path = DEFAULT_DATA_DIR) -> dict[str, Any]:
 
 
 def _wait_ready(port: int, proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float) -> None:
-    from confluent_kafka.admin import AdminClient
-
-    settings: dict[str, Any] = {
-        "bootstrap.servers": f"127.0.0.1:{port}",
-        "logger": logging.getLogger("srl.librdkafka"),
-    }
-    admin = AdminClient(settings)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SrlError(f"broker exited with code {proc.returncode}: {_last_line(log_path)}")
-        if port_open(port):
-            with contextlib.suppress(Exception):
-                if admin.list_topics(timeout=1.0).brokers:
-                    return
+        if port_open(port) and broker_answers(f"127.0.0.1:{port}"):
+            return
         time.sleep(0.05)
     raise SrlError(
         f"broker did not answer on 127.0.0.1:{port} within {timeout_s:g}s: {_last_line(log_path)}"

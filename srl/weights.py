@@ -26,7 +26,6 @@ import hashlib
 import logging
 import mmap
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -37,7 +36,7 @@ from schemas.codec import SchemaError
 from schemas.records import WeightsAnnouncement, decode_as, encode, now_ms
 from srl import tensorfile
 from srl.errors import StoreError, WeightsError
-from srl.kafka import base_settings
+from srl.kafka import read_range
 from srl.store import ObjectStore
 
 if TYPE_CHECKING:
@@ -340,32 +339,10 @@ def read_announcements(
     cfg: Any, layout: Layout, timeout_s: float = 10.0
 ) -> list[WeightsAnnouncement]:
     """Every readable announcement on the weights topic, oldest first (for tools and tests)."""
-    from confluent_kafka import Consumer, TopicPartition
-
-    c = Consumer(
-        base_settings(cfg, "weights-reader")
-        | {"group.id": "srl-weights-reader", "enable.auto.commit": False}
-        | cfg.kafka
-    )
     out: list[WeightsAnnouncement] = []
-    try:
-        lo, hi = c.get_watermark_offsets(
-            TopicPartition(layout.weights, 0), timeout=timeout_s, cached=False
-        )
-        if hi <= lo:
-            return out
-        c.assign([TopicPartition(layout.weights, 0, lo)])
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            msg = c.poll(0.2)
-            if msg is None or msg.error():
-                continue
-            with contextlib.suppress(SchemaError):
-                out.append(decode_as(msg.value() or b"", WeightsAnnouncement))
-            if (msg.offset() or 0) >= hi - 1:
-                break
-    finally:
-        c.close()
+    for msg in read_range(cfg, layout.weights, timeout_s=timeout_s, role="weights-reader"):
+        with contextlib.suppress(SchemaError):
+            out.append(decode_as(msg.value() or b"", WeightsAnnouncement))
     return out
 
 

@@ -126,36 +126,9 @@ def produce(
 
 def read_topic(cfg: Any, topic: str, timeout_s: float = 20.0) -> list[Any]:
     """Every message of ``topic`` up to its current high watermarks (all partitions)."""
-    import time
+    from srl.kafka import read_range
 
-    from confluent_kafka import Consumer, TopicPartition
-
-    from srl.kafka import base_settings
-
-    c = Consumer(
-        base_settings(cfg, "reader")
-        | {"group.id": f"reader-{uuid.uuid4().hex[:6]}", "enable.auto.commit": False}
-    )
-    out: list[Any] = []
-    try:
-        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
-        ends = {
-            p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)[1]
-            for p in parts
-        }
-        todo = {p for p, hi in ends.items() if hi > 0}
-        c.assign([TopicPartition(topic, p, 0) for p in todo])
-        deadline = time.monotonic() + timeout_s
-        while todo and time.monotonic() < deadline:
-            msg = c.poll(0.2)
-            if msg is None or msg.error():
-                continue
-            out.append(msg)
-            if msg.offset() >= ends[msg.partition()] - 1:
-                todo.discard(msg.partition())
-    finally:
-        c.close()
-    return out
+    return list(read_range(cfg, topic, timeout_s=timeout_s, role=f"reader-{uuid.uuid4().hex[:6]}"))
 
 
 def metric_events(cfg: Any, kind: str | None = None) -> list[Any]:

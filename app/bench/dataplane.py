@@ -37,7 +37,7 @@ from schemas.records import TrajectoryChunk, decode_as, encode, pack_tokens
 from srl.broker import EmbeddedBroker
 from srl.config import CommonConfig
 from srl.errors import SrlError
-from srl.kafka import Producer, create_topics, make_consumer, next_batch
+from srl.kafka import Producer, create_topics, make_consumer
 from srl.topics import Layout, TopicSpec
 
 TIMEOUT_S = 300.0
@@ -178,7 +178,7 @@ def run_phase(cfg: CommonConfig, spec: dict[str, Any]) -> dict[str, Any]:
         while got < n_chunks:
             if time.monotonic() > deadline or not child.is_alive() and child.exitcode:
                 raise SrlError(f"bench {spec['mode']}: {got}/{n_chunks} chunks consumed")
-            for msg in next_batch(consumer, 1000, 0.05):
+            for msg in consumer.next_batch(1000, 0.05):
                 if msg.error():
                     continue
                 got += 1

@@ -124,6 +124,7 @@ def run_main(group: click.Group, prog: str) -> Callable[[], None]:
     @functools.wraps(group)
     def main() -> None:
         from srl.errors import SchemaError, SrlError
+        from srl.kafka import KafkaException, describe
 
         try:
             rc = group.main(prog_name=prog, standalone_mode=False)
@@ -139,6 +140,9 @@ def run_main(group: click.Group, prog: str) -> Callable[[], None]:
         except (SrlError, SchemaError) as e:
             click.echo(f"{prog}: error: {e}", err=True)
             sys.exit(e.exit_code)
+        except KafkaException as e:  # e.g. a bad -X setting, refused by librdkafka
+            click.echo(f"{prog}: error: kafka: {describe(e)}", err=True)
+            sys.exit(1)
         except BrokenPipeError:
             sys.exit(1)
 

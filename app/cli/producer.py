@@ -42,9 +42,8 @@ def _stop_on_signals() -> threading.Event:
 @contextlib.contextmanager
 def _kafka_errors() -> Iterator[None]:
     """A Kafka client error (e.g. a bad -X setting) as one line, not a traceback."""
-    from confluent_kafka import KafkaException
-
     from srl.errors import SrlError
+    from srl.kafka import KafkaException
 
     try:
         yield

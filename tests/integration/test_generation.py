@@ -18,7 +18,6 @@ from typing import Any
 import orjson
 import pytest
 import torch
-from confluent_kafka import Consumer, TopicPartition
 
 from producers.config import DispatchConfig, GenerateConfig
 from producers.dispatcher import run_dispatcher
@@ -28,7 +27,14 @@ from producers.worker import GenSummary, run_generator
 from ranker.predictor import BaselinePredictor
 from schemas.records import MetricEvent, PromptTask, TrajectoryChunk, decode_as, encode, now_ms
 from srl.config import CommonConfig
-from srl.kafka import Producer, base_settings, committed_offsets, create_topics, watermarks
+from srl.kafka import (
+    Producer,
+    TopicPartition,
+    committed_offsets,
+    create_topics,
+    reader,
+    watermarks,
+)
 from srl.stores import store_from_config
 from srl.tinymodel import load_model
 from srl.topics import Layout
@@ -42,11 +48,7 @@ class TopicReader:
     """Reads a topic from the start in the test's thread, remembering when each record arrived."""
 
     def __init__(self, cfg: CommonConfig, topic: str) -> None:
-        self.c = Consumer(
-            base_settings(cfg, "test-reader")
-            | {"group.id": f"test-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}
-            | cfg.kafka
-        )
+        self.c = reader(cfg, f"test-{uuid.uuid4().hex[:8]}")
         md = self.c.list_topics(topic, timeout=10)
         self.c.assign([TopicPartition(topic, p, 0) for p in md.topics[topic].partitions])
         self.records: list[tuple[int, int, Any]] = []  # (broker timestamp, received_ms, message)

@@ -11,7 +11,19 @@ from schemas.records import TrajectoryChunk, decode_as, encode
 from srl.broker import free_port
 from srl.config import CommonConfig, load_config
 from srl.errors import BrokerUnavailable, SrlError
-from srl.kafka import Producer, committed_offsets, create_topics, make_consumer, watermarks
+from srl.kafka import (
+    KafkaException,
+    Producer,
+    QuietTail,
+    TopicPartition,
+    commit_sync,
+    committed_offsets,
+    create_topics,
+    make_consumer,
+    reader,
+    topic_config,
+    watermarks,
+)
 from srl.metrics import Metrics, dead_letter
 from srl.topics import Layout
 
@@ -42,9 +54,13 @@ def consume(cfg: CommonConfig, group: str, limit: int, timeout_s: float = 30.0) 
             if msg is None or msg.error():
                 continue
             got.append((msg.partition(), msg.offset(), decode_as(msg.value(), TrajectoryChunk)))
-            consumer.store_offsets(msg)
         if got:
-            consumer.commit(asynchronous=False)
+            ends: dict[int, int] = {}
+            for part, offset, _chunk in got:
+                ends[part] = max(ends.get(part, 0), offset + 1)
+            consumer.commit_sync(
+                [TopicPartition(layout.trajectories, p, o) for p, o in ends.items()]
+            )
     finally:
         consumer.close()
     return got
@@ -168,21 +184,10 @@ def test_weights_topic_is_compacted_and_latest_announcement_wins(
             )
     latest = latest_announcement(cfg, layout, cfg.run)
     assert latest is not None and latest.version == 2
-    from confluent_kafka.admin import ConfigResource
-
-    from srl.kafka import admin
-
-    client = admin(cfg)
-    res = client.describe_configs([ConfigResource("topic", layout.weights)])
-    conf = next(iter(res.values())).result()
-    assert conf["cleanup.policy"].value == "compact"
+    assert topic_config(cfg, layout.weights)["cleanup.policy"] == "compact"
 
 
 def test_commit_sync_fails_when_a_partition_is_refused(cfg: CommonConfig) -> None:
-    from confluent_kafka import KafkaException, TopicPartition
-
-    from srl.kafka import commit_sync
-
     layout = Layout.from_config(cfg)
     create_topics(cfg)
     group = f"commit-{time.monotonic_ns()}"
@@ -201,13 +206,9 @@ def test_commit_sync_fails_when_a_partition_is_refused(cfg: CommonConfig) -> Non
 
 
 def test_quiet_tail_reads_every_record_in_order_while_idle_in_between(cfg: CommonConfig) -> None:
-    from confluent_kafka import Consumer, TopicPartition
-
-    from srl.kafka import QuietTail, consumer_settings
-
     layout = Layout.from_config(cfg)
     create_topics(cfg)
-    c = Consumer(consumer_settings(cfg, "tail-test", "tail"))
+    c = reader(cfg, "tail-test")
     tp = TopicPartition(layout.weights, 0)
     c.assign([TopicPartition(layout.weights, 0, -2)])
     tail = QuietTail(c, tp)

@@ -11,11 +11,16 @@ from typing import Any
 
 import orjson
 import pytest
-from confluent_kafka import Consumer, TopicPartition
 
 from schemas.records import TrajectoryChunk
 from srl.broker import free_port
-from srl.kafka import base_settings, committed_offsets, create_topics, make_consumer, watermarks
+from srl.kafka import (
+    TopicPartition,
+    committed_offsets,
+    create_topics,
+    make_consumer,
+    watermarks,
+)
 from srl.topics import Layout
 from tests.chunks import produce, traj_chunks
 from tests.conftest import bin_path
@@ -65,12 +70,8 @@ def test_once_json_reports_exact_lag_for_known_committed_offsets(cfg, cli_env) -
     # nothing at all (current_offset and lag must be null there).
     commits = {used[0]: len(tokens[used[0]]), used[1]: len(tokens[used[1]]) // 2}
     group = f"{cfg.topic_prefix}-trainer"
-    c = Consumer(base_settings(cfg) | {"group.id": group, "enable.auto.commit": False})
-    c.commit(
-        offsets=[TopicPartition(layout.trajectories, p, o) for p, o in commits.items()],
-        asynchronous=False,
-    )
-    c.close()
+    with make_consumer(cfg, group, "test") as member:
+        member.commit_sync([TopicPartition(layout.trajectories, p, o) for p, o in commits.items()])
 
     snap = top_json(cli_env)
     rows = {r["partition"]: r for r in snap["groups"] if r["group"] == group}
@@ -126,12 +127,11 @@ def test_members_and_the_text_view(cfg, cli_env) -> None:  # type: ignore[no-unt
         deadline = time.monotonic() + 30
         while not consumer.assignment() and time.monotonic() < deadline:
             consumer.poll(0.2)
-        consumer.commit(
-            offsets=[
+        consumer.commit_sync(
+            [
                 TopicPartition(layout.trajectories, p, 0)
                 for p in range(layout.trajectory_partition_count)
-            ],
-            asynchronous=False,
+            ]
         )
         snap = top_json(cli_env)
         rows = [r for r in snap["groups"] if r["group"] == group]
@@ -273,9 +273,8 @@ def test_prometheus_endpoint_uses_kafka_exporter_names(cfg, cli_env) -> None:  #
     tokens = layout_offsets(layout, chunks)
     p0 = min(tokens)
     group = f"{cfg.topic_prefix}-prom"
-    c = Consumer(base_settings(cfg) | {"group.id": group, "enable.auto.commit": False})
-    c.commit(offsets=[TopicPartition(layout.trajectories, p0, 1)], asynchronous=False)
-    c.close()
+    with make_consumer(cfg, group, "test") as c:
+        c.commit_sync([TopicPartition(layout.trajectories, p0, 1)])
     port = free_port()
     proc = subprocess.Popen(
         [bin_path("srl"), "top", "--prometheus", str(port), "--interval", "0.5"],

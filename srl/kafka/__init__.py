@@ -1,0 +1,100 @@
+"""The one Kafka seam: every Kafka client srl makes, and the Kafka types it passes around.
+
+confluent_kafka is imported in this package and nowhere else (a ruff rule, TID251, enforces
+it). Roles and the app layer import from ``srl.kafka``:
+
+* ``settings``: librdkafka settings for producers, consumers and admin clients, one place;
+* ``producer``: ``Producer``, idempotent with counted deliveries;
+* ``consumer``: ``Consumer`` (typed; ``commit_sync`` checks each partition), ``make_consumer``
+  for group members, ``reader`` for assigned-only clients, ``QuietTail``, shared positions;
+* ``ranges``: ``read_range``, the one "read these partitions back" loop;
+* ``admin``: topics, watermarks, committed offsets and ``Lag``, the one lag computation.
+
+Kafka errors reach users as one line: ``describe(e)``, used by the CLI runner.
+"""
+
+from __future__ import annotations
+
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    OFFSET_END,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+)
+
+from srl.kafka.admin import (
+    GroupState,
+    Lag,
+    Member,
+    PartitionLag,
+    admin,
+    committed_offsets,
+    create_topics,
+    describe_groups,
+    lag,
+    topic_config,
+    topic_watermarks,
+    watermarks,
+)
+from srl.kafka.consumer import (
+    POSITION_SUFFIX,
+    Consumer,
+    QuietTail,
+    commit_sync,
+    make_consumer,
+    position_group,
+    reader,
+    share_positions,
+)
+from srl.kafka.producer import DeliveryCallback, Producer
+from srl.kafka.ranges import read_range
+from srl.kafka.settings import (
+    base_settings,
+    broker_answers,
+    client_id,
+    consumer_settings,
+    describe,
+    producer_settings,
+    wait_for_broker,
+)
+
+__all__ = [
+    "OFFSET_BEGINNING",
+    "OFFSET_END",
+    "POSITION_SUFFIX",
+    "Consumer",
+    "DeliveryCallback",
+    "GroupState",
+    "KafkaError",
+    "KafkaException",
+    "Lag",
+    "Member",
+    "Message",
+    "PartitionLag",
+    "Producer",
+    "QuietTail",
+    "TopicPartition",
+    "admin",
+    "base_settings",
+    "broker_answers",
+    "client_id",
+    "commit_sync",
+    "committed_offsets",
+    "consumer_settings",
+    "create_topics",
+    "describe",
+    "describe_groups",
+    "lag",
+    "make_consumer",
+    "position_group",
+    "producer_settings",
+    "reader",
+    "read_range",
+    "share_positions",
+    "topic_config",
+    "topic_watermarks",
+    "wait_for_broker",
+    "watermarks",
+]

@@ -1,0 +1,246 @@
+"""Topics, offsets and lag: administration and the reads every monitoring path shares.
+
+* ``create_topics``: the layout's topics (``srl.topics``), created if missing;
+* ``watermarks`` / ``committed_offsets``: one-shot reads;
+* ``Lag``: per-partition lag of consumer groups, in the columns of ``kafka-consumer-groups.sh``
+  (``log_end_offset - current_offset``); the one lag computation of the generators' backlog
+  bound, the demo's progress line and the monitor. A partition no group has committed counts
+  from its low watermark (srl consumers start at ``earliest``). ``Lag`` is one long-lived
+  client that never joins the groups it inspects, so measuring changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from confluent_kafka import (
+    ConsumerGroupTopicPartitions,
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
+
+from srl.config import CommonConfig
+from srl.errors import SrlError
+from srl.kafka.consumer import Consumer, reader
+from srl.kafka.settings import base_settings, describe, wait_for_broker
+from srl.topics import Layout, TopicSpec
+
+log = logging.getLogger("srl.kafka")
+
+
+def admin(cfg: CommonConfig) -> AdminClient:
+    return AdminClient(base_settings(cfg, "admin") | cfg.kafka)
+
+
+def create_topics(cfg: CommonConfig, specs: Iterable[TopicSpec] | None = None) -> list[str]:
+    """Create missing topics (all of the layout's by default); returns the names created."""
+    wait_for_broker(cfg)
+    specs = list(specs) if specs is not None else Layout.from_config(cfg).specs()
+    client = admin(cfg)
+    existing = client.list_topics(timeout=cfg.connect_timeout_s).topics
+    todo = [s for s in specs if s.name not in existing]
+    created = _create(client, todo, cfg.connect_timeout_s)
+    for s in specs:
+        have = len(existing[s.name].partitions) if s.name in existing else s.partitions
+        if have < s.partitions:
+            log.warning("topic %s has %d partitions, layout wants %d", s.name, have, s.partitions)
+    if created:
+        _wait_for_leaders(client, created, cfg.connect_timeout_s)
+    return created
+
+
+def _create(client: AdminClient, todo: list[TopicSpec], timeout_s: float) -> list[str]:
+    if not todo:
+        return []
+    new = [NewTopic(s.name, s.partitions, replication_factor=1, config=s.config) for s in todo]
+    futures = client.create_topics(new, operation_timeout=timeout_s, request_timeout=timeout_s)
+    created = []
+    for name, fut in futures.items():
+        try:
+            fut.result()
+            created.append(name)
+        except KafkaException as e:
+            if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise SrlError(f"cannot create topic {name}: {describe(e)}") from None
+    return created
+
+
+def _wait_for_leaders(client: AdminClient, names: list[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        md = client.list_topics(timeout=timeout_s)
+        topics = md.topics
+        if all(n in topics and topics[n].partitions and topics[n].error is None for n in names):
+            return
+        time.sleep(0.05)
+
+
+def watermarks(
+    cfg: CommonConfig, topics: Iterable[str], timeout_s: float = 10.0
+) -> dict[tuple[str, int], tuple[int, int]]:
+    """``{(topic, partition): (low, high)}`` for every partition of ``topics``."""
+    with reader(cfg, "watermarks") as c:
+        return {
+            (tp.topic, tp.partition): c.get_watermark_offsets(tp, timeout=timeout_s)
+            for tp in c.partitions_of(list(topics), timeout_s)
+        }
+
+
+def committed_offsets(
+    cfg: CommonConfig, group_id: str, partitions: Iterable[tuple[str, int]], timeout_s: float = 10.0
+) -> dict[tuple[str, int], int | None]:
+    """Committed offset of ``group_id`` per partition; None where nothing is committed."""
+    with Consumer(base_settings(cfg, "offsets") | {"group.id": group_id} | cfg.kafka) as c:
+        tps = c.committed([TopicPartition(t, p) for t, p in partitions], timeout=timeout_s)
+        return {(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None) for tp in tps}
+
+
+@dataclass(frozen=True)
+class PartitionLag:
+    """One partition's offsets for a set of groups (the furthest committed among them)."""
+
+    topic: str
+    partition: int
+    low: int
+    high: int
+    committed: int | None  # None: no group has committed here
+
+    @property
+    def lag(self) -> int:
+        """Records not yet committed: from the low watermark where nothing is committed."""
+        return max(0, self.high - (self.low if self.committed is None else self.committed))
+
+
+class Lag:
+    """The lag of consumer groups on topics, measured by one client that never joins them."""
+
+    def __init__(self, cfg: CommonConfig, timeout_s: float = 10.0) -> None:
+        self.cfg, self.timeout_s = cfg, timeout_s
+        self._reader = reader(cfg, "lag")
+        self._groups: dict[str, Consumer] = {}
+
+    def _group(self, group: str) -> Consumer:
+        if group not in self._groups:
+            settings = base_settings(self.cfg, "lag") | {"group.id": group}
+            self._groups[group] = Consumer(settings | self.cfg.kafka)
+        return self._groups[group]
+
+    def partitions(self, groups: Sequence[str], topics: Sequence[str]) -> list[PartitionLag]:
+        """Every partition of ``topics``, with the furthest offset any of ``groups`` committed."""
+        tps = self._reader.partitions_of(topics, self.timeout_s)
+        if not tps:
+            return []
+        furthest: dict[tuple[str, int], int] = {}
+        for g in groups:
+            for tp in self._group(g).committed(tps, timeout=self.timeout_s):
+                key = (tp.topic, tp.partition)
+                furthest[key] = max(furthest.get(key, -1), tp.offset)
+        rows = []
+        for tp in tps:
+            low, high = self._reader.get_watermark_offsets(tp, timeout=self.timeout_s)
+            done = furthest.get((tp.topic, tp.partition), -1)
+            rows.append(
+                PartitionLag(tp.topic, tp.partition, low, high, done if done >= 0 else None)
+            )
+        return rows
+
+    def total(self, groups: Sequence[str], topics: Sequence[str]) -> int:
+        """Records on ``topics`` that none of ``groups`` has committed yet."""
+        return sum(r.lag for r in self.partitions(groups, topics))
+
+    def close(self) -> None:
+        for c in [self._reader, *self._groups.values()]:
+            c.close()
+        self._groups.clear()
+
+    def __enter__(self) -> Lag:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def lag(cfg: CommonConfig, groups: Sequence[str], topics: Sequence[str]) -> int:
+    """One-shot ``Lag(cfg).total(groups, topics)``."""
+    with Lag(cfg) as measure:
+        return measure.total(groups, topics)
+
+
+def topic_watermarks(
+    client: AdminClient, prefix: str, timeout_s: float = 10.0
+) -> dict[tuple[str, int], tuple[int, int]]:
+    """``{(topic, partition): (low, high)}`` of every topic named ``{prefix}.…``, with two
+    ListOffsets round trips in all (for monitors polling many partitions)."""
+    md = client.list_topics(timeout=timeout_s)
+    tps = [
+        TopicPartition(t, p)
+        for t, tm in md.topics.items()
+        if t.startswith(f"{prefix}.")
+        for p in tm.partitions
+    ]
+    if not tps:
+        return {}
+    ends: dict[str, dict[tuple[str, int], int]] = {}
+    for name, spec in (("low", OffsetSpec.earliest()), ("high", OffsetSpec.latest())):
+        futures = client.list_offsets({tp: spec for tp in tps}, request_timeout=timeout_s)
+        ends[name] = {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
+    return {k: (ends["low"][k], ends["high"][k]) for k in sorted(ends["high"])}
+
+
+@dataclass(frozen=True)
+class Member:
+    member_id: str
+    host: str
+    client_id: str
+
+
+@dataclass(frozen=True)
+class GroupState:
+    """A consumer group as ``kafka-consumer-groups.sh --describe`` shows it."""
+
+    group: str
+    state: str  # STABLE, EMPTY, PREPARING_REBALANCE …
+    members: int
+    committed: dict[tuple[str, int], int]  # partitions with a committed offset
+    owners: dict[tuple[str, int], Member]  # partitions assigned to a member
+
+
+def describe_groups(client: AdminClient, timeout_s: float = 10.0) -> list[GroupState]:
+    """Every consumer group the broker knows, with its committed offsets and assignment
+    (groups that vanish between the calls are left out)."""
+    listed = client.list_consumer_groups(request_timeout=timeout_s).result()
+    ids = sorted(g.group_id for g in listed.valid)
+    if not ids:
+        return []
+    described = client.describe_consumer_groups(ids, request_timeout=timeout_s)
+    out = []
+    for gid in ids:
+        try:
+            desc = described[gid].result()
+            req = [ConsumerGroupTopicPartitions(gid)]
+            offsets = client.list_consumer_group_offsets(req, request_timeout=timeout_s)
+            parts = offsets[gid].result().topic_partitions
+        except KafkaException:
+            continue  # the group went away between the calls
+        committed = {(tp.topic, tp.partition): tp.offset for tp in parts if tp.offset >= 0}
+        owners = {
+            (tp.topic, tp.partition): Member(m.member_id, m.host, m.client_id)
+            for m in desc.members
+            for tp in (m.assignment.topic_partitions if m.assignment else [])
+        }
+        state = str(desc.state).split(".")[-1]
+        out.append(GroupState(gid, state, len(desc.members), committed, owners))
+    return out
+
+
+def topic_config(cfg: CommonConfig, topic: str) -> dict[str, str]:
+    """The broker's configuration of ``topic`` (``cleanup.policy``, ``retention.ms`` …)."""
+    client = admin(cfg)  # held until the result is in: a dropped client cancels the request
+    res = client.describe_configs([ConfigResource("topic", topic)])
+    entries = next(iter(res.values())).result(timeout=cfg.connect_timeout_s)
+    return {name: str(entry.value) for name, entry in entries.items()}

@@ -1,0 +1,256 @@
+"""``Consumer``: the one consumer type srl uses, a typed wrapper of ``confluent_kafka.Consumer``.
+
+What must hold:
+
+* every consumer is made here (``make_consumer`` for a group member, ``reader`` for a client
+  that is only assigned partitions and never joins or commits), with ``srl.kafka.settings``;
+* ``commit_sync`` fails when the request *or any partition* failed: librdkafka raises only
+  when the whole request fails, and returns a refused partition (UNKNOWN_MEMBER_ID,
+  OFFSET_METADATA_TOO_LARGE …) with its ``error`` set, which would otherwise pass for committed;
+* rebalance callbacks receive this wrapper, not the raw client.
+
+The method names and arguments are confluent-kafka's, so its documentation applies. Not
+thread-safe (as librdkafka's consumer): one thread per consumer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import confluent_kafka
+from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
+
+from srl.config import CommonConfig
+from srl.kafka.settings import base_settings, consumer_settings
+
+Rebalance = Callable[["Consumer", list[TopicPartition]], None]
+
+
+class Consumer:
+    """A librdkafka consumer with srl's settings; use it in a ``with`` block (closes on exit)."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self._c = confluent_kafka.Consumer(settings)
+
+    # -- membership and assignment ------------------------------------------------------------
+    def subscribe(
+        self,
+        topics: Sequence[str],
+        on_assign: Rebalance | None = None,
+        on_revoke: Rebalance | None = None,
+        on_lost: Rebalance | None = None,
+    ) -> None:
+        callbacks = {"on_assign": on_assign, "on_revoke": on_revoke, "on_lost": on_lost}
+        kwargs = {k: self._bound(cb) for k, cb in callbacks.items() if cb is not None}
+        self._c.subscribe(list(topics), **kwargs)
+
+    def _bound(self, cb: Rebalance) -> Callable[[Any, list[TopicPartition]], None]:
+        return lambda _raw, partitions: cb(self, partitions)
+
+    def assign(self, partitions: Sequence[TopicPartition]) -> None:
+        self._c.assign(list(partitions))
+
+    def unassign(self) -> None:
+        self._c.unassign()
+
+    def assignment(self) -> list[TopicPartition]:
+        return list(self._c.assignment())
+
+    def pause(self, partitions: Sequence[TopicPartition]) -> None:
+        self._c.pause(list(partitions))
+
+    def resume(self, partitions: Sequence[TopicPartition]) -> None:
+        self._c.resume(list(partitions))
+
+    def seek(self, partition: TopicPartition) -> None:
+        self._c.seek(partition)
+
+    # -- records --------------------------------------------------------------------------------
+    def poll(self, timeout: float = -1) -> Message | None:
+        return self._c.poll(timeout)
+
+    def consume(self, num_messages: int = 1, timeout: float = -1) -> list[Message]:
+        return list(self._c.consume(num_messages=num_messages, timeout=timeout))
+
+    def next_batch(self, max_messages: int, timeout_s: float) -> list[Message]:
+        """Up to ``max_messages`` records, returning as soon as one has arrived.
+
+        ``consume(n, timeout)`` waits for ``n`` records or the whole timeout, which adds up to
+        ``timeout`` of latency to every record when traffic is light; here the wait ends at
+        the first record and whatever else is already fetched comes with it.
+        """
+        first = self._c.poll(timeout_s)
+        if first is None:
+            return []
+        if max_messages <= 1:
+            return [first]
+        return [first, *self._c.consume(max_messages - 1, 0)]
+
+    # -- offsets --------------------------------------------------------------------------------
+    def position(self, partitions: Sequence[TopicPartition]) -> list[TopicPartition]:
+        return list(self._c.position(list(partitions)))
+
+    def committed(
+        self, partitions: Sequence[TopicPartition], timeout: float = 10.0
+    ) -> list[TopicPartition]:
+        return list(self._c.committed(list(partitions), timeout=timeout))
+
+    def get_watermark_offsets(
+        self, partition: TopicPartition, timeout: float = 10.0, cached: bool = False
+    ) -> tuple[int, int]:
+        low, high = self._c.get_watermark_offsets(partition, timeout=timeout, cached=cached)
+        return int(low), int(high)
+
+    def offsets_for_times(
+        self, partitions: Sequence[TopicPartition], timeout: float = 10.0
+    ) -> list[TopicPartition]:
+        return list(self._c.offsets_for_times(list(partitions), timeout=timeout))
+
+    def commit_sync(self, offsets: Sequence[TopicPartition]) -> None:
+        """Commit ``offsets`` now; KafkaException if the request or any partition failed."""
+        result = self._c.commit(offsets=list(offsets), asynchronous=False) or []
+        bad = [tp for tp in result if tp.error is not None]
+        if bad:
+            err = bad[0].error
+            if not isinstance(err, KafkaError):
+                err = KafkaError(KafkaError._FAIL, f"{len(bad)} partition(s): {err}")
+            raise KafkaException(err)
+
+    def commit_async(self, offsets: Sequence[TopicPartition]) -> None:
+        """Send a commit without waiting (a failure shows in the next commit's outcome)."""
+        self._c.commit(offsets=list(offsets), asynchronous=True)
+
+    # -- metadata and lifetime --------------------------------------------------------------------
+    def list_topics(self, topic: str | None = None, timeout: float = 10.0) -> Any:
+        return self._c.list_topics(topic, timeout=timeout)
+
+    def partitions_of(self, topics: Sequence[str], timeout: float = 10.0) -> list[TopicPartition]:
+        """Every partition of ``topics`` that exists, in order."""
+        md = self._c.list_topics(timeout=timeout)
+        return [
+            TopicPartition(t, p)
+            for t in topics
+            if t in md.topics
+            for p in sorted(md.topics[t].partitions)
+        ]
+
+    def close(self) -> None:
+        self._c.close()
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+
+def make_consumer(
+    cfg: CommonConfig, group_id: str, role: str = "consumer", **overrides: Any
+) -> Consumer:
+    """A member of ``group_id`` with manual offset storage (``srl.kafka.settings``)."""
+    return Consumer(consumer_settings(cfg, group_id, role, **overrides))
+
+
+def reader(cfg: CommonConfig, role: str) -> Consumer:
+    """A client that is only assigned partitions (reads, watermarks, offsets of other groups);
+    it never joins a group and never commits."""
+    settings = base_settings(cfg, role) | {
+        "group.id": f"srl-{role}",
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,
+    }
+    return Consumer(settings | cfg.kafka)
+
+
+def commit_sync(consumer: Consumer, offsets: list[TopicPartition]) -> None:
+    """``consumer.commit_sync(offsets)`` (kept for callers that hold a function)."""
+    consumer.commit_sync(offsets)
+
+
+class QuietTail:
+    """Reads one assigned partition as it grows, without fetching while caught up.
+
+    A Kafka broker holds a fetch at the end of a partition for ``fetch.wait.max.ms``; the
+    embedded broker (noida-db 0.2.3) answers it at once, so an idle consumer re-fetches
+    continuously: about 0.4 core on each side per idle consumer on a 2-core machine
+    (docs/broker.md). So while the position is at the high watermark the partition is paused,
+    and the watermark is probed every ``probe_s`` instead (one ListOffsets request): an idle
+    tail costs ~1 % of a core, the delay to a new record at most ``probe_s``. It fetches
+    normally until the first record is read (a partition resumed from a logical start offset is
+    fetched only ~1 s later). For low-rate single-partition topics (the weights topic); the
+    consumer must be assigned ``tp`` and used from one thread.
+    """
+
+    def __init__(self, consumer: Consumer, tp: TopicPartition, probe_s: float = 0.01) -> None:
+        self.consumer, self.tp, self.probe_s = consumer, tp, probe_s
+        self.paused = False
+        self.end = -1  # the highest high watermark seen (probed or fetched)
+
+    def _position(self) -> int:
+        """The next offset to read; -1 until the first record (a logical start offset)."""
+        pos = self.consumer.position([self.tp])[0].offset
+        return pos if pos >= 0 else -1
+
+    def _wake(self) -> None:
+        """Paused: resume if the partition grew past our position."""
+        _low, high = self.consumer.get_watermark_offsets(self.tp, timeout=10, cached=False)
+        self.end = max(self.end, high)
+        pos = self._position()
+        if self.end > pos:
+            self.consumer.resume([self.tp])
+            # a resumed partition waits for the next fetch cycle (~500 ms) unless sought
+            self.consumer.seek(TopicPartition(self.tp.topic, self.tp.partition, pos))
+            self.paused = False
+
+    def _maybe_pause(self) -> None:
+        """Caught up: pause. Not before the first record: a partition resumed from a logical
+        start offset is fetched only ~1 s later, even when sought."""
+        self.end = max(self.end, self.consumer.get_watermark_offsets(self.tp, cached=True)[1])
+        pos = self._position()
+        if pos >= 0 and self.end >= 0 and pos >= self.end:
+            self.consumer.pause([self.tp])
+            self.paused = True
+
+    def poll(self, timeout_s: float) -> Message | None:
+        """The next record, or None after at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.paused:
+                self._wake()
+            left = max(0.0, deadline - time.monotonic())
+            msg = self.consumer.poll(min(left, self.probe_s) if self.paused else left)
+            if msg is not None:
+                return msg
+            if not self.paused:
+                self._maybe_pause()
+            if time.monotonic() >= deadline:
+                return None
+
+
+POSITION_SUFFIX = ".position"
+
+
+def position_group(group: str) -> str:
+    """Where the consumer group ``group`` shares how far it has *read* (not how far it has
+    made durable): its members commit their positions there, nobody consumes with it (it
+    never has members). Lag against it is the unconsumed backlog; against ``group``, the
+    undurable one."""
+    return group + POSITION_SUFFIX
+
+
+def share_positions(sharer: Consumer, consumer: Consumer, asynchronous: bool = True) -> None:
+    """Commit ``consumer``'s current read positions to ``sharer``'s group (partitions with no
+    position yet are skipped). ``sharer`` is a consumer that never subscribes, made with
+    ``make_consumer(cfg, position_group(group))``."""
+    parts = consumer.assignment()
+    if not parts:
+        return
+    pos = [tp for tp in consumer.position(parts) if tp.offset >= 0]
+    if not pos:
+        return
+    if asynchronous:
+        sharer.commit_async(pos)
+    else:
+        sharer.commit_sync(pos)

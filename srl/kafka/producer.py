@@ -1,0 +1,133 @@
+"""``Producer``: an idempotent producer with counted deliveries (STYLE.md's producer discipline).
+
+``poll(0)`` after each produce, poll-and-retry on ``BufferError``, delivery failures counted and
+surfaced (``flush`` raises), flush on exit of a ``with`` block.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import confluent_kafka
+from confluent_kafka import KafkaError
+
+from srl.config import CommonConfig
+from srl.errors import SrlError
+from srl.kafka.settings import producer_settings, wait_for_broker
+
+log = logging.getLogger("srl.kafka")
+
+DeliveryCallback = Callable[[KafkaError | None, Any], None]
+
+
+class Producer:
+    """An idempotent producer with counted deliveries; use it in a ``with`` block.
+
+    ``produce`` never drops a record on a full local queue (it polls and retries), and each
+    delivery outcome is counted; ``flush`` raises if records are still undelivered after its
+    timeout, so a dead broker surfaces as an error within a bounded time.
+    """
+
+    def __init__(
+        self, cfg: CommonConfig, role: str = "producer", check: bool = True, **overrides: Any
+    ) -> None:
+        if check:
+            wait_for_broker(cfg)
+        self.cfg = cfg
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        self.delivered = 0
+        self.failed = 0
+        self._failed_reported = 0
+        settings = producer_settings(cfg, role, **overrides)
+        settings["error_cb"] = self._on_error
+        self._p = confluent_kafka.Producer(settings)
+
+    def _on_error(self, err: KafkaError) -> None:
+        if err.fatal():
+            self.errors.append(err.str())
+        log.debug("producer error: %s", err.str())
+
+    def _counted(self, err: KafkaError | None, _msg: Any) -> None:
+        with self._lock:
+            if err is None:
+                self.delivered += 1
+            else:
+                self.failed += 1
+                if len(self.errors) < 100:
+                    self.errors.append(err.str())
+
+    def produce(
+        self,
+        topic: str,
+        value: bytes,
+        key: str | bytes | None = None,
+        partition: int | None = None,
+        headers: list[tuple[str, str | bytes | None]] | None = None,
+        on_delivery: DeliveryCallback | None = None,
+    ) -> None:
+        # the per-record path of every generator: no kwargs dict, no closure unless the
+        # caller wants its own callback (partition -1: librdkafka's partitioner picks)
+        if on_delivery is None:
+            cb: DeliveryCallback = self._counted
+        else:
+
+            def cb(err: KafkaError | None, msg: Any) -> None:
+                self._counted(err, msg)
+                on_delivery(err, msg)
+
+        p = self._p
+        part = -1 if partition is None else partition
+        while True:
+            try:
+                p.produce(topic, value, key, partition=part, on_delivery=cb, headers=headers)
+                break
+            except BufferError:
+                p.poll(0.05)  # local queue full: serve callbacks, then retry
+        p.poll(0)
+
+    def poll(self, timeout: float = 0) -> int:
+        return int(self._p.poll(timeout))
+
+    def warm(self, topics: Iterable[str], timeout_s: float = 10.0) -> None:
+        """Fetch ``topics``' metadata now, not at the first record (a fresh producer holds its
+        first records while it looks the topic up; it also holds them ~0.5 s until it has its
+        idempotent producer id, which only a delivered record shows: docs/benchmarks.md)."""
+        for topic in topics:
+            self._p.list_topics(topic, timeout=timeout_s)
+
+    def pending(self) -> int:
+        return len(self._p)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait for every outstanding delivery.
+
+        SrlError if records are still pending after ``timeout_s`` or if any delivery failed
+        since the last flush (callers that handle failures per record catch it).
+        """
+        timeout_s = max(10.0, self.cfg.connect_timeout_s * 4) if timeout_s is None else timeout_s
+        left = self._p.flush(timeout_s)
+        last = f": {self.errors[-1]}" if self.errors else ""
+        if left:
+            raise SrlError(
+                f"{left} record(s) not delivered within {timeout_s:g}s to "
+                f"{self.cfg.bootstrap_servers}{last}"
+            )
+        with self._lock:
+            new_failures, self._failed_reported = self.failed - self._failed_reported, self.failed
+        if new_failures:
+            raise SrlError(
+                f"{new_failures} record(s) failed delivery to {self.cfg.bootstrap_servers}{last}"
+            )
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.flush()
+        else:  # already failing: deliver what we can, do not mask the original error
+            self._p.flush(5)

@@ -1,0 +1,121 @@
+"""librdkafka settings, in one place: every client srl makes starts from these.
+
+* producers are idempotent with ``acks=all``, lz4 by default (zstd for long links), a
+  configurable linger, and bounded delivery timeouts so a dead broker is an error, not a hang;
+* consumers store offsets manually (``enable.auto.offset.store=false``), never auto-commit,
+  and use the cooperative-sticky assignor so pools can grow and shrink without stop-the-world;
+* ``cfg.kafka`` (``-X key=value``) is applied last and can override anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient
+
+from srl.config import CommonConfig
+from srl.errors import BrokerUnavailable
+
+# librdkafka's own log lines (connection refused, retries) go here, not to stderr.
+_rdkafka_log = logging.getLogger("srl.librdkafka")
+_rdkafka_log.setLevel(logging.DEBUG if os.environ.get("SRL_KAFKA_DEBUG") else logging.CRITICAL)
+
+
+def client_id(role: str) -> str:
+    return f"srl-{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def base_settings(cfg: CommonConfig, role: str = "client") -> dict[str, Any]:
+    return {
+        "bootstrap.servers": cfg.bootstrap_servers,
+        "client.id": client_id(role),
+        "logger": _rdkafka_log,
+        "socket.connection.setup.timeout.ms": int(cfg.connect_timeout_s * 1000),
+    }
+
+
+def producer_settings(
+    cfg: CommonConfig, role: str = "producer", **overrides: Any
+) -> dict[str, Any]:
+    settings = base_settings(cfg, role)
+    settings.update(
+        {
+            "enable.idempotence": True,
+            "acks": "all",
+            "compression.type": cfg.compression,
+            "linger.ms": cfg.linger_ms,
+            # Bounded: a message that cannot be delivered fails instead of waiting forever.
+            "message.timeout.ms": max(1_000, int(cfg.connect_timeout_s * 3000)),
+            "queue.buffering.max.kbytes": 262_144,
+        }
+    )
+    settings.update(overrides)
+    settings.update(cfg.kafka)
+    return settings
+
+
+def consumer_settings(
+    cfg: CommonConfig, group_id: str, role: str = "consumer", **overrides: Any
+) -> dict[str, Any]:
+    settings = base_settings(cfg, role)
+    settings.update(
+        {
+            "group.id": group_id,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "partition.assignment.strategy": "cooperative-sticky",
+            "session.timeout.ms": 10_000,
+            "heartbeat.interval.ms": 1_000,
+            "max.poll.interval.ms": 300_000,
+        }
+    )
+    settings.update(overrides)
+    settings.update(cfg.kafka)
+    return settings
+
+
+def wait_for_broker(cfg: CommonConfig, timeout_s: float | None = None) -> Any:
+    """Cluster metadata once a broker answers; BrokerUnavailable after ``timeout_s``."""
+    timeout_s = cfg.connect_timeout_s if timeout_s is None else timeout_s
+    admin = AdminClient({k: v for k, v in base_settings(cfg, "admin").items()} | cfg.kafka)
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            md = admin.list_topics(timeout=min(remaining, 2.0))
+            if md.brokers:
+                return md
+        except KafkaException as e:
+            last = e
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+    why = f" ({describe(last)})" if last else ""
+    raise BrokerUnavailable(
+        f"no Kafka broker answered at {cfg.bootstrap_servers} within {timeout_s:g}s{why}; "
+        "start one with `srl broker start` or point --bootstrap at a running broker"
+    )
+
+
+def describe(e: BaseException | None) -> str:
+    """A Kafka error (or any exception) as one short line."""
+    if isinstance(e, KafkaException) and e.args and isinstance(e.args[0], KafkaError):
+        return e.args[0].str()
+    return " ".join(str(e).split())[:200]
+
+
+def broker_answers(bootstrap: str, timeout_s: float = 1.0) -> bool:
+    """Whether a broker at ``bootstrap`` answers a metadata request within ``timeout_s``."""
+    settings: dict[str, Any] = {"bootstrap.servers": bootstrap, "logger": _rdkafka_log}
+    client = AdminClient(settings)
+    try:
+        return bool(client.list_topics(timeout=timeout_s).brokers)
+    except KafkaException:
+        return False
