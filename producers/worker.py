@@ -172,19 +172,20 @@ class GeneratorWorker:
         self.intake.join()
 
     def _iterate(self) -> None:
-        self.follower.check()
+        """One pass of the module docstring's steps 1-7."""
+        self.follower.check()  # 1.
         self.outlet.check()
-        self._swap()
-        self.backlog.check(self.lag)
+        self._swap()  # 2.
+        self.backlog.check(self.lag)  # 3.
         if self._intake():
-            self.follower.sync()
+            self.follower.sync()  # 4.
         self._admit()
-        self.outlet.publish(self.engine.step())
+        self.outlet.publish(self.engine.step())  # 5.
         if not self.stopping:
             self.outlet.migrate()
         self.producer.poll(0)
-        self.intake.commit()
-        self._stats()
+        self.intake.commit()  # 6.
+        self._stats()  # 7.
 
     def _drain(self) -> None:
         """Stop intake, let running sequences finish (bounded), hand off the rest, commit."""
