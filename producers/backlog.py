@@ -12,10 +12,16 @@ they overstate the backlog (docs/benchmarks.md: generators idle 65 % under such 
 
 One long-lived client, never a member of the groups it inspects (it only reads their
 committed offsets), so measuring changes nothing. Not thread-safe: one caller thread.
+
+The generator's side of the bound: :class:`TrainerBacklog` keeps the last measurement (taken
+at most once a second, by whoever calls :meth:`TrainerBacklog.check`; today the worker's
+loop) and when the trainer last moved; :func:`backlog_exceeded` (pure) is the rule that
+pauses the prompt topics (``producers.intake``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from srl.config import CommonConfig
@@ -45,3 +51,45 @@ class GroupLag:
 
     def close(self) -> None:
         self._lag.close()
+
+
+def backlog_exceeded(
+    backlog: int | None, bound: int | None, stalled_s: float, stall_s: float
+) -> bool:
+    """Over the bound, unless the trainer has moved neither its read position nor its
+    committed offsets for ``stall_s`` (``stalled_s`` is how long it has not): then it is
+    waiting for groups that paused intake would never finish, so intake goes on."""
+    if bound is None or backlog is None or backlog <= bound:
+        return False
+    return stalled_s < stall_s
+
+
+class TrainerBacklog:
+    """The trainer's backlog as a generator last measured it, and when the trainer last moved."""
+
+    def __init__(self, bound: int | None, stall_s: float, interval_s: float = 1.0) -> None:
+        self.bound, self.stall_s, self.interval_s = bound, stall_s, interval_s
+        self.value: int | None = None  # chunks the trainer has not read, as last measured
+        self._committed, self._moved = -1, time.monotonic()
+        self._last = time.monotonic()
+
+    def check(self, lag: GroupLag) -> None:
+        """Measure, if the backlog is bounded and ``interval_s`` passed since the last time."""
+        if self.bound is None or time.monotonic() - self._last < self.interval_s:
+            return
+        self._last = time.monotonic()
+        self.value = lag.lag()
+        if lag.committed != self._committed:
+            self._committed, self._moved = lag.committed, time.monotonic()
+
+    def report(self, lag: GroupLag) -> int | None:
+        """The value for the stats: the last measurement while bounded; unbounded, nothing
+        else measures it, so it is measured now."""
+        if self.bound is None:
+            self.value = lag.lag()
+        return self.value
+
+    def exceeded(self) -> bool:
+        """:func:`backlog_exceeded` now."""
+        stalled_s = time.monotonic() - self._moved
+        return backlog_exceeded(self.value, self.bound, stalled_s, self.stall_s)

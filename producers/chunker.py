@@ -16,8 +16,8 @@ contract of ``schemas/trajectory_chunk.avsc``):
   pool with a non-last chunk whose ``finish_reason`` is ``MIGRATED`` (possibly empty), so
   whoever reads the topic back knows the prefix has a new owner.
 
-No Kafka here: the worker drains the returned records into its producer. Called by
-``producers.worker`` and ``app.bench.engine``.
+No Kafka here: the worker's outlet drains the returned records into its producer. Called by
+``producers.outlet`` and ``app.bench.engine``.
 """
 
 from __future__ import annotations

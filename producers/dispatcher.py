@@ -31,7 +31,9 @@ Owns ``srl-producer dispatch``. In order, for each window of prompts from the so
    pool gets an even share of the predicted tokens), otherwise by key hash (random).
 
 Windows keep order local: sorting a whole dataset longest-first would hand the trainer all
-long prompts first. The prompt source is an argument (any iterable of ``PromptLike``).
+long prompts first. ``run_dispatcher`` opens the clients and picks the loop: ``Windows.paced``
+(step 3, by trainer step) or ``Windows.unpaced`` (by the pools' backlog, ``Room``). The
+prompt source is an argument (any iterable of ``PromptLike``).
 """
 
 from __future__ import annotations
@@ -66,11 +68,8 @@ from srl.kafka import (
 from srl.topics import Layout
 
 if TYPE_CHECKING:
-    from producers.backlog import GroupLag
     from producers.sources import PromptLike
     from ranker.api import LengthPredictor
-    from srl.kafka import Producer
-    from srl.topics import Layout
 
 log = logging.getLogger("srl.dispatch")
 
@@ -201,19 +200,20 @@ def run_dispatcher(
     predictor: LengthPredictor,
     stop: threading.Event | None = None,
 ) -> DispatchSummary:
-
+    """Publish ``source``'s prompts as tasks, paced by the trainer's steps (``max_staleness``
+    set) or by the pools' backlog, until the source ends (``epochs`` times) or ``stop``."""
     stop = stop or threading.Event()
     layout = Layout.from_config(cfg)
     create_topics(cfg)
-    summary, by_bucket = DispatchSummary(), Counter[str]()
-    paced = cfg.max_staleness is not None
     with contextlib.ExitStack() as stack:
         producer = stack.enter_context(Producer(cfg, "dispatcher"))
-        anns = Announcements(cfg, layout) if paced else None
-        if anns is not None:
+        if cfg.max_staleness is not None:
+            anns = Announcements(cfg, layout)
             stack.callback(anns.close)
+            out = Windows(cfg, layout, producer, predictor, stop)
+            return out.paced(source, anns, cfg.max_staleness)
         room = None
-        if not paced and cfg.max_pending is not None:
+        if cfg.max_pending is not None:
             lag = GroupLag(
                 cfg,
                 [pool_group(cfg.topic_prefix, p) for p in cfg.pools],
@@ -221,56 +221,81 @@ def run_dispatcher(
             )
             stack.callback(lag.close)
             room = Room(lag, cfg.max_pending)
-        balancer = Balancer(layout.prompt_partitions) if cfg.partitioning == "balanced" else None
-        step = anns.step + 1 if anns is not None else None  # the trainer's next step
-        summary.first_step = step
-        for epoch in range(cfg.epochs):
-            for window in windows(source, cfg.groups_per_step if paced else cfg.window):
-                if stop.is_set():
-                    return summary
-                tasks = plan_window(
-                    window,
-                    predictor.predict([p.text for p in window]),
-                    layout,
-                    cfg,
-                    predictor.version,
-                    epoch,
-                )
-                t0 = time.monotonic()
-                if anns is not None and step is not None:
-                    assert cfg.max_staleness is not None
-                    min_version = release(
-                        anns, step, cfg.max_staleness, cfg.barrier_timeout_s, stop
-                    )
-                    summary.versions_seen.append(min_version)
-                    tasks = [
-                        dataclasses.replace(
-                            t, step=step, step_groups=len(window), min_version=min_version
-                        )
-                        for t in tasks
-                    ]
-                    step += 1
-                for task in tasks:
-                    if room is not None:
-                        room.take(producer, stop)
-                    if stop.is_set():
-                        break
-                    part = balancer.assign(task) if balancer is not None else None
-                    producer.produce(
-                        layout.prompts(task.bucket),
-                        encode(task),
-                        key=task.prompt_id,
-                        partition=part,
-                    )
-                    summary.tasks += 1
-                    by_bucket[task.bucket] += 1
-                producer.flush()
-                summary.waited_s += time.monotonic() - t0
-                summary.prompts += len(window)
-                summary.windows += 1
-                summary.by_bucket = dict(by_bucket)
-            log.info("epoch %d done: %d tasks so far", epoch, summary.tasks)
-    return summary
+        return Windows(cfg, layout, producer, predictor, stop, room).unpaced(source)
+
+
+class Windows:
+    """One dispatcher run: its windows of prompts planned, released and published in order."""
+
+    def __init__(
+        self,
+        cfg: DispatchConfig,
+        layout: Layout,
+        producer: Producer,
+        predictor: LengthPredictor,
+        stop: threading.Event,
+        room: Room | None = None,
+    ) -> None:
+        self.cfg, self.layout, self.producer, self.predictor = cfg, layout, producer, predictor
+        self.stop, self.room = stop, room
+        self.balancer = (
+            Balancer(layout.prompt_partitions) if cfg.partitioning == "balanced" else None
+        )
+        self.summary, self.by_bucket = DispatchSummary(), Counter[str]()
+
+    def paced(self, source: Iterable[PromptLike], anns: Announcements, k: int) -> DispatchSummary:
+        """A window per trainer step, from the step after the newest announced one, each
+        released by ``release`` and stamped with its step and ``min_version``."""
+        step = anns.step + 1  # the trainer's next step
+        self.summary.first_step = step
+        for window, tasks in self._planned(source, self.cfg.groups_per_step):
+            t0 = time.monotonic()
+            min_version = release(anns, step, k, self.cfg.barrier_timeout_s, self.stop)
+            self.summary.versions_seen.append(min_version)
+            stamped = [
+                dataclasses.replace(t, step=step, step_groups=len(window), min_version=min_version)
+                for t in tasks
+            ]
+            self._publish(window, stamped, t0)
+            step += 1
+        return self.summary
+
+    def unpaced(self, source: Iterable[PromptLike]) -> DispatchSummary:
+        """Windows of ``window`` prompts, each task published when the pools have room."""
+        for window, tasks in self._planned(source, self.cfg.window):
+            self._publish(window, tasks, time.monotonic())
+        return self.summary
+
+    def _planned(
+        self, source: Iterable[PromptLike], size: int
+    ) -> Iterator[tuple[list[PromptLike], list[PromptTask]]]:
+        """Every window of every epoch with its tasks (``plan_window``), until ``stop``."""
+        for epoch in range(self.cfg.epochs):
+            for window in windows(source, size):
+                if self.stop.is_set():
+                    return
+                preds = self.predictor.predict([p.text for p in window])
+                version = self.predictor.version
+                yield window, plan_window(window, preds, self.layout, self.cfg, version, epoch)
+            log.info("epoch %d done: %d tasks so far", epoch, self.summary.tasks)
+
+    def _publish(self, window: list[PromptLike], tasks: list[PromptTask], t0: float) -> None:
+        """Publish one window's tasks (unpaced: each once the pools have room), flush, count."""
+        for task in tasks:
+            if self.room is not None:
+                self.room.take(self.producer, self.stop)
+            if self.stop.is_set():
+                break
+            part = self.balancer.assign(task) if self.balancer is not None else None
+            topic = self.layout.prompts(task.bucket)
+            self.producer.produce(topic, encode(task), key=task.prompt_id, partition=part)
+            self.summary.tasks += 1
+            self.by_bucket[task.bucket] += 1
+        self.producer.flush()
+        self.summary.waited_s += time.monotonic() - t0
+        self.summary.prompts += len(window)
+        self.summary.windows += 1
+        self.summary.by_bucket = dict(self.by_bucket)
 
 
 def release_after(step: int, k: int) -> int:

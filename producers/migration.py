@@ -12,8 +12,8 @@ each in the ``migrate_to`` bucket. What must hold:
   token so far, ``next_seq`` = the hand-off chunk's seq + 1.
 
 The Kafka half (publish the hand-off chunk, wait for its acknowledgement, publish the task,
-wait again, only then free the slot) is ``GeneratorWorker._hand_off`` in ``producers.worker``,
-which calls this module. Pure logic, no Kafka.
+wait again, only then free the slot) is ``Outlet.migrate`` in ``producers.outlet``, which
+calls this module. Pure logic, no Kafka.
 """
 
 from __future__ import annotations

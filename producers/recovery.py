@@ -15,8 +15,9 @@ Owns how a worker finds out what already exists of a trajectory before it genera
   cannot come from an idempotent producer; it is reported so the task goes to the DLQ.
 
 Called by the worker for tasks that may have been started by a previous owner of their
-partition (a crashed or stopped worker), and by anything that builds ``ResumePrefix`` tasks
-(e.g. moving stragglers to the long-tail pool).
+partition (a crashed or stopped worker; what to do with what was found is the pure
+``producers.planning.recovered``), by the intake (``take_over_offsets``), and by anything
+that builds ``ResumePrefix`` tasks (e.g. moving stragglers to the long-tail pool).
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ is acknowledged by the broker", per partition and in offset order:
   committable position is one past the longest finished prefix, so a task finished early
   never lets the commit pass an older one still running (that one would be lost on a crash).
 
-Pure logic; the worker feeds it delivery reports and consumer positions.
+Pure logic; ``producers.intake`` holds the tracker (consumed offsets, commits), the worker
+and ``producers.outlet`` update the task states (delivery reports, finished samples), and the
+sample plans come from ``producers.planning``.
 """
 
 from __future__ import annotations

@@ -43,8 +43,6 @@ KNOWN_OVERSIZE: set[str] = {
     "app/top.py:_srl_metrics",
     "consumers/trainer.py:Trainer",
     "consumers/trainer.py:_take_step",
-    "producers/dispatcher.py:run_dispatcher",
-    "producers/worker.py:GeneratorWorker",
     "ranker/model.py:fit",
     "ranker/simulate.py:compare",
     "schemas/flat.py:compile_flat",

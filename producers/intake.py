@@ -1,0 +1,242 @@
+"""The generator's intake: its membership of the pool's group, pausing, and task commits.
+
+Owns, for one worker, the consumer of the pool's group over the prompt and resume topics of
+its buckets (``{prefix}.gen.{pool}``, or ``--group-id``), and everything that touches it:
+
+* **joining**: with ``take_over_from`` set, the old group's committed positions are first
+  copied where ours has none (``producers.recovery.take_over_offsets``); then subscribe;
+* **assignment** (``on_assign``): the high watermark of every assigned partition is noted
+  (a task below it may have been started by the previous owner: :meth:`Intake.maybe_started`,
+  so the worker reads it back first), positions kept from a failed commit are dropped for
+  partitions not owned again, and the current pause mode is applied to the new partitions;
+* **pausing** (:func:`pause_mode`, :func:`held`, pure): ``all`` while stopping or while
+  ``max_batch`` samples wait for the engine (the membership stays alive: paused partitions
+  are not fetched); ``fresh`` (the prompt topics only) while the trainer's backlog is over
+  its bound (``producers.backlog``): resume tasks finish trajectories the trainer waits for;
+  otherwise ``none``;
+* **the tasks in flight** (:attr:`Intake.live`) and the ``OffsetTracker``: a task's offset
+  becomes committable only when it is finished (every sample ended, every chunk
+  acknowledged) or dead-lettered, in offset order per partition;
+* **commits**: every ``commit_interval_s`` asynchronously, forced ones synchronously
+  (``Consumer.commit_sync``, which fails if any partition failed); every owned position is
+  sent each time, so one lost in a rebalance is sent again;
+* **revocation** (``on_revoke``, ``on_lost``): the worker's ``hand_off`` callback publishes the
+  open chunks of the partitions' unfinished tasks and flushes the producer (it touches the
+  engine and the chunker, so it is the worker's); then finished tasks are committed unless
+  the partitions were lost or the flush failed, and the partitions' tasks are forgotten
+  (the next owner resumes them from their prefix).
+
+Not thread-safe: the rebalance callbacks run inside :meth:`Intake.take`/:meth:`Intake.serve`,
+on the worker's thread. Called by ``producers.worker``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+from producers.config import GenerateConfig
+from producers.recovery import take_over_offsets
+from producers.tasks import OffsetTracker, TaskState, TopicPart
+from srl.kafka import (
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+    make_consumer,
+)
+
+log = logging.getLogger("srl.generate")
+
+PauseMode = Literal["none", "fresh", "all"]  # which task partitions are paused
+Taken = tuple[TopicPart, int, Message]  # a task record consumed: partition, offset, record
+HandOff = Callable[[set[TopicPart], list[TaskState]], bool]  # True: all reached the broker
+
+
+def pause_mode(stopping: bool, waiting: int, max_batch: int, backlog_exceeded: bool) -> PauseMode:
+    """Which partitions to pause: all while stopping or with ``max_batch`` samples waiting;
+    the prompt topics only while the trainer's backlog is over its bound (resume tasks are
+    in-flight work); none otherwise."""
+    if stopping or waiting >= max_batch:
+        return "all"
+    return "fresh" if backlog_exceeded else "none"
+
+
+def held(topic: str, mode: PauseMode, resume_prefix: str) -> bool:
+    """Whether ``mode`` pauses the partitions of ``topic`` (resume topics start with
+    ``resume_prefix``)."""
+    return mode == "all" or (mode == "fresh" and not topic.startswith(resume_prefix))
+
+
+class Intake:
+    """One worker's consumer of its pool's group, the tasks it holds and their commits."""
+
+    def __init__(self, cfg: GenerateConfig, topics: Sequence[str], hand_off: HandOff) -> None:
+        self.cfg = cfg
+        self.topics = list(topics)
+        self.tracker = OffsetTracker()
+        self.live: dict[tuple[TopicPart, int], TaskState] = {}  # consumed, not finished
+        self.assigned_high: dict[TopicPart, int] = {}
+        self.paused: PauseMode = "none"
+        self._hand_off = hand_off
+        self._resume_prefix = f"{cfg.topic_prefix}.resume."
+        self._last_commit = time.monotonic()
+        self._consumer: Consumer | None = None
+
+    # -- membership -------------------------------------------------------------------------------
+    def join(self, consumer: Consumer | None = None) -> Intake:
+        """Take over the old group's positions (if asked), then subscribe ``consumer``
+        (default: a new member of ``consumer_group``; tests pass a fake)."""
+        cfg = self.cfg
+        if cfg.take_over_from:
+            try:
+                copied = take_over_offsets(cfg, cfg.take_over_from, cfg.consumer_group, self.topics)
+                log.info(
+                    "took over %d committed positions from %s", len(copied), cfg.take_over_from
+                )
+            except KafkaException as e:  # e.g. our group is already active: it has them
+                log.warning("taking over from %s: %s", cfg.take_over_from, e)
+        if consumer is None:
+            consumer = make_consumer(cfg, cfg.consumer_group, "generator")
+        self._consumer = consumer
+        self._consumer.subscribe(
+            self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
+        )
+        return self
+
+    @property
+    def consumer(self) -> Consumer:
+        assert self._consumer is not None, "Intake.join() first"
+        return self._consumer
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+
+    # -- the worker's loop ------------------------------------------------------------------------
+    def pause(self, mode: PauseMode) -> None:
+        if mode != self.paused:
+            parts = self.consumer.assignment()
+            hold = [tp for tp in parts if held(tp.topic, mode, self._resume_prefix)]
+            free = [tp for tp in parts if not held(tp.topic, mode, self._resume_prefix)]
+            if hold:
+                self.consumer.pause(hold)
+            if free:
+                self.consumer.resume(free)
+            self.paused = mode
+
+    def take(self, timeout_s: float) -> list[Taken]:
+        """New tasks (up to ``max_batch``, or one poll's worth while all is paused), each
+        registered with the offset tracker; records this worker already holds are skipped."""
+        want = self.paused != "all"
+        msgs = self.consumer.consume(
+            num_messages=self.cfg.max_batch if want else 1, timeout=timeout_s
+        )
+        out: list[Taken] = []
+        for msg in msgs:
+            if (err := msg.error()) is not None:
+                if err.code() != KafkaError._PARTITION_EOF:
+                    log.warning("prompt topic: %s", err.str())
+                continue
+            tp, offset = (msg.topic() or "", msg.partition() or 0), msg.offset() or 0
+            try:
+                self.tracker.add(tp, offset)
+            except ValueError:  # the client rewound to a task this worker already holds
+                log.debug("%s@%d: already in flight here", tp, offset)
+                continue
+            out.append((tp, offset, msg))
+        return out
+
+    def hold(self, st: TaskState) -> None:
+        """Keep a planned task until it is finished."""
+        self.live[(st.tp, st.offset)] = st
+
+    def maybe_started(self, st: TaskState) -> bool:
+        """Whether a previous owner of the task's partition may have started it (its offset is
+        below the high watermark seen at assignment)."""
+        return st.offset < self.assigned_high.get(st.tp, -1)
+
+    def finished(self, st: TaskState) -> bool:
+        """True once, when ``st`` is finished: its offset may then be committed."""
+        if st.finished and self.tracker.finish(st.tp, st.offset):
+            self.live.pop((st.tp, st.offset), None)
+            return True
+        return False
+
+    def dropped(self, tp: TopicPart, offset: int) -> None:
+        """A task that was dead-lettered: no longer held, its offset may be committed."""
+        self.live.pop((tp, offset), None)
+        self.tracker.finish(tp, offset)
+
+    def in_flight(self) -> list[TaskState]:
+        return list(self.live.values())
+
+    def serve(self, timeout_s: float) -> None:
+        """Serve the group (a rebalance) without taking tasks (all partitions paused)."""
+        self.consumer.poll(timeout_s)
+
+    # -- commits ----------------------------------------------------------------------------------
+    def commit(self, force: bool = False) -> bool:
+        """Commit finished tasks' positions; False when a synchronous (forced) commit failed."""
+        if not force and time.monotonic() - self._last_commit < self.cfg.commit_interval_s:
+            return True
+        self._last_commit = time.monotonic()
+        moved = self.tracker.committable()
+        if not moved and not force:
+            return True
+        # every owned position, not only the moved ones: an async commit that failed in a
+        # rebalance (ILLEGAL_GENERATION) is otherwise never sent again
+        offsets = [TopicPartition(t, p, off) for (t, p), off in self.tracker.positions().items()]
+        if not offsets:
+            return True
+        try:
+            if force:
+                self.consumer.commit_sync(offsets)
+            else:
+                self.consumer.commit_async(offsets)
+        except (
+            KafkaException
+        ) as e:  # e.g. a rebalance meanwhile: retried, or redone by the next owner
+            log.info("commit failed: %s", e)
+            return False
+        return True
+
+    def commit_final(self, tries: int = 10) -> bool:
+        """Commit synchronously, serving the group between tries: a pool stopping together
+        rebalances under our final commit."""
+        for _ in range(tries):
+            if self.commit(force=True):
+                return True
+            self.serve(0.5)  # paused: no new tasks are fetched
+        log.warning("final commit failed; the next owner redoes the unacknowledged tasks")
+        return False
+
+    # -- rebalance callbacks ----------------------------------------------------------------------
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            _low, high = consumer.get_watermark_offsets(
+                tp, timeout=self.cfg.connect_timeout_s, cached=False
+            )
+            self.assigned_high[(tp.topic, tp.partition)] = high
+        self.tracker.retain({(tp.topic, tp.partition) for tp in partitions})
+        if hold := [tp for tp in partitions if held(tp.topic, self.paused, self._resume_prefix)]:
+            consumer.pause(hold)
+
+    def _on_revoke(
+        self, consumer: Consumer, partitions: list[TopicPartition], lost: bool = False
+    ) -> None:
+        tps = {(tp.topic, tp.partition) for tp in partitions}
+        if not self._hand_off(tps, [st for st in self.live.values() if st.tp in tps]):
+            lost = True  # the tasks stay uncommitted; the next owner reads back what arrived
+        committed = not lost and self.commit(force=True)
+        for key in [k for k in self.live if k[0] in tps]:
+            del self.live[key]
+        self.tracker.forget(list(tps), keep_positions=not committed)
+        for tp in tps:
+            self.assigned_high.pop(tp, None)
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._on_revoke(consumer, partitions, lost=True)
