@@ -1,13 +1,14 @@
 """Simulated generation makespan: random dispatch + FIFO vs ranker dispatch + LPT vs oracle.
 
-SIMULATED: time comes from the per-token-latency model ``PTL(BS)`` (``ranker.schedule``,
+SIMULATED: time comes from the per-token-latency model ``PTL(BS)`` (``srl.workload``,
 the same model the ``sim`` engine paces itself with), not from running a model. Prefill and
 network time are not modelled. Everything here is labelled simulated where it is reported.
 
-Model of one generator instance (continuous batching): it holds a queue of samples and runs
-up to ``cap`` of them at once; each decode step advances every running sample by one token
-and takes ``PTL(running)`` ms; a finished sample's slot is refilled from the head of the
-queue at once. An iteration's makespan is the time its slowest instance finishes.
+Model of one generator instance (continuous batching, ``srl.workload.instance_makespan``): it holds
+a queue of samples and runs up to ``cap`` of them at once; each decode step advances every
+running sample by one token and takes ``PTL(running)`` ms; a finished sample's slot is
+refilled from the head of the queue at once. An iteration's makespan is the time its slowest
+instance finishes.
 Skewness matters only in the multi-round regime (an instance holds more than ``cap``).
 
 Policies, for one batch of samples with true lengths ``L`` and predictions ``P``:
@@ -24,33 +25,14 @@ Called by ``srl ranker simulate`` and the tests.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import numpy as np
 
 from ranker.migrate import MigrationPolicy
-from ranker.schedule import PoolPlan, PtlModel, balance, history_lengths, plan_pools, split_longtail
+from ranker.schedule import PoolPlan, balance, history_lengths, plan_pools, split_longtail
 from ranker.simmigrate import skew_aware_migrating
-
-
-def instance_makespan(lengths: np.ndarray, cap: int, ptl: PtlModel) -> float:
-    """Seconds for one instance to finish ``lengths`` admitted in the given order."""
-    if cap < 1:
-        raise ValueError("batch cap must be >= 1")
-    queue = [int(x) for x in lengths]
-    running: list[int] = []  # heap of the decode step at which each running sample finishes
-    step, t_ms, nxt = 0, 0.0, 0
-    while nxt < len(queue) or running:
-        while nxt < len(queue) and len(running) < cap:
-            heapq.heappush(running, step + max(1, queue[nxt]))
-            nxt += 1
-        finish = running[0]
-        t_ms += (finish - step) * ptl(len(running))
-        step = finish
-        while running and running[0] == step:
-            heapq.heappop(running)
-    return t_ms / 1000.0
+from srl.workload import PtlModel, instance_makespan, longest_s, throughput_s
 
 
 @dataclass(frozen=True)
@@ -104,9 +86,7 @@ def skew_aware(
 
 def lower_bound(true: np.ndarray, instances: int, b_max: int, ptl: PtlModel) -> float:
     """WORKLOAD.md's generation bound: max(longest·PTL(1), tokens·PTL(B_max)/(N·B_max))."""
-    longest = float(np.max(true)) * ptl(1)
-    throughput = float(np.sum(true)) * ptl(b_max) / (instances * b_max)
-    return max(longest, throughput) / 1000.0
+    return max(longest_s(true, ptl), throughput_s(float(np.sum(true)), instances, b_max, ptl))
 
 
 @dataclass(frozen=True)
@@ -209,7 +189,7 @@ def compare(
             "seed": s.seed,
             "rounds": s.rounds(),
             "allow_shared_pool": s.allow_shared,
-            "ptl_ms": f"{s.ptl.a_ms} + {s.ptl.b_ms}*BS",
+            "ptl_ms": s.ptl.describe(),
         },
         "makespan_s": {
             "random_fifo": _stats(base),
