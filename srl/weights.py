@@ -16,7 +16,8 @@ without a manifest first (step 1 of a retry); a manifest left without an announc
 the version "already published", and the caller announces it or moves on to the next. Followers
 call ``load_manifest`` (checks the
 manifest's sha256) and ``fetch_tensors`` (checks every file's sha256) and never unpickle
-anything: safetensors and JSON only. Versions only move forward (``VersionTracker``).
+anything: safetensors and JSON only. Versions only move forward (the follower,
+``producers.follower``, loads only versions newer than its own).
 """
 
 from __future__ import annotations
@@ -318,24 +319,6 @@ def materialize(store: ObjectStore, manifest: Manifest, out_dir: Path) -> Path:
     return out_dir
 
 
-class VersionTracker:
-    """Accepts announcements whose version moves forward; counts and ignores the rest."""
-
-    def __init__(self, run: str, current: int = -1) -> None:
-        self.run = run
-        self.current = current
-        self.ignored = 0
-
-    def accept(self, ann: WeightsAnnouncement) -> bool:
-        if ann.run != self.run or ann.version <= self.current:
-            self.ignored += 1
-            return False
-        return True
-
-    def advance(self, version: int) -> None:
-        self.current = max(self.current, version)
-
-
 def read_announcements(
     cfg: Any, layout: Layout, timeout_s: float = 10.0
 ) -> list[WeightsAnnouncement]:
@@ -374,7 +357,3 @@ def latest_announcement(
 ) -> WeightsAnnouncement | None:
     anns = [a for a in read_announcements(cfg, layout, timeout_s) if a.run == run]
     return max(anns, key=lambda a: a.version) if anns else None
-
-
-def state_dict_bytes(tensors: dict[str, Any]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())

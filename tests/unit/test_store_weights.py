@@ -13,7 +13,6 @@ from srl.store import LocalStore, ObjectExists, ObjectMissing
 from srl.stores import open_store
 from srl.weights import (
     Manifest,
-    VersionTracker,
     fetch_tensors,
     load_manifest,
     materialize,
@@ -149,21 +148,6 @@ def test_corrupted_file_or_manifest_is_refused(tmp_path: Path) -> None:
         load_manifest(store, bad_ann)
     with pytest.raises(WeightsError, match="not a valid manifest"):
         Manifest.from_json(b"{}")
-
-
-def test_version_tracker_only_moves_forward() -> None:
-    from schemas.records import WeightsAnnouncement
-
-    def ann(v: int, run: str = "r") -> WeightsAnnouncement:
-        return WeightsAnnouncement(
-            run=run, version=v, manifest_uri="u", manifest_sha256="s", trainer_step=v, total_bytes=1
-        )
-
-    t = VersionTracker("r")
-    assert t.accept(ann(1))
-    t.advance(1)
-    assert not t.accept(ann(1)) and not t.accept(ann(0)) and not t.accept(ann(5, "other"))
-    assert t.accept(ann(3)) and t.ignored == 3
 
 
 def test_publish_again_after_a_crash_before_the_manifest(tmp_path: Path) -> None:
