@@ -12,8 +12,9 @@ Owns the encoding of records whose fields are all primitive (``boolean``, ``int`
   other exception escapes;
 * a schema that is not flat gets ``None`` from :func:`compile_flat` and stays on fastavro.
 
-Why: fastavro's per-call setup is most of its cost on small records (≈ 27 µs to read one
-32-token chunk); straight-line code generated once per schema reads it in a few µs. Called
+Why: fastavro's per-call setup is most of its cost on small records such as a 32-token
+chunk; straight-line code generated once per schema skips it (figures in docs/benchmarks.md,
+"Data plane"). Called
 by ``schemas.codec.Codec`` only when the writer and reader schema are the same version.
 """
 

@@ -55,8 +55,8 @@ T = TypeVar("T")
 MANIFEST = "manifest.json"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 # A version this large is cut into one shard per core, written and hashed (and verified by
-# followers) in parallel: one sha256 stream runs at ~1.5 GB/s, which bounds a follower's
-# verification of a single file (docs/benchmarks.md, "Weights").
+# followers) in parallel: a single sha256 stream is the bound on a follower's verification of
+# one file (figures in docs/benchmarks.md, "Weights").
 PARALLEL_MIN_BYTES = 64 * 1024**2
 
 
