@@ -45,11 +45,7 @@ KNOWN_OVERSIZE: set[str] = {
     "consumers/trainer.py:_take_step",
     "producers/dispatcher.py:run_dispatcher",
     "producers/worker.py:GeneratorWorker",
-    "ranker/model.py:fit",
     "ranker/online.py:run_online",
-    "ranker/simulate.py:compare",
-    "schemas/flat.py:compile_flat",
-    "srl/weights.py:publish",
 }
 
 

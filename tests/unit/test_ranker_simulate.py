@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from ranker.schedule import PoolPlan
-from ranker.simulate import SimSettings, compare, random_fifo, skew_aware
+from ranker.simulate import (
+    SimSettings,
+    compare,
+    plan_counts,
+    random_fifo,
+    run_iteration,
+    skew_aware,
+)
 from srl.workload import LengthHistogram, PtlModel, instance_makespan
 
 PTL = PtlModel()
@@ -78,3 +85,34 @@ def test_a_mispredicted_straggler_migrates_and_the_makespan_shrinks() -> None:
     assert (n0, n1) == (0, 1)
     # the straggler left after 201 tokens at PTL(8) and finished on the long-tail instance
     assert on < 0.9 * off
+
+
+@pytest.mark.parametrize(
+    "plans, want",
+    [
+        ([], {}),
+        ([PoolPlan(0, 0, 16, 32, 0, 1)], {"0x0+16x32": 1}),
+        (
+            [
+                PoolPlan(4, 8, 12, 32, 1, 1),
+                PoolPlan(0, 0, 16, 32, 0, 1),
+                PoolPlan(4, 8, 12, 32, 2, 2),
+            ],
+            {"4x8+12x32": 2, "0x0+16x32": 1},
+        ),
+    ],
+)
+def test_plan_counts(plans: list[PoolPlan], want: dict[str, int]) -> None:
+    got = plan_counts(list(plans))
+    assert got == want and list(got) == list(want)  # first chosen first
+
+
+def test_an_iteration_without_predictions_is_the_oracles() -> None:
+    true = LengthHistogram.from_file(HIST).sample(256, np.random.default_rng(2))
+    s = SimSettings(instances=4, b_max=8, batch=256)
+    it = run_iteration(true, None, true, s, np.random.default_rng(0))
+    assert it.ranker is it.oracle and it.migrate is None
+    assert it.bound_s <= it.oracle.makespan_s <= it.fifo_s * 1.5
+    with_pred = run_iteration(true, true.astype(float), true, s, np.random.default_rng(0))
+    assert with_pred.fifo_s == it.fifo_s and with_pred.ranker.makespan_s == it.oracle.makespan_s
+    assert with_pred.migrate is not None

@@ -17,6 +17,8 @@ from srl.weights import (
     load_manifest,
     materialize,
     publish,
+    shard_index,
+    shard_names,
     version_prefix,
 )
 
@@ -159,3 +161,26 @@ def test_publish_again_after_a_crash_before_the_manifest(tmp_path: Path) -> None
     assert sorted(store.list(prefix)) == [f"{prefix}/manifest.json", f"{prefix}/model.safetensors"]
     got = fetch_tensors(store, load_manifest(store, pub.announcement()))
     assert all(torch.equal(got[k], v) for k, v in tiny_state().items())
+
+
+@pytest.mark.parametrize(
+    "n, want",
+    [
+        (1, ["model.safetensors"]),
+        (2, ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]),
+        (12, [f"model-{i:05d}-of-00012.safetensors" for i in range(1, 13)]),
+    ],
+)
+def test_shard_names_are_the_hugging_face_layout(n: int, want: list[str]) -> None:
+    assert shard_names(n) == want
+
+
+def test_shard_index_maps_every_tensor_to_its_file() -> None:
+    import orjson
+
+    names = shard_names(2)
+    got = orjson.loads(shard_index(names, [{"a": 0, "b": 0}, {"c": 0}], 96))
+    assert got == {
+        "metadata": {"total_size": 96},
+        "weight_map": {"a": names[0], "b": names[0], "c": names[1]},
+    }
