@@ -4,9 +4,9 @@ SIMULATED: time comes from the per-token-latency model ``PTL(BS)`` (``srl.worklo
 the same model the ``sim`` engine paces itself with), not from running a model. Prefill and
 network time are not modelled. Everything here is labelled simulated where it is reported.
 
-Model of one generator instance (continuous batching, ``srl.workload.instance_makespan``): it holds
-a queue of samples and runs up to ``cap`` of them at once; each decode step advances every
-running sample by one token and takes ``PTL(running)`` ms; a finished sample's slot is
+Model of one generator instance (continuous batching, ``srl.workload.instance_makespan``):
+it holds a queue of samples and runs up to ``cap`` of them at once; each decode step advances
+every running sample by one token and takes ``PTL(running)`` ms; a finished sample's slot is
 refilled from the head of the queue at once. An iteration's makespan is the time its slowest
 instance finishes.
 Skewness matters only in the multi-round regime (an instance holds more than ``cap``).
@@ -20,7 +20,8 @@ Policies, for one batch of samples with true lengths ``L`` and predictions ``P``
   planned batch cap.
 * oracle: ``skew_aware`` with ``P = L``.
 
-Called by ``srl ranker simulate`` and the tests.
+:func:`compare` runs the iterations (:func:`run_iteration`) and :func:`report` sums them up.
+Called by ``ranker.evaluate`` (``srl ranker simulate``) and the tests.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ Owns the two models of ``WORKLOAD.md`` that the simulated parts share:
   ``PTL(BS) = a + b·BS`` ms, by default ``8.1 + 0.056·BS`` (a 7B model on one H800, StreamRL
   Fig. 6), and what follows from it for one generator instance: :func:`finish_times` (each
   decode step advances every running sample by one token and lasts ``PTL(running)``; a
-  finished sample's slot is refilled at once, up to ``cap``), :func:`instance_makespan`, and the two
-  terms no schedule beats, :func:`longest_s` (the longest sample alone at ``PTL(1)``) and
-  :func:`throughput_s` (every token at the best rate, ``PTL(B_max) / B_max`` per instance).
+  finished sample's slot is refilled at once, up to ``cap``), :func:`instance_makespan`, and
+  the two terms no schedule beats, :func:`longest_s` (the longest sample alone at ``PTL(1)``)
+  and :func:`throughput_s` (every token at the best rate, ``PTL(B_max) / B_max`` each).
 
 Must hold: every bin has ``0 <= lo <= hi``, bins are increasing and do not overlap (so the
 quantile function is monotone), probabilities are ``>= 0`` with a positive sum; a bad file is
