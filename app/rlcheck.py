@@ -1,18 +1,23 @@
 """``python -m app.rlcheck``: can the demo's warm start learn under GRPO? (in-process, no Kafka)
 
 Owns the learnability evidence of docs/demo-task.md: it runs the demo's RL recipe in one
-process — sample groups from the current policy at temperature T, score them with
-``app.task.demo_reward``, GRPO advantages, the trainer's own per-token policy loss
-(``consumers.losses``: ``token_logprobs``, ``advantages``, ``policy_loss``, token-mean over the
-step, AdamW, gradient clipping as ``consumers.engine`` does) — and reports held-out greedy
-accuracy before and after (``app.warmstart.evaluate`` on the demo's fixed eval prompts).
+process on the trainer's own parts — sample groups from the current policy at temperature T,
+score them with ``app.task.demo_reward``, then what ``consumers.trainer`` does with complete
+groups: the staleness gate with GRPO advantages (``consumers.gate.gate_group``), a barrier
+step's micro-batches (``consumers.batcher.StepBatcher``, ``consumers.train_engine
+.make_micro_batch``) and the plain-torch backend's ``backward`` / ``step``
+(``consumers.engine.Engine``: the configured per-token loss of ``consumers.losses``,
+token-mean over the step, gradient clipping, AdamW) — and reports held-out greedy accuracy
+before and after (``app.warmstart.evaluate`` on the demo's fixed eval prompts).
 
 What must hold: it trains only on the train split; sampling is on-policy (the behaviour
-log-probs are the policy's own at the start of each step, so the importance weight is 1, as
-in the demo with fresh samples). It is not the demo: no staleness, no chunks, no dispatcher;
-it answers "do these hyperparameters make this model learn", fast.
+log-probs are the policy's own at the start of each step, from a no-grad forward pass before
+any gradient of the step, so the importance weight is 1 up to float rounding, as in the demo
+with fresh samples).
+It is not the demo: no staleness, no chunks, no dispatcher; it answers "do these
+hyperparameters make this model learn", fast.
 
-Called by hand (docs/demo-task.md has the command and the measured table).
+Called by hand (docs/demo-task.md has the command and its results).
 """
 
 from __future__ import annotations
@@ -25,13 +30,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 
 from app import task
 from app.report import EVAL_SEED
-from app.warmstart import ensure_model, evaluate
-from consumers.losses import advantages, policy_loss, token_logprobs
-from srl.tinymodel import load_model, load_tokenizer
+from app.warmstart import ensure_model, evaluate, left_padded
+from consumers.assembler import Trajectory
+from consumers.batcher import Row, StepBatcher
+from consumers.config import TrainConfig
+from consumers.engine import Engine
+from consumers.gate import gate_group
+from consumers.groups import Group, Sample
+from consumers.losses import LossKind, token_logprobs
+from consumers.train_engine import make_micro_batch
+from srl.tinymodel import load_tokenizer
 
 
 @dataclass
@@ -42,22 +55,36 @@ class RlSettings:
     lr: float = 1e-4
     temperature: float = 1.0
     max_new_tokens: int = 72
-    loss: str = "tis"
+    loss: LossKind = "tis"
     max_grad_norm: float = 1.0
     eval_prompts: int = 256
+    micro_batch_tokens: int = 4096  # the trainer's budget (rows x longest row)
+
+
+def make_engine(model_dir: Path, seed: int, s: RlSettings) -> Engine:
+    """The trainer's plain-torch backend on ``model_dir`` with these settings (CPU, fp32, no
+    reference model, one update per step); it seeds torch with ``seed``."""
+    cfg = TrainConfig.model_validate(
+        {
+            "model": str(model_dir),
+            "loss": s.loss,
+            "temperature": s.temperature,
+            "lr": s.lr,
+            "max_grad_norm": s.max_grad_norm,
+            "micro_batch_tokens": s.micro_batch_tokens,
+            "seed": seed,
+            "device": "cpu",
+        }
+    )
+    return Engine(cfg)
 
 
 def _sample(model: Any, tok: Any, texts: list[str], n: int, s: RlSettings) -> list[list[int]]:
     """``n`` sampled completions (token ids, EOS kept, padding cut) of each text, in order."""
     import torch
 
-    enc = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    width = max(len(e) for e in enc)
-    ids = torch.full((len(enc), width), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, e in enumerate(enc):
-        ids[i, width - len(e) :] = torch.tensor(e)
-        mask[i, width - len(e) :] = 1
+    ids, mask = left_padded(tok, texts)
+    width = ids.shape[1]
     with torch.no_grad():
         out = model.generate(
             input_ids=ids,
@@ -78,41 +105,74 @@ def _sample(model: Any, tok: Any, texts: list[str], n: int, s: RlSettings) -> li
     return comps
 
 
-def _step(model: Any, opt: Any, tok: Any, prompts: list[task.Prompt], s: RlSettings) -> float:
-    """One GRPO step over ``groups_per_step`` groups; returns the mean reward."""
+def _behaviour_logprobs(
+    engine: Engine, prompt: list[int], comps: list[list[int]], pad_id: int
+) -> list[np.ndarray]:
+    """Each completion's per-token log-probs under the current policy (no gradient): what a
+    generator would send with its chunks, here exactly the trainer's own forward pass."""
     import torch
 
-    comps = _sample(model, tok, [p.text for p in prompts], s.group_size, s)
-    rows: list[tuple[list[int], int, float]] = []  # ids, prompt length, advantage
+    rows = [Row("", np.array(prompt + c), len(prompt), np.zeros(len(c)), 0.0) for c in comps]
+    mb = make_micro_batch(rows, seq_mean=False, pad_id=pad_id)
+    ids, attn = mb.ids.to(engine.device), mb.attn.to(engine.device)
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        logp = token_logprobs(logits, ids[:, 1:], engine.cfg.temperature).float().cpu()
+    start = len(prompt) - 1  # position j predicts token j + 1
+    return [logp[i, start : start + len(c)].numpy() for i, c in enumerate(comps)]
+
+
+def _group(
+    p: task.Prompt,
+    prompt: list[int],
+    comps: list[list[int]],
+    behav: list[np.ndarray],
+    rewards: list[float],
+) -> Group:
+    """One complete, scored group of ``p``'s samples, as the trainer's group buffer hands it
+    over (behaviour version 0: the policy that is about to be updated)."""
+    group = Group(p.prompt_id, len(comps))
+    for i, (c, lp, r) in enumerate(zip(comps, behav, rewards, strict=True)):
+        traj = Trajectory(
+            trajectory_id=f"{p.prompt_id}/{i}",
+            prompt_id=p.prompt_id,
+            task_id=p.prompt_id,
+            sample_index=i,
+            group_size=len(comps),
+            bucket="rlcheck",
+            prompt_tokens=np.array(prompt, dtype=np.int32),
+            tokens=np.array(c, dtype=np.int32),
+            logprobs=lp,
+            versions=(0,),
+            finish_reason=None,
+            metadata=p.metadata,
+            workers=(),
+            started_ms=0,
+            last_created_ms=0,
+        )
+        group.samples[i] = Sample(traj, r)
+    return group
+
+
+def _step(engine: Engine, tok: Any, prompts: list[task.Prompt], s: RlSettings) -> float:
+    """One GRPO step over ``groups_per_step`` groups, as the trainer takes a barrier step;
+    returns the mean reward."""
+    comps = _sample(engine.model, tok, [p.text for p in prompts], s.group_size, s)
+    batcher = StepBatcher(engine.cfg.micro_batch_tokens, pipeline=False)
     rewards_all: list[float] = []
-    for g, p in enumerate(prompts):
+    for g, p in enumerate(prompts):  # every behaviour log-prob before the step's first gradient
         group = comps[g * s.group_size : (g + 1) * s.group_size]
+        pids = tok(p.text, add_special_tokens=False)["input_ids"]
+        behav = _behaviour_logprobs(engine, pids, group, tok.pad_token_id)
         r = [
             task.demo_reward(p.text, tok.decode(c, skip_special_tokens=True), p.metadata)
             for c in group
         ]
         rewards_all += r
-        adv = advantages("grpo", torch.tensor(r))
-        pids = tok(p.text, add_special_tokens=False)["input_ids"]
-        rows += [(pids + c, len(pids), float(a)) for c, a in zip(group, adv, strict=True)]
-    length = max(len(ids) for ids, _, _ in rows)
-    ids = torch.full((len(rows), length), tok.pad_token_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    weight = torch.zeros((len(rows), length - 1))
-    for i, (seq, plen, _) in enumerate(rows):
-        ids[i, : len(seq)] = torch.tensor(seq)
-        attn[i, : len(seq)] = 1
-        weight[i, plen - 1 : len(seq) - 1] = 1.0  # position j predicts token j + 1
-    adv_t = torch.tensor([a for _, _, a in rows])
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-    logp = token_logprobs(logits, ids[:, 1:], s.temperature)
-    behav = logp.detach()  # on-policy: the sampler is the policy at the start of the step
-    loss = (policy_loss(s.loss, logp, behav, adv_t) * weight).sum() / weight.sum()  # type: ignore[arg-type]
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    if s.max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), s.max_grad_norm)
-    opt.step()
+        batcher.add(gate_group(_group(p, pids, group, behav, r), v=0, k=0, advantage="grpo"))
+    for rows in batcher.drain():
+        engine.backward(make_micro_batch(rows, seq_mean=False, pad_id=tok.pad_token_id))
+    engine.step(float(batcher.loss_tokens))
     return sum(rewards_all) / len(rewards_all)
 
 
@@ -124,22 +184,19 @@ def run(model_dir: Path, seed: int, s: RlSettings, log: Any = _progress) -> dict
     """Before/after held-out accuracy of ``s.steps`` GRPO steps from ``model_dir``.
 
     Progress lines go to stderr; the result is returned (``main`` prints JSON on stdout)."""
-    import torch
-
-    torch.manual_seed(seed)
     random.seed(seed)
-    tok, model = load_tokenizer(model_dir), load_model(model_dir)
+    tok, engine = load_tokenizer(model_dir), make_engine(model_dir, seed, s)
+    model = engine.model
     eval_set = task.demo_prompts(s.eval_prompts, "eval", seed=EVAL_SEED)
     before = evaluate(model.eval(), eval_set, tokenizer=tok)
     log(f"seed {seed}: before {before.accuracy:.3f} {before.by_op}")
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
     train = task.demo_prompts(s.steps * s.groups_per_step, "train", seed=seed + 1000)
     t0 = time.monotonic()
     rewards = []
     for k in range(s.steps):
         model.train()
         batch = train[k * s.groups_per_step : (k + 1) * s.groups_per_step]
-        rewards.append(_step(model, opt, tok, batch, s))
+        rewards.append(_step(engine, tok, batch, s))
         model.eval()
         if (k + 1) % 10 == 0:
             log(f"seed {seed}: step {k + 1} reward {sum(rewards[-10:]) / 10:.3f}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from app import task
 from producers.config import DispatchConfig
 from producers.sources import PromptLike, read_jsonl, sim_prompts
-from producers.workload import LengthHistogram
+from srl.workload import LengthHistogram
 
 
 def load_source(cfg: DispatchConfig) -> list[PromptLike]:
@@ -19,6 +19,6 @@ def load_source(cfg: DispatchConfig) -> list[PromptLike]:
         return list(read_jsonl(cfg.prompts))
     if cfg.task == "sim":
         assert cfg.lengths is not None
-        hist = LengthHistogram.load(cfg.lengths, cfg.length_scale)
+        hist = LengthHistogram.from_file(cfg.lengths, cfg.length_scale)
         return list(sim_prompts(cfg.num_prompts, hist, cfg.seed))
     return list(task.demo_prompts(cfg.num_prompts, cfg.split, cfg.seed))

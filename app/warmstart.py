@@ -234,8 +234,9 @@ def evaluate(
     )
 
 
-def greedy(model: Any, tok: Any, texts: list[str], max_new_tokens: int) -> list[str]:
-    """Greedy completions of ``texts`` (left-padded batch, no special tokens in the prompt)."""
+def left_padded(tok: Any, texts: list[str]) -> tuple[Any, Any]:
+    """``(input_ids, attention_mask)`` of ``texts`` as one left-padded batch (no special
+    tokens), the form ``generate`` continues; the prompts end at column ``ids.shape[1]``."""
     import torch
 
     enc = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -245,6 +246,13 @@ def greedy(model: Any, tok: Any, texts: list[str], max_new_tokens: int) -> list[
     for i, e in enumerate(enc):
         ids[i, width - len(e) :] = torch.tensor(e)
         mask[i, width - len(e) :] = 1
+    return ids, mask
+
+
+def greedy(model: Any, tok: Any, texts: list[str], max_new_tokens: int) -> list[str]:
+    """Greedy completions of ``texts`` (left-padded batch, no special tokens in the prompt)."""
+    ids, mask = left_padded(tok, texts)
+    width = ids.shape[1]
     out = model.generate(
         input_ids=ids,
         attention_mask=mask,

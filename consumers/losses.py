@@ -153,14 +153,3 @@ def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """Per-token k3 estimate of KL(pi || ref): ``exp(ref - logp) - (ref - logp) - 1`` (>= 0)."""
     d = ref_logp.detach() - logp
     return d.exp() - d - 1
-
-
-def clipped_fraction(
-    logp: Tensor, old_logp: Tensor, adv: Tensor, clip_low: float, clip_high: float, mask: Tensor
-) -> float:
-    """Share of masked tokens whose PPO ratio sits outside the clip range in the direction of A."""
-    a = adv.unsqueeze(-1) if adv.dim() == 1 else adv
-    ratio = (logp.detach() - old_logp).exp()
-    clipped = ((ratio > 1 + clip_high) & (a > 0)) | ((ratio < 1 - clip_low) & (a < 0))
-    n = float(mask.sum())
-    return float((clipped.float() * mask).sum()) / n if n else 0.0

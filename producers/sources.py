@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import orjson
 
-from producers.workload import LengthHistogram
 from ranker.api import BaselinePredictor, LengthPredictor, OraclePredictor, RankerPredictor
 from srl.errors import ConfigError
 from srl.stores import store_from_config
+from srl.workload import LengthHistogram
 
 if TYPE_CHECKING:
     from producers.config import DispatchConfig

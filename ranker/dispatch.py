@@ -1,4 +1,4 @@
-"""What the dispatcher asks of the ranker: predictions, long-tail buckets and the pool plan.
+"""What the dispatcher asks of the ranker: predictions and long-tail buckets.
 
 Owns the ranker side of ``srl-producer dispatch --predictor ranker``:
 
@@ -9,10 +9,8 @@ Owns the ranker side of ``srl-producer dispatch --predictor ranker``:
 * :func:`assign_buckets`: StreamRL's dispatch rule on one window of prompts: the top
   ``alpha`` by prediction go to the long-tail bucket (the long-tail pool's topic), the rest to
   the bucket of their prediction, never above the last regular bucket.
-* :func:`window_plan`: Algorithm 2's instance split and batch caps for the window, from the
-  recent actual lengths the ranker trainer publishes with each version
-  (``info["length_quantiles"]``). Pools are sized when workers are launched, so the dispatcher
-  reports the plan (a ``dispatch_plan`` metric) rather than enforcing it.
+* :func:`length_quantiles`: the recent actual lengths a version carries
+  (``info["length_quantiles"]``), Algorithm 2's history for ``srl ranker plan``.
 
 Called by ``producers`` (the dispatcher).
 """
@@ -25,7 +23,7 @@ import numpy as np
 
 from ranker.model import LengthRanker
 from ranker.publish import RankerFollower
-from ranker.schedule import PoolPlan, PtlModel, history_lengths, plan_pools, split_longtail
+from ranker.schedule import split_longtail
 from srl.store import ObjectStore
 
 QUANTILES = 101  # length_quantiles: P0, P1, …, P100 of the recent actual lengths
@@ -55,15 +53,9 @@ class RankerPredictor:
             return np.asarray(self.fallback.predict(prompts))  # type: ignore[attr-defined]
         return np.rint(r.predict(prompts)).astype(np.int64)
 
-    def history(self) -> np.ndarray | None:
-        """Recent actual lengths (as quantiles) published with the current version."""
-        r = self.current
-        q = r.info.get("length_quantiles") if r is not None else None
-        return np.asarray(q, dtype=np.float64) if q else None
-
 
 def length_quantiles(lengths: np.ndarray) -> list[float]:
-    """What a version carries of the lengths it was trained on (for Algorithm 2's history)."""
+    """What a version carries of the lengths it was trained on (Algorithm 2's history)."""
     return [
         float(x)
         for x in np.quantile(np.asarray(lengths, dtype=np.float64), np.linspace(0, 1, QUANTILES))
@@ -91,19 +83,3 @@ def assign_buckets(
         b = bucket_for(int(p))
         out.append(b if b in allowed else regular_buckets[-1])
     return out
-
-
-def window_plan(
-    predicted: Sequence[float] | np.ndarray,
-    history: np.ndarray | None,
-    instances: int,
-    b_max: int,
-    alpha: float = 0.2,
-    ptl: PtlModel | None = None,
-) -> PoolPlan | None:
-    """Algorithm 2 for one window; None without history (no version published yet)."""
-    if history is None or len(history) == 0 or len(predicted) == 0:
-        return None
-    lt = int(split_longtail(predicted, alpha).sum())
-    lengths = history_lengths(history, alpha)
-    return plan_pools(lt, len(predicted) - lt, instances, lengths, ptl or PtlModel(), b_max)

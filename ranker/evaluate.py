@@ -29,10 +29,10 @@ from ranker.features import FeatureSpec
 from ranker.metrics import ranking_report
 from ranker.model import LengthRanker, RankerError
 from ranker.publish import load_version, publish
-from ranker.schedule import PtlModel
 from ranker.simulate import SimSettings, compare
-from ranker.workload import LengthHistogram, quantile_map
+from ranker.workload import quantile_map
 from srl.stores import store_from_config
+from srl.workload import LengthHistogram, PtlModel
 
 if TYPE_CHECKING:
     from ranker.config import RankerConfig

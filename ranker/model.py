@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
@@ -26,13 +26,91 @@ import orjson
 from ranker.features import FeatureSpec, featurize
 from srl.errors import SrlError
 
+if TYPE_CHECKING:
+    import torch
+
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 CLIP = 10.0  # standardised inputs are clipped to ±CLIP in training and prediction alike
+BATCH = 256  # pairs per optimizer step in fitting
 
 
 class RankerError(SrlError):
     """A ranker that cannot be built, read or used."""
+
+
+# -- fitting, in parts (torch is imported by ``LengthRanker.fit`` only) ----------------------
+def standardisation(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-feature mean and scale of the inputs. A feature constant in training keeps its
+    scale (sd 1), so an unseen n-gram at prediction time moves the input by its count, not by
+    count / 1e-3; other scales are at least 1e-2."""
+    std = x.std(axis=0)
+    sd = np.where(std < 1e-6, 1.0, np.maximum(std, 1e-2)).astype(np.float32)
+    return x.mean(axis=0), sd
+
+
+def _layers(
+    sizes: list[int], init: LengthRanker | None, out_bias: float, g: torch.Generator
+) -> list[torch.nn.Linear]:
+    """The MLP's linear layers: ``init``'s weights (a warm start), else Kaiming-uniform weights
+    drawn from ``g`` with zero biases and the output bias at the mean target."""
+    import torch
+
+    linears = [torch.nn.Linear(a, b) for a, b in zip(sizes, sizes[1:], strict=False)]
+    with torch.no_grad():
+        for i, lin in enumerate(linears):
+            if init is not None:
+                lin.weight.copy_(torch.from_numpy(init.params[f"w{i}"].T.copy()))
+                lin.bias.copy_(torch.from_numpy(init.params[f"b{i}"].copy()))
+            else:
+                torch.nn.init.kaiming_uniform_(lin.weight, a=5**0.5, generator=g)
+                lin.bias.zero_()
+        if init is None:
+            linears[-1].bias.fill_(out_bias)
+    return linears
+
+
+def _train(
+    linears: list[torch.nn.Linear],
+    xs: torch.Tensor,
+    ys: torch.Tensor,
+    epochs: int,
+    lr: float,
+    weight_decay: float,
+    g: torch.Generator,
+) -> float:
+    """AdamW on the MSE of log length, ReLU between the layers, shuffled mini-batches of
+    ``BATCH``; returns the last batch's loss."""
+    import torch
+
+    mods: list[torch.nn.Module] = []
+    for i, lin in enumerate(linears):
+        mods.append(lin)
+        if i < len(linears) - 1:
+            mods.append(torch.nn.ReLU())
+    net = torch.nn.Sequential(*mods)
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
+    n = len(ys)
+    loss_v = float("nan")
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=g)
+        for s in range(0, n, BATCH):
+            idx = perm[s : s + BATCH]
+            loss = torch.nn.functional.mse_loss(net(xs[idx])[:, 0], ys[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        loss_v = float(loss.detach())
+    return loss_v
+
+
+def _export(linears: list[torch.nn.Linear]) -> dict[str, np.ndarray]:
+    """``w{i}`` (in × out, as ``predict_log`` multiplies) and ``b{i}`` of each layer."""
+    params: dict[str, np.ndarray] = {}
+    for i, lin in enumerate(linears):
+        params[f"w{i}"] = lin.weight.detach().numpy().T.copy()
+        params[f"b{i}"] = lin.bias.detach().numpy().copy()
+    return params
 
 
 @dataclass
@@ -90,50 +168,14 @@ class LengthRanker:
         if init is not None:
             mu, sd = init.params["mu"], init.params["sd"]
         else:
-            mu = x.mean(axis=0)
-            std = x.std(axis=0)
-            # a feature constant in training keeps its scale (sd 1), so an unseen n-gram at
-            # prediction time moves the input by its count, not by count / 1e-3
-            sd = np.where(std < 1e-6, 1.0, np.maximum(std, 1e-2)).astype(np.float32)
+            mu, sd = standardisation(x)
         xs = torch.from_numpy(np.clip((x - mu) / sd, -CLIP, CLIP).astype(np.float32))
-        ys = torch.from_numpy(y)
-        g = torch.Generator().manual_seed(seed)
-        sizes = [spec.dim, *hidden, 1]
-        linears = [torch.nn.Linear(a, b) for a, b in zip(sizes, sizes[1:], strict=False)]
-        with torch.no_grad():
-            for i, lin in enumerate(linears):
-                if init is not None:
-                    lin.weight.copy_(torch.from_numpy(init.params[f"w{i}"].T.copy()))
-                    lin.bias.copy_(torch.from_numpy(init.params[f"b{i}"].copy()))
-                else:
-                    torch.nn.init.kaiming_uniform_(lin.weight, a=5**0.5, generator=g)
-                    lin.bias.zero_()
-            if init is None:
-                linears[-1].bias.fill_(float(y.mean()))
-        mods: list[torch.nn.Module] = []
-        for i, lin in enumerate(linears):
-            mods.append(lin)
-            if i < len(linears) - 1:
-                mods.append(torch.nn.ReLU())
-        net = torch.nn.Sequential(*mods)
-        opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
-        n, bs = len(y), 256
-        loss_v = float("nan")
-        for _ in range(epochs):
-            perm = torch.randperm(n, generator=g)
-            for s in range(0, n, bs):
-                idx = perm[s : s + bs]
-                loss = torch.nn.functional.mse_loss(net(xs[idx])[:, 0], ys[idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-            loss_v = float(loss.detach())
-        params: dict[str, np.ndarray] = {"mu": mu.astype(np.float32), "sd": sd.astype(np.float32)}
-        for i, lin in enumerate(linears):
-            params[f"w{i}"] = lin.weight.detach().numpy().T.copy()
-            params[f"b{i}"] = lin.bias.detach().numpy().copy()
+        g = torch.Generator().manual_seed(seed)  # the layers' init, then each epoch's order
+        linears = _layers([spec.dim, *hidden, 1], init, float(y.mean()), g)
+        loss_v = _train(linears, xs, torch.from_numpy(y), epochs, lr, weight_decay, g)
+        params = {"mu": mu.astype(np.float32), "sd": sd.astype(np.float32)} | _export(linears)
         info = {
-            "pairs": n,
+            "pairs": len(y),
             "epochs": epochs,
             "final_batch_mse_log": loss_v,
             "warm_start_from": init.version if init is not None else None,

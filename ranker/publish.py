@@ -37,25 +37,26 @@ def version_prefix(run: str, version: int) -> str:
     return f"ranker/{run}/v{version:08d}"
 
 
-def versions(store: ObjectStore, run: str) -> list[int]:
-    """Published versions (those with a manifest), ascending."""
+def _numbers(store: ObjectStore, run: str, file: str | None = None) -> set[int]:
+    """Version numbers of ``run`` with any file in their directory, or with ``file``."""
     out = set()
     for key in store.list(f"ranker/{run}/"):
         parts = key.split("/")
-        if len(parts) == 4 and parts[3] == MANIFEST and (m := _VERSION_DIR.match(parts[2])):
+        wanted = len(parts) == 4 and (file is None or parts[3] == file)
+        if wanted and (m := _VERSION_DIR.match(parts[2])):
             out.add(int(m.group(1)))
-    return sorted(out)
+    return out
+
+
+def versions(store: ObjectStore, run: str) -> list[int]:
+    """Published versions (those with a manifest), ascending."""
+    return sorted(_numbers(store, run, MANIFEST))
 
 
 def _highest_dir(store: ObjectStore, run: str) -> int:
     """Highest version number with any file, manifest or not (0 if none): a crashed
     publication's files keep their number, and a new version takes the next one."""
-    out = 0
-    for key in store.list(f"ranker/{run}/"):
-        parts = key.split("/")
-        if len(parts) == 4 and (m := _VERSION_DIR.match(parts[2])):
-            out = max(out, int(m.group(1)))
-    return out
+    return max(_numbers(store, run), default=0)
 
 
 def latest_version(store: ObjectStore, run: str) -> int | None:

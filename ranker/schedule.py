@@ -1,9 +1,9 @@
-"""Skewness-aware dispatch (StreamRL Algorithm 2) and longest-predicted-first ordering.
+"""Skewness-aware dispatch (StreamRL Algorithm 2) and longest-first balancing.
 
-Owns the scheduling math, pure and deterministic:
+Owns the scheduling math, pure and deterministic, on the per-token latency model
+:class:`srl.workload.PtlModel` (``PTL(BS) = a + b·BS`` ms, the one the sim engine paces
+itself with):
 
-* :class:`PtlModel`: per-token decode latency under continuous batching,
-  ``PTL(BS) = a + b·BS`` ms (WORKLOAD.md: 8.1 + 0.056·BS, a 7B model on one H800).
 * :func:`split_longtail`: the top ``alpha`` of prompts by predicted length are long-tail.
 * :func:`history_lengths`: the typical lengths ``L`` of each class from recent actual lengths:
   regular = the ``q_regular`` quantile (default P50) of lengths below the history's
@@ -14,41 +14,24 @@ Owns the scheduling math, pure and deterministic:
   ``PTL(BS) × L × ceil(M / BS)`` (``M`` samples per instance, ``BS ≤ B_max`` chosen per pool,
   so the long-tail pool runs small batches at low per-token latency).
 * :func:`balance`: spread a pool's prompts over its instances, longest first onto the instance
-  with the least predicted work (greedy LPT), so no instance holds two tails.
-* :func:`lpt_order` and :class:`LptQueue`: longest-predicted-first inside an instance,
-  refilling each free slot with the longest prompt remaining.
+  with the least predicted work (greedy LPT), so no instance holds two tails; each
+  instance's list comes out longest-predicted-first, the order it admits them in.
 
 Must hold: every prompt lands in exactly one pool and one instance; the plan uses at least one
-instance per pool that has prompts whenever ``N ≥ 2``. Called by the dispatcher
-(``producers``), the generator worker's admission queue, and ``ranker.simulate``.
+instance per pool that has prompts whenever ``N ≥ 2``. Called by ``ranker.dispatch``,
+``ranker.simulate`` / ``ranker.simmigrate`` and ``srl ranker plan``.
 """
 
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from dataclasses import dataclass
 
 import numpy as np
 
-T = TypeVar("T")
-
-LONGTAIL = "longtail"
-REGULAR = "regular"
-
-
-@dataclass(frozen=True)
-class PtlModel:
-    """Per-token latency of one decode step at batch size ``bs``, in milliseconds."""
-
-    a_ms: float = 8.1
-    b_ms: float = 0.056
-
-    def __call__(self, bs: int | float) -> float:
-        return self.a_ms + self.b_ms * bs
+from srl.workload import PtlModel
 
 
 def split_longtail(predicted: Sequence[float] | np.ndarray, alpha: float) -> np.ndarray:
@@ -219,39 +202,3 @@ def balance(predicted: Sequence[float] | np.ndarray, bins: int) -> list[list[int
         out[b].append(int(i))
         heapq.heappush(heap, (load + float(pred[i]), count + 1, b))
     return out
-
-
-def lpt_order(predicted: Sequence[float] | np.ndarray) -> np.ndarray:
-    """Indices longest-predicted-first (stable: equal predictions keep arrival order)."""
-    return np.argsort(-np.asarray(predicted, dtype=np.float64), kind="stable")
-
-
-@dataclass(order=True)
-class _Entry(Generic[T]):
-    key: tuple[float, int]
-    item: T = field(compare=False)
-
-
-class LptQueue(Generic[T]):
-    """Admission queue of a generator instance: ``pop`` returns the longest-predicted item.
-
-    Items without a prediction (``None``) rank after every predicted one and keep arrival
-    order among themselves, so a worker without a ranker degrades to FIFO.
-    """
-
-    def __init__(self) -> None:
-        self._heap: list[_Entry[T]] = []
-        self._seq = itertools.count()
-
-    def push(self, item: T, predicted: float | None) -> None:
-        key = -float(predicted) if predicted is not None else math.inf
-        heapq.heappush(self._heap, _Entry((key, next(self._seq)), item))
-
-    def pop(self) -> T:
-        return heapq.heappop(self._heap).item
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __bool__(self) -> bool:
-        return bool(self._heap)

@@ -10,7 +10,7 @@ in this simulator), so migration's figures are an optimistic bound on its benefi
 Events are processed in global time order: each instance advances between its own events
 (a sample finishing or crossing its threshold) at ``PTL(running)`` per token, and is brought
 to the current time before a migrant joins it. With migration off this reproduces
-``instance_makespan`` of every instance exactly (a tested invariant).
+``srl.workload.instance_makespan`` of every instance exactly (a tested invariant).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ranker.migrate import MigrationPolicy
-from ranker.schedule import PoolPlan, PtlModel, balance, split_longtail
+from ranker.schedule import PoolPlan, balance, split_longtail
+from srl.workload import PtlModel
 
 
 @dataclass

@@ -1,13 +1,14 @@
 """Simulated generation makespan: random dispatch + FIFO vs ranker dispatch + LPT vs oracle.
 
-SIMULATED: time comes from the per-token-latency model ``PTL(BS)`` (``ranker.schedule``,
+SIMULATED: time comes from the per-token-latency model ``PTL(BS)`` (``srl.workload``,
 the same model the ``sim`` engine paces itself with), not from running a model. Prefill and
 network time are not modelled. Everything here is labelled simulated where it is reported.
 
-Model of one generator instance (continuous batching): it holds a queue of samples and runs
-up to ``cap`` of them at once; each decode step advances every running sample by one token
-and takes ``PTL(running)`` ms; a finished sample's slot is refilled from the head of the
-queue at once. An iteration's makespan is the time its slowest instance finishes.
+Model of one generator instance (continuous batching, ``srl.workload.instance_makespan``):
+it holds a queue of samples and runs up to ``cap`` of them at once; each decode step advances
+every running sample by one token and takes ``PTL(running)`` ms; a finished sample's slot is
+refilled from the head of the queue at once. An iteration's makespan is the time its slowest
+instance finishes.
 Skewness matters only in the multi-round regime (an instance holds more than ``cap``).
 
 Policies, for one batch of samples with true lengths ``L`` and predictions ``P``:
@@ -19,38 +20,21 @@ Policies, for one batch of samples with true lengths ``L`` and predictions ``P``
   planned batch cap.
 * oracle: ``skew_aware`` with ``P = L``.
 
-Called by ``srl ranker simulate`` and the tests.
+:func:`compare` runs the iterations (:func:`run_iteration`) and :func:`report` sums them up.
+Called by ``ranker.evaluate`` (``srl ranker simulate``) and the tests.
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ranker.migrate import MigrationPolicy
-from ranker.schedule import PoolPlan, PtlModel, balance, history_lengths, plan_pools, split_longtail
+from ranker.schedule import PoolPlan, balance, history_lengths, plan_pools, split_longtail
 from ranker.simmigrate import skew_aware_migrating
-
-
-def instance_makespan(lengths: np.ndarray, cap: int, ptl: PtlModel) -> float:
-    """Seconds for one instance to finish ``lengths`` admitted in the given order."""
-    if cap < 1:
-        raise ValueError("batch cap must be >= 1")
-    queue = [int(x) for x in lengths]
-    running: list[int] = []  # heap of the decode step at which each running sample finishes
-    step, t_ms, nxt = 0, 0.0, 0
-    while nxt < len(queue) or running:
-        while nxt < len(queue) and len(running) < cap:
-            heapq.heappush(running, step + max(1, queue[nxt]))
-            nxt += 1
-        finish = running[0]
-        t_ms += (finish - step) * ptl(len(running))
-        step = finish
-        while running and running[0] == step:
-            heapq.heappop(running)
-    return t_ms / 1000.0
+from srl.workload import PtlModel, instance_makespan, longest_s, throughput_s
 
 
 @dataclass(frozen=True)
@@ -104,9 +88,7 @@ def skew_aware(
 
 def lower_bound(true: np.ndarray, instances: int, b_max: int, ptl: PtlModel) -> float:
     """WORKLOAD.md's generation bound: max(longest·PTL(1), tokens·PTL(B_max)/(N·B_max))."""
-    longest = float(np.max(true)) * ptl(1)
-    throughput = float(np.sum(true)) * ptl(b_max) / (instances * b_max)
-    return max(longest, throughput) / 1000.0
+    return max(longest_s(true, ptl), throughput_s(float(np.sum(true)), instances, b_max, ptl))
 
 
 @dataclass(frozen=True)
@@ -133,9 +115,100 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"mean": float(a.mean()), "std": float(a.std())}
 
 
-def compare(
-    true_pool: np.ndarray, pred_pool: np.ndarray | None, s: SimSettings
-) -> dict[str, object]:
+@dataclass(frozen=True)
+class Iteration:
+    """One batch under every policy: makespans in SIMULATED seconds, and migration's
+    ``(makespan, migrations)`` when it ran."""
+
+    fifo_s: float
+    ranker: SimResult
+    oracle: SimResult
+    bound_s: float
+    migrate: tuple[float, int] | None = None
+
+
+def _lpt(true: np.ndarray, pred: np.ndarray, history: np.ndarray, s: SimSettings) -> SimResult:
+    return skew_aware(
+        true, pred, history, s.instances, s.b_max, s.ptl, s.alpha, allow_shared=s.allow_shared
+    )
+
+
+def run_iteration(
+    true: np.ndarray,
+    pred: np.ndarray | None,
+    history: np.ndarray,
+    s: SimSettings,
+    rng: np.random.Generator,
+) -> Iteration:
+    """Random + FIFO, oracle + LPT and (with ``pred``) ranker + LPT, with migration when
+    ``s.migrate_factor`` is set, on one batch. Without ``pred`` the ranker run is the oracle's."""
+    fifo = random_fifo(true, s.instances, s.b_max, s.ptl, rng).makespan_s
+    oracle = _lpt(true, true.astype(np.float64), history, s)
+    ranker, migrate = oracle, None
+    if pred is not None:
+        ranker = _lpt(true, pred, history, s)
+        if s.migrate_factor is not None and ranker.plan is not None:
+            policy = MigrationPolicy(factor=s.migrate_factor)
+            migrate = skew_aware_migrating(true, pred, ranker.plan, s.alpha, s.ptl, policy)
+    bound = lower_bound(true, s.instances, s.b_max, s.ptl)
+    return Iteration(fifo, ranker, oracle, bound, migrate)
+
+
+def plan_counts(plans: list[PoolPlan | None]) -> dict[str, int]:
+    """How often each plan was chosen, keyed ``"{long-tail N}x{BS}+{regular N}x{BS}"``."""
+    out: dict[str, int] = {}
+    for p in plans:
+        assert p is not None
+        key = f"{p.longtail_instances}x{p.longtail_batch}+{p.regular_instances}x{p.regular_batch}"
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _settings(s: SimSettings) -> dict[str, Any]:
+    return {
+        "instances": s.instances,
+        "b_max": s.b_max,
+        "batch": s.batch,
+        "alpha": s.alpha,
+        "iterations": s.iterations,
+        "seed": s.seed,
+        "rounds": s.rounds(),
+        "allow_shared_pool": s.allow_shared,
+        "ptl_ms": s.ptl.describe(),
+    }
+
+
+def report(its: list[Iteration], s: SimSettings, with_ranker: bool) -> dict[str, Any]:
+    """The comparison's report: makespans, ratios per iteration against random + FIFO on the
+    same batch (then averaged), the plans chosen; the ranker's entries only ``with_ranker``."""
+    fifo = [it.fifo_s for it in its]
+    runs = {
+        "ranker_lpt": [it.ranker.makespan_s for it in its],
+        "oracle_lpt": [it.oracle.makespan_s for it in its],
+        "lower_bound": [it.bound_s for it in its],
+    }
+    out: dict[str, Any] = {
+        "simulated": True,
+        "settings": _settings(s),
+        "makespan_s": {"random_fifo": _stats(fifo)} | {k: _stats(v) for k, v in runs.items()},
+        "ratio_vs_random_fifo": {
+            k: _stats([x / b for x, b in zip(v, fifo, strict=True)]) for k, v in runs.items()
+        },
+        "ranker_plans": plan_counts([it.ranker.plan for it in its]),
+    }
+    migrated = [(it.migrate, it.fifo_s) for it in its if it.migrate is not None]
+    if migrated:
+        out["ratio_vs_random_fifo"]["ranker_lpt_migrate"] = _stats([m[0] / b for m, b in migrated])
+        out["migrations_per_iteration"] = _stats([m[1] for m, _ in migrated])
+        out["settings"]["migrate_factor"] = s.migrate_factor
+    if not with_ranker:  # no ranker: the "ranker" runs were the oracle's
+        for key in ("makespan_s", "ratio_vs_random_fifo"):
+            del out[key]["ranker_lpt"]
+        out["oracle_plans"] = out.pop("ranker_plans")
+    return out
+
+
+def compare(true_pool: np.ndarray, pred_pool: np.ndarray | None, s: SimSettings) -> dict[str, Any]:
     """Makespans of random + FIFO, ranker dispatch + LPT and oracle dispatch + LPT.
 
     ``true_pool``/``pred_pool`` are paired true lengths (already on the workload's scale) and
@@ -146,90 +219,10 @@ def compare(
     """
     rng = np.random.default_rng(s.seed)
     n = len(true_pool)
-    base: list[float] = []
-    rank: list[float] = []
-    orac: list[float] = []
-    bound: list[float] = []
-    r_ratio: list[float] = []
-    o_ratio: list[float] = []
-    b_ratio: list[float] = []
-    plans: dict[str, int] = {}
-    mig_ratio: list[float] = []
-    migrations: list[float] = []
+    its = []
     for _ in range(s.iterations):
         idx = rng.integers(0, n, s.batch)
         history = true_pool[rng.integers(0, n, s.batch)]
-        true = true_pool[idx]
-        b = random_fifo(true, s.instances, s.b_max, s.ptl, rng).makespan_s
-        o = skew_aware(
-            true,
-            true.astype(np.float64),
-            history,
-            s.instances,
-            s.b_max,
-            s.ptl,
-            s.alpha,
-            allow_shared=s.allow_shared,
-        )
-        r = o
-        if pred_pool is not None:
-            pred = pred_pool[idx].astype(np.float64)
-            r = skew_aware(
-                true,
-                pred,
-                history,
-                s.instances,
-                s.b_max,
-                s.ptl,
-                s.alpha,
-                allow_shared=s.allow_shared,
-            )
-            if s.migrate_factor is not None and r.plan is not None:
-                policy = MigrationPolicy(factor=s.migrate_factor)
-                m_s, n_mig = skew_aware_migrating(true, pred, r.plan, s.alpha, s.ptl, policy)
-                mig_ratio.append(m_s / b)
-                migrations.append(n_mig)
-        lb = lower_bound(true, s.instances, s.b_max, s.ptl)
-        for acc, v in ((base, b), (rank, r.makespan_s), (orac, o.makespan_s), (bound, lb)):
-            acc.append(v)
-        for acc, v in ((r_ratio, r.makespan_s), (o_ratio, o.makespan_s), (b_ratio, lb)):
-            acc.append(v / b)
-        assert r.plan is not None
-        p = r.plan
-        key = f"{p.longtail_instances}x{p.longtail_batch}+{p.regular_instances}x{p.regular_batch}"
-        plans[key] = plans.get(key, 0) + 1
-    report: dict[str, object] = {
-        "simulated": True,
-        "settings": {
-            "instances": s.instances,
-            "b_max": s.b_max,
-            "batch": s.batch,
-            "alpha": s.alpha,
-            "iterations": s.iterations,
-            "seed": s.seed,
-            "rounds": s.rounds(),
-            "allow_shared_pool": s.allow_shared,
-            "ptl_ms": f"{s.ptl.a_ms} + {s.ptl.b_ms}*BS",
-        },
-        "makespan_s": {
-            "random_fifo": _stats(base),
-            "ranker_lpt": _stats(rank),
-            "oracle_lpt": _stats(orac),
-            "lower_bound": _stats(bound),
-        },
-        "ratio_vs_random_fifo": {
-            "ranker_lpt": _stats(r_ratio),
-            "oracle_lpt": _stats(o_ratio),
-            "lower_bound": _stats(b_ratio),
-        },
-        "ranker_plans": plans,  # "{longtail instances}x{batch}+{regular instances}x{batch}": count
-    }
-    if mig_ratio:
-        report["ratio_vs_random_fifo"]["ranker_lpt_migrate"] = _stats(mig_ratio)  # type: ignore[index]
-        report["migrations_per_iteration"] = _stats(migrations)
-        report["settings"]["migrate_factor"] = s.migrate_factor  # type: ignore[index]
-    if pred_pool is None:  # no ranker: the "ranker" runs above were the oracle's
-        for key in ("makespan_s", "ratio_vs_random_fifo"):
-            del report[key]["ranker_lpt"]  # type: ignore[attr-defined]
-        report["oracle_plans"] = report.pop("ranker_plans")
-    return report
+        pred = None if pred_pool is None else pred_pool[idx].astype(np.float64)
+        its.append(run_iteration(true_pool[idx], pred, history, s, rng))
+    return report(its, s, with_ranker=pred_pool is not None)

@@ -12,8 +12,9 @@ Owns the encoding of records whose fields are all primitive (``boolean``, ``int`
   other exception escapes;
 * a schema that is not flat gets ``None`` from :func:`compile_flat` and stays on fastavro.
 
-Why: fastavro's per-call setup is most of its cost on small records (≈ 27 µs to read one
-32-token chunk); straight-line code generated once per schema reads it in a few µs. Called
+Why: fastavro's per-call setup is most of its cost on small records such as a 32-token
+chunk; straight-line code generated once per schema skips it (figures in docs/benchmarks.md,
+"Data plane"). Called
 by ``schemas.codec.Codec`` only when the writer and reader schema are the same version.
 """
 
@@ -153,14 +154,11 @@ def _write_lines(kind: str, var: str, name: str, ind: str) -> list[str]:
     ]
 
 
-def compile_flat(
-    schema: dict[str, Any],
-) -> tuple[Callable[..., Any], Callable[..., bytes]] | None:
-    """(reader, writer) for a flat record schema, or None if it is not flat.
+Field = tuple[str, str, bool]  # (name, primitive, nullable)
 
-    ``reader(body)`` is the record's dict; ``reader(body, make)`` is ``make(v0, v1, …)``, the
-    values in the schema's field order (a record object built without an intermediate dict).
-    ``writer(record)`` takes a dict; ``writer(obj, getattr)`` reads the fields as attributes."""
+
+def flat_fields(schema: Any) -> list[Field] | None:
+    """The fields of a flat record schema in order, or None if it is not a flat record."""
     if not isinstance(schema, dict) or schema.get("type") != "record":
         return None
     fields = []
@@ -169,54 +167,90 @@ def compile_flat(
         if ft is None:
             return None
         fields.append((f["name"], *ft))
+    return fields
+
+
+def _read_field(var: str, kind: str, nullable: bool) -> list[str]:
+    if not nullable:
+        return _read_lines(kind, var, "    ")
+    return [
+        *_varint("u", "    "),
+        "    if u == 0:",
+        f"        {var} = None",
+        "    elif u == 1:",
+        *_read_lines(kind, var, "        "),
+        "    else: raise SchemaError('union index ' + str(u))",
+    ]
+
+
+def _write_field(var: str, name: str, kind: str, nullable: bool) -> list[str]:
+    if not nullable:
+        return [
+            f"    {var} = g(r, {name!r}, None)",
+            f"    if {var} is None: raise SchemaError('field {name}: no value')",
+            *_write_lines(kind, var, name, "    "),
+        ]
+    return [
+        f"    {var} = g(r, {name!r}, None)",
+        f"    if {var} is None:",
+        "        out.append(b'\\x00')",
+        "    else:",
+        "        out.append(b'\\x02')",
+        *_write_lines(kind, var, name, "        "),
+    ]
+
+
+def reader_source(fields: list[Field]) -> list[str]:
+    """Lines of ``read(b, make=None)``: each field in order, then no trailing bytes."""
     read = ["def read(b, make=None):", "    p = 0"]
-    write = ["def write(r, g=dget):", "    out = []"]
-    for i, (name, kind, nullable) in enumerate(fields):
-        var = f"v{i}"
-        if nullable:
-            read += [
-                *_varint("u", "    "),
-                "    if u == 0:",
-                f"        {var} = None",
-                "    elif u == 1:",
-                *_read_lines(kind, var, "        "),
-                "    else: raise SchemaError('union index ' + str(u))",
-            ]
-            write += [
-                f"    {var} = g(r, {name!r}, None)",
-                f"    if {var} is None:",
-                "        out.append(b'\\x00')",
-                "    else:",
-                "        out.append(b'\\x02')",
-                *_write_lines(kind, var, name, "        "),
-            ]
-        else:
-            read += _read_lines(kind, var, "    ")
-            write += [
-                f"    {var} = g(r, {name!r}, None)",
-                f"    if {var} is None: raise SchemaError('field {name}: no value')",
-                *_write_lines(kind, var, name, "    "),
-            ]
+    for i, (_name, kind, nullable) in enumerate(fields):
+        read += _read_field(f"v{i}", kind, nullable)
     values = ", ".join(f"v{i}" for i in range(len(fields)))
-    read += [
+    return [
+        *read,
         "    if p != len(b): raise SchemaError(str(len(b) - p) + ' trailing bytes')",
         f"    if make is not None: return make({values})",
         "    return {" + ", ".join(f"{n!r}: v{i}" for i, (n, _k, _u) in enumerate(fields)) + "}",
     ]
-    write += ["    return b''.join(out)"]
-    env: dict[str, Any] = {
-        "rl": _rl,
-        "wl": _wl,
-        "SchemaError": SchemaError,
-        "F": _F.unpack_from,
-        "D": _D.unpack_from,
-        "FP": _F.pack,
-        "DP": _D.pack,
-        "index": index,
-        "Real": numbers.Real,
-        "dget": dict.get,
-    }
-    exec(compile("\n".join(read + [""] + write), f"<flat {schema.get('name')}>", "exec"), env)  # noqa: S102
+
+
+def writer_source(fields: list[Field]) -> list[str]:
+    """Lines of ``write(r, g=dget)``: each field checked and encoded in order."""
+    write = ["def write(r, g=dget):", "    out = []"]
+    for i, (name, kind, nullable) in enumerate(fields):
+        write += _write_field(f"v{i}", name, kind, nullable)
+    return [*write, "    return b''.join(out)"]
+
+
+# the names the generated code refers to
+_ENV: dict[str, Any] = {
+    "rl": _rl,
+    "wl": _wl,
+    "SchemaError": SchemaError,
+    "F": _F.unpack_from,
+    "D": _D.unpack_from,
+    "FP": _F.pack,
+    "DP": _D.pack,
+    "index": index,
+    "Real": numbers.Real,
+    "dget": dict.get,
+}
+
+
+def compile_flat(
+    schema: dict[str, Any],
+) -> tuple[Callable[..., Any], Callable[..., bytes]] | None:
+    """(reader, writer) for a flat record schema, or None if it is not flat.
+
+    ``reader(body)`` is the record's dict; ``reader(body, make)`` is ``make(v0, v1, …)``, the
+    values in the schema's field order (a record object built without an intermediate dict).
+    ``writer(record)`` takes a dict; ``writer(obj, getattr)`` reads the fields as attributes."""
+    fields = flat_fields(schema)
+    if fields is None:
+        return None
+    env = dict(_ENV)
+    src = "\n".join([*reader_source(fields), "", *writer_source(fields)])
+    exec(compile(src, f"<flat {schema.get('name')}>", "exec"), env)  # noqa: S102
     reader, writer = env["read"], env["write"]
 
     def safe_read(body: bytes, make: Callable[..., Any] | None = None) -> Any:

@@ -6,8 +6,8 @@ comments there say what each value and each null means. Conversion is explicit:
 the process-wide :class:`~schemas.codec.Codec` (or one you pass). For a flat schema (every
 field primitive: ``TrajectoryChunk``, ``WeightsAnnouncement``) they skip the dict: ``encode``
 hands the record itself to the compiled writer, and ``decode_as`` has the compiled reader
-fill a new record's slots directly (per 32-token chunk: encode 6.3 → 4.4 µs, decode 6.1 →
-4.4 µs; docs/benchmarks.md, "Data plane").
+fill a new record's slots directly: no dict and no ``__init__`` per record, the cost that
+dominates a small chunk (figures in docs/benchmarks.md, "Data plane").
 
 Token ids travel as packed little-endian int32 and log-probs as little-endian float32
 (``pack_tokens`` / ``unpack_tokens`` / ``pack_logprobs`` / ``unpack_logprobs``).

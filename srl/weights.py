@@ -16,7 +16,8 @@ without a manifest first (step 1 of a retry); a manifest left without an announc
 the version "already published", and the caller announces it or moves on to the next. Followers
 call ``load_manifest`` (checks the
 manifest's sha256) and ``fetch_tensors`` (checks every file's sha256) and never unpickle
-anything: safetensors and JSON only. Versions only move forward (``VersionTracker``).
+anything: safetensors and JSON only. Versions only move forward (the follower,
+``producers.follower``, loads only versions newer than its own).
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ T = TypeVar("T")
 MANIFEST = "manifest.json"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 # A version this large is cut into one shard per core, written and hashed (and verified by
-# followers) in parallel: one sha256 stream runs at ~1.5 GB/s, which bounds a follower's
-# verification of a single file (docs/benchmarks.md, "Weights").
+# followers) in parallel: a single sha256 stream is the bound on a follower's verification of
+# one file (figures in docs/benchmarks.md, "Weights").
 PARALLEL_MIN_BYTES = 64 * 1024**2
 
 
@@ -171,6 +172,75 @@ def _parallel(fn: Callable[..., T], args: list[tuple[Any, ...]], workers: int) -
         return list(pool.map(lambda a: fn(*a), args))
 
 
+def shard_names(n: int) -> list[str]:
+    """File names of a version's ``n`` safetensors shards, in the Hugging Face layout."""
+    if n == 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
+def shard_index(names: list[str], shards: list[dict[str, Any]], total: int) -> bytes:
+    """``model.safetensors.index.json`` of a sharded version: which file holds each tensor."""
+    weight_map = {}
+    for name, shard in zip(names, shards, strict=True):
+        weight_map.update(dict.fromkeys(shard, name))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    return orjson.dumps(index, option=orjson.OPT_INDENT_2)
+
+
+def _put(store: ObjectStore, prefix: str, name: str, data: bytes) -> FileEntry:
+    store.put(f"{prefix}/{name}", data)
+    return FileEntry(name, len(data), hashlib.sha256(data).hexdigest())
+
+
+def _put_tensors(
+    store: ObjectStore, prefix: str, name: str, shard: dict[str, torch.Tensor]
+) -> FileEntry:
+    """One safetensors file: streamed (hashed while written, never assembled in memory) when
+    the tensors allow it, else built by ``safetensors.torch.save``."""
+    if not tensorfile.streamable(shard):
+        from safetensors.torch import save
+
+        return _put(store, prefix, name, save(shard, metadata={"format": "pt"}))
+    _uri, digest, size = store.put_chunks(
+        f"{prefix}/{name}", tensorfile.parts(shard, {"format": "pt"})
+    )
+    return FileEntry(name, size, digest)
+
+
+def _clear_unfinished(store: ObjectStore, run: str, version: int) -> None:
+    """Remove the files of a publication that died between steps 1 and 2. Nothing points at
+    them (no manifest, so no announcement); left there, the create-only puts would refuse the
+    version forever."""
+    leftovers = store.list(version_prefix(run, version))
+    if leftovers:
+        log.warning(
+            "weights %s v%d: removing %d file(s) of an unfinished publication",
+            run,
+            version,
+            len(leftovers),
+        )
+        for key in leftovers:
+            store.delete(key)
+
+
+def _write_tensors(
+    store: ObjectStore, prefix: str, tensors: dict[str, torch.Tensor], max_shard_bytes: int
+) -> list[FileEntry]:
+    """Step 1 for the tensors: one file, or (a large version) one shard per I/O worker written
+    and hashed in parallel, plus the HF index file."""
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    workers = io_workers() if total >= PARALLEL_MIN_BYTES else 1
+    shards = _shards(tensors, min(max_shard_bytes, -(-total // workers)))
+    names = shard_names(len(shards))
+    if len(shards) == 1:
+        return [_put_tensors(store, prefix, names[0], shards[0])]
+    args = [(store, prefix, name, shard) for name, shard in zip(names, shards, strict=True)]
+    entries = _parallel(_put_tensors, args, workers)
+    index = shard_index(names, shards, total)
+    return [*entries, _put(store, prefix, "model.safetensors.index.json", index)]
+
+
 def publish(
     store: ObjectStore,
     run: str,
@@ -183,59 +253,14 @@ def publish(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Published:
     """Steps 1 and 2 of the protocol; returns what step 3 announces."""
-    from safetensors.torch import save
-
     prefix = version_prefix(run, version)
     if store.exists(f"{prefix}/{MANIFEST}"):
         raise WeightsError(f"weights {run} v{version} already published")
-    # Files without a manifest are what a publisher that died between steps 1 and 2 left:
-    # nothing points at them (no manifest, so no announcement), so they are removed before the
-    # version is written again; otherwise the create-only puts below would refuse it forever.
-    leftovers = store.list(prefix)
-    if leftovers:
-        log.warning(
-            "weights %s v%d: removing %d file(s) of an unfinished publication",
-            run,
-            version,
-            len(leftovers),
-        )
-        for key in leftovers:
-            store.delete(key)
+    _clear_unfinished(store, run, version)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    workers = io_workers() if total >= PARALLEL_MIN_BYTES else 1
-    shards = _shards(tensors, min(max_shard_bytes, -(-total // workers)))
-    entries: list[FileEntry] = []
-
-    def put(name: str, data: bytes) -> FileEntry:
-        store.put(f"{prefix}/{name}", data)
-        return FileEntry(name, len(data), hashlib.sha256(data).hexdigest())
-
-    def put_tensors(name: str, shard: dict[str, torch.Tensor]) -> FileEntry:
-        if not tensorfile.streamable(shard):
-            return put(name, save(shard, metadata={"format": "pt"}))
-        # streamed: hashed while written, never assembled in memory
-        _uri, digest, size = store.put_chunks(
-            f"{prefix}/{name}", tensorfile.parts(shard, {"format": "pt"})
-        )
-        return FileEntry(name, size, digest)
-
-    if len(shards) == 1:
-        entries.append(put_tensors("model.safetensors", shards[0]))
-    else:
-        names = [
-            f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
-        ]
-        entries.extend(_parallel(put_tensors, list(zip(names, shards, strict=True)), workers))
-        weight_map = {}
-        for name, shard in zip(names, shards, strict=True):
-            weight_map.update(dict.fromkeys(shard, name))
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        entries.append(
-            put("model.safetensors.index.json", orjson.dumps(index, option=orjson.OPT_INDENT_2))
-        )
-    entries.extend(put(name, data) for name, data in (extra_files or {}).items())
+    entries = _write_tensors(store, prefix, tensors, max_shard_bytes)
+    entries += [_put(store, prefix, name, data) for name, data in (extra_files or {}).items()]
     manifest = Manifest(
         run, version, trainer_step, parent_version, tuple(entries), ",".join(dtypes)
     )
@@ -317,24 +342,6 @@ def materialize(store: ObjectStore, manifest: Manifest, out_dir: Path) -> Path:
     return out_dir
 
 
-class VersionTracker:
-    """Accepts announcements whose version moves forward; counts and ignores the rest."""
-
-    def __init__(self, run: str, current: int = -1) -> None:
-        self.run = run
-        self.current = current
-        self.ignored = 0
-
-    def accept(self, ann: WeightsAnnouncement) -> bool:
-        if ann.run != self.run or ann.version <= self.current:
-            self.ignored += 1
-            return False
-        return True
-
-    def advance(self, version: int) -> None:
-        self.current = max(self.current, version)
-
-
 def read_announcements(
     cfg: Any, layout: Layout, timeout_s: float = 10.0
 ) -> list[WeightsAnnouncement]:
@@ -351,7 +358,3 @@ def latest_announcement(
 ) -> WeightsAnnouncement | None:
     anns = [a for a in read_announcements(cfg, layout, timeout_s) if a.run == run]
     return max(anns, key=lambda a: a.version) if anns else None
-
-
-def state_dict_bytes(tensors: dict[str, Any]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -256,10 +256,11 @@ def pipeline(
     (WORKLOAD.md), divided by --compression.
     """
     from app.bench import pipeline as p
-    from producers.workload import LengthHistogram
     from srl.errors import ConfigError
+    from srl.workload import LengthHistogram
 
-    LengthHistogram.load(lengths, scale)  # a bad file is a one-line error before anything starts
+    # a bad file is a one-line error before anything starts
+    LengthHistogram.from_file(lengths, scale)
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     if not chosen or any(m not in MODES for m in chosen):
         raise ConfigError(f"--modes {modes!r}: choose from {', '.join(MODES)}")

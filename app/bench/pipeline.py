@@ -53,12 +53,12 @@ from producers.dispatcher import run_dispatcher
 from producers.engines.sim import SimEngine
 from producers.sources import make_predictor
 from producers.worker import run_generator
-from producers.workload import LengthHistogram
 from srl.broker import EmbeddedBroker
 from srl.errors import SrlError
 from srl.kafka import create_topics
 from srl.stores import store_from_config
 from srl.tinymodel import TinyModelSpec, build_tiny_model
+from srl.workload import LengthHistogram
 
 log = logging.getLogger("app.bench")
 MODEL_BATCHES = 32  # sampled steps the split model averages over
@@ -159,8 +159,8 @@ def mode_configs(
 
     k = w.k(mode)
     d_over, t_over = ({}, {}) if mode in BARRIER else DESIGNS[w.design]
-    hist = LengthHistogram.load(w.lengths, w.scale)
-    max_len = int(math.ceil(float(np.max(hist.hi)) * w.scale)) + 1
+    hist = LengthHistogram.from_file(w.lengths, w.scale)
+    max_len = int(math.ceil(float(np.max(hist.hi)))) + 1
     B = w.groups_per_step
     dispatch = {
         "max_staleness": k,
@@ -386,7 +386,7 @@ def run(
 ) -> dict[str, Any]:
     """The ``modes`` on one broker; ratios against ``colocated`` and ``sync`` of the same run."""
 
-    hist = LengthHistogram.load(w.lengths, w.scale)
+    hist = LengthHistogram.from_file(w.lengths, w.scale)
     # the model's steps: per-prompt lengths as the sim task draws them (the same histogram)
     rng = np.random.default_rng(w.seed)
     batches = [hist.sample(w.groups_per_step, rng).astype(float) for _ in range(MODEL_BATCHES)]

@@ -1,7 +1,8 @@
 """The pipeline benchmark's time model: modes, splits, and the bound each mode is held to.
 
-Pure (numpy only). All times are SIMULATED seconds from WORKLOAD.md's models: a decode step
-of ``BS`` running sequences lasts ``PTL(BS) = 8.1 + 0.056·BS`` ms per token; training costs
+Pure (numpy only). All times are SIMULATED seconds from WORKLOAD.md's models: generation from
+``srl.workload`` (a decode step of ``BS`` running sequences lasts ``PTL(BS)`` ms, continuous
+batching per instance, the same model the sim engine paces itself with); training costs
 ``F·P / (peak·MFU)`` seconds per completion token on one device.
 
 The modes (WORKLOAD.md, "Fair comparison"):
@@ -24,20 +25,18 @@ fraction of it above 1.0 would mean the bound or the accounting is wrong.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ranker.schedule import PtlModel
+from srl.workload import PTL, finish_times, longest_s, throughput_s
 
 MODES = ("colocated", "sync", "stream", "async", "async+skew")
 BARRIER = ("colocated", "sync", "stream")  # k = 0: one step of prompts per policy version
 LPT_MODES = ("stream", "async+skew")  # longest-predicted first (oracle lengths)
 RANDOM_DISPATCH = ("sync", "async")  # tasks to prompt partitions by key hash (the others: balanced)
-PTL = PtlModel()
 
 # How the async modes keep samples within k (docs/benchmarks.md, "Asynchrony that keeps the
 # long tail"): dispatcher settings, trainer settings.
@@ -90,23 +89,6 @@ class Workload:
 
 
 # -- modelled iterations ------------------------------------------------------------------------
-def finish_times(lengths: np.ndarray, cap: int, ptl: PtlModel = PTL) -> np.ndarray:
-    """Seconds at which each sample of one instance finishes, admitted in the given order."""
-    finish = np.zeros(len(lengths))
-    running: list[tuple[int, int]] = []  # (decode step at which it finishes, index)
-    step, t_ms, nxt = 0, 0.0, 0
-    while nxt < len(lengths) or running:
-        while nxt < len(lengths) and len(running) < cap:
-            heapq.heappush(running, (step + max(1, int(lengths[nxt])), nxt))
-            nxt += 1
-        end = running[0][0]
-        t_ms += (end - step) * ptl(len(running))
-        step = end
-        while running and running[0][0] == step:
-            finish[heapq.heappop(running)[1]] = t_ms / 1000.0
-    return finish
-
-
 def group_finish(w: Workload, group_lengths: np.ndarray, instances: int, lpt: bool) -> np.ndarray:
     """When each group of one barrier step is complete: groups dealt to instances by key
     (random), each instance admitting its share FIFO or longest first."""
@@ -136,9 +118,9 @@ def model_iteration(
     per_group = group_lengths * w.group_size * w.train_s_per_token / devices
     train_s = float(per_group.sum())
     if mode not in BARRIER:
-        steady = float(group_lengths.sum()) * w.group_size * PTL(w.b_max) / (instances * w.b_max)
-        window = float(group_lengths.max()) * PTL(w.b_max) / (1 + w.k(mode))
-        gen_s = max(steady, window) / 1000.0
+        steady = throughput_s(float(group_lengths.sum()) * w.group_size, instances, w.b_max)
+        window = float(group_lengths.max()) * PTL(w.b_max) / (1 + w.k(mode)) / 1000.0
+        gen_s = max(steady, window)
         return {"gen_s": gen_s, "train_s": train_s, "iteration_s": max(gen_s, train_s)}
     done = group_finish(w, group_lengths, instances, lpt=mode in LPT_MODES)
     gen_s = float(done.max())
@@ -185,16 +167,6 @@ class StepWork:
     trained_tokens: int
 
 
-def gen_throughput_s(tokens: float, instances: int, b_max: int) -> float:
-    """Seconds ``instances`` need for ``tokens`` at their best rate (every one at ``B_max``)."""
-    return tokens * PTL(b_max) / (instances * b_max) / 1000.0
-
-
-def longest_s(lengths: Sequence[int]) -> float:
-    """Seconds the longest sample needs on its own (``PTL(1)`` per token)."""
-    return max(lengths, default=0) * PTL(1) / 1000.0
-
-
 def run_bound(
     w: Workload, mode: str, split: dict[str, Any], work: list[StepWork], paced: bool = True
 ) -> dict[str, Any]:
@@ -215,7 +187,7 @@ def run_bound(
     Every term is a true lower bound, so measured time below ``T_N`` would be a bug.
     """
     n, g = split["instances"], split["trainer_devices"]
-    G = [gen_throughput_s(sum(x.lengths), n, w.b_max) for x in work]
+    G = [throughput_s(sum(x.lengths), n, w.b_max) for x in work]
     L = [longest_s(x.lengths) for x in work]
     R = [x.trained_tokens * w.train_s_per_token / g for x in work]
     if mode not in BARRIER and not paced:

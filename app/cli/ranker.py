@@ -220,9 +220,10 @@ def plan(
 
     from ranker.config import RankerConfig
     from ranker.publish import load_version
-    from ranker.schedule import PtlModel, history_lengths, plan_pools
+    from ranker.schedule import history_lengths, plan_pools
     from srl.errors import ConfigError
     from srl.stores import store_from_config
+    from srl.workload import PtlModel
 
     cfg = config_from(RankerConfig, kw)
     ranker = load_version(store_from_config(cfg), cfg.run)

@@ -19,7 +19,7 @@ from producers.engines.base import (
 from producers.engines.hf import HFEngine
 from producers.engines.sim import SimEngine
 from producers.engines.vllm import VLLMEngine
-from producers.workload import LengthHistogram
+from srl.workload import LengthHistogram
 
 if TYPE_CHECKING:
     from producers.config import GenerateConfig
@@ -48,7 +48,7 @@ def make_engine(cfg: GenerateConfig) -> Engine:
         assert cfg.model is not None
         return VLLMEngine(cfg.model, cfg.max_batch, cfg.dtype or "auto", cfg.seed)
 
-    lengths = LengthHistogram.load(cfg.lengths, cfg.length_scale) if cfg.lengths else None
+    lengths = LengthHistogram.from_file(cfg.lengths, cfg.length_scale) if cfg.lengths else None
     return SimEngine(
         cfg.max_batch, lengths, cfg.time_scale, cfg.seed, cfg.sim_tokens_per_step, cfg.sim_vocab
     )

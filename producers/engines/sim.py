@@ -4,8 +4,8 @@ Owns a stand-in for a GPU engine in benchmarks of the system's scheduling and da
 What is simulated and what is real:
 
 * simulated: the token ids (random), their log-probs (``-log V``, uniform over the vocabulary)
-  and the decode time (each step lasts ``PTL(BS) × time_scale`` ms, ``PTL(BS) = 8.1 + 0.056·BS``,
-  ``BS`` = sequences running in that step);
+  and the decode time (each step lasts ``PTL(BS) × time_scale`` ms, ``srl.workload.PTL``:
+  ``8.1 + 0.056·BS``, ``BS`` = sequences running in that step);
 * real: continuous batching (admission as sequences finish, ``max_batch``), the length of
   every trajectory, and everything downstream (chunks, Kafka, weights verification).
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from producers.engines.base import FINISH_LENGTH, FINISH_STOP, Emitted, Engine, Request
-from producers.workload import LengthHistogram, ptl_ms
+from srl.workload import PTL, LengthHistogram
 
 if TYPE_CHECKING:
     import torch
@@ -86,7 +86,7 @@ class SimEngine(Engine):
         if not self.rows:
             return []
         k = self.tokens_per_step
-        step_ms = ptl_ms(len(self.rows)) * k
+        step_ms = PTL(len(self.rows)) * k
         self.simulated_ms += step_ms
         self._pace(step_ms * self.time_scale / 1000)
         tokens = self.rng.integers(4, self.vocab, (len(self.rows), k)).tolist()

@@ -115,8 +115,8 @@ def test_plan_from_the_published_history(tmp_path: Path) -> None:
     from ranker.features import FeatureSpec
     from ranker.model import LengthRanker
     from ranker.publish import publish
-    from ranker.workload import LengthHistogram
     from srl.store import LocalStore
+    from srl.workload import LengthHistogram
 
     lengths = LengthHistogram.from_file(HIST).sample(400, np.random.default_rng(0))
     r = LengthRanker.fit(

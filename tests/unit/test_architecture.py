@@ -43,10 +43,6 @@ KNOWN_OVERSIZE: set[str] = {
     "app/top.py:_srl_metrics",
     "consumers/trainer.py:Trainer",
     "consumers/trainer.py:_take_step",
-    "ranker/model.py:fit",
-    "ranker/simulate.py:compare",
-    "schemas/flat.py:compile_flat",
-    "srl/weights.py:publish",
 }
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from app.bench import pipemodel as p
-from ranker.schedule import PtlModel
+from srl.workload import PtlModel
 
 PTL = PtlModel()
 

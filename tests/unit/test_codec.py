@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.codec import SCHEMA_DIR, Codec, SchemaError, SchemaVersion, crc64_avro
-from schemas.flat import compile_flat
+from schemas.flat import compile_flat, flat_fields
 from schemas.records import (
     MetricEvent,
     PromptTask,
@@ -394,3 +394,34 @@ def test_nested_and_map_schemas_stay_on_fastavro() -> None:
 def test_flat_encoding_refuses_bad_values_with_a_schema_error(change: dict, match: str) -> None:
     with pytest.raises(SchemaError, match=match):
         Codec().encode("srl.TrajectoryChunk", {**chunk().to_dict(), **change})
+
+
+def _record(*types: object) -> dict[str, object]:
+    return {
+        "type": "record",
+        "name": "R",
+        "fields": [{"name": f"f{i}", "type": t} for i, t in enumerate(types)],
+    }
+
+
+@pytest.mark.parametrize(
+    "schema, want",
+    [
+        (_record("long", "string"), [("f0", "long", False), ("f1", "string", False)]),
+        (
+            _record(["null", "bytes"], {"type": "int"}),
+            [("f0", "bytes", True), ("f1", "int", False)],
+        ),
+        (_record(), []),
+        (_record(["long", "null"]), None),  # null must come first
+        (_record(["null", ["null", "int"]]), None),
+        (_record({"type": "long", "logicalType": "timestamp-millis"}), None),
+        (_record({"type": "array", "items": "int"}), None),
+        (_record({"type": "map", "values": "double"}), None),
+        ({"type": "enum", "name": "E", "symbols": ["A"]}, None),
+        ("long", None),
+    ],
+)
+def test_flat_fields(schema: object, want: list[tuple[str, str, bool]] | None) -> None:
+    assert flat_fields(schema) == want
+    assert (compile_flat(schema) is None) == (want is None)  # type: ignore[arg-type]

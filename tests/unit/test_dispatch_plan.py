@@ -12,11 +12,11 @@ from app.sources import load_source
 from producers.config import DispatchConfig
 from producers.dispatcher import plan_window, windows
 from producers.sources import SourcePrompt, make_predictor, read_jsonl, sim_prompts
-from producers.workload import LengthHistogram
 from ranker.predictor import BaselinePredictor, LengthPredictor, OraclePredictor
 from srl.config import load_config
 from srl.errors import ConfigError
 from srl.topics import Layout
+from srl.workload import LengthHistogram
 
 HIST = "/work/shared/data/streamrl_output_length_hist.csv"
 
@@ -97,8 +97,8 @@ def test_sim_source_carries_oracle_lengths_for_the_oracle_predictor() -> None:
     assert predictor.predict([p.text for p in prompts]).tolist() == [
         p.metadata["sim_length"] for p in prompts
     ]
-    assert sim_prompts(3, LengthHistogram.load(HIST), seed=1) == sim_prompts(
-        3, LengthHistogram.load(HIST), seed=1
+    assert sim_prompts(3, LengthHistogram.from_file(HIST), seed=1) == sim_prompts(
+        3, LengthHistogram.from_file(HIST), seed=1
     )
 
 

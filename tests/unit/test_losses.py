@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from consumers.losses import (
-    clipped_fraction,
     decoupled_ppo_loss,
     grpo_advantages,
     k3_kl,
@@ -77,15 +76,13 @@ def test_ppo_clip(ratio: float, adv: float, loss: float, grad: float) -> None:
     assert logp.grad.item() == pytest.approx(grad)  # d(-r·A)/dlogp = -r·A when unclipped
 
 
-def test_ppo_asymmetric_clip_and_clipped_fraction() -> None:
+def test_ppo_asymmetric_clip() -> None:
     old = t(L(0.4), L(0.4), L(0.4))
     logp = t(L(0.4 * 1.25), L(0.4 * 1.35), L(0.4 * 0.7))
     adv = torch.tensor([1.0], dtype=torch.float64)
     # clip_high 0.3: 1.25 is inside, 1.35 is clipped to 1.3; 0.7 with A > 0 is never clipped
     out = ppo_clip_loss(logp, old, adv, 0.2, 0.3)
     assert out.tolist()[0] == pytest.approx([-1.25, -1.3, -0.7])
-    frac = clipped_fraction(logp, old, adv, 0.2, 0.3, torch.ones_like(old))
-    assert frac == pytest.approx(1 / 3)
 
 
 def test_decoupled_ppo_weights_by_prox_over_behaviour_and_clips_against_prox() -> None:

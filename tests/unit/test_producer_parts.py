@@ -1,4 +1,4 @@
-"""Pure parts of the producer side: sampling, chunker, offset tracking, sim engine, workload."""
+"""Pure parts of the producer side: sampling, chunker, offset tracking, sim engine."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import dataclasses
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,9 +15,8 @@ from producers.engines.sampling import sample
 from producers.engines.sim import SimEngine
 from producers.recovery import Found, trajectory_id_for
 from producers.tasks import OffsetTracker
-from producers.workload import LengthHistogram, ptl_ms
 from schemas.records import MIGRATED, pack_tokens
-from srl.errors import ConfigError
+from srl.workload import PTL, LengthHistogram
 
 HIST = Path("/work/shared/data/streamrl_output_length_hist.csv")
 
@@ -190,31 +188,10 @@ def test_found_prefix_states() -> None:
     assert Found({**dict(enumerate(moved)), 2: later}).state(0) == "complete"
 
 
-# -- sim engine and workload ------------------------------------------------------------------
-def test_histogram_draws_stay_in_the_bins_and_scale() -> None:
-    h = LengthHistogram.load(HIST)
-    x = h.sample(20_000, np.random.default_rng(0))
-    assert x.min() >= 280 and x.max() <= 20_000
-    assert 4_000 < x.mean() < 5_000  # WORKLOAD.md: mean about 4.5K
-    quarter = LengthHistogram.load(HIST, 0.25).sample(20_000, np.random.default_rng(0))
-    assert quarter.mean() == pytest.approx(x.mean() / 4, rel=0.02)
-
-
-def test_bad_histogram_files_are_one_line_errors(tmp_path: Path) -> None:
-    bad = tmp_path / "h.csv"
-    bad.write_text("# c\n1,2\n")
-    with pytest.raises(ConfigError, match=r"h.csv:2: expected lo,hi,probability"):
-        LengthHistogram.load(bad)
-    bad.write_text("1,2,0\n")
-    with pytest.raises(ConfigError, match="no bins"):
-        LengthHistogram.load(bad)
-    with pytest.raises(ConfigError, match="No such file"):
-        LengthHistogram.load(tmp_path / "missing.csv")
-
-
+# -- sim engine ------------------------------------------------------------------------------
 def test_sim_engine_batches_up_to_max_batch_and_honours_oracle_lengths() -> None:
     engine = SimEngine(
-        max_batch=3, lengths=LengthHistogram.load(HIST, 0.01), time_scale=0.0, seed=0
+        max_batch=3, lengths=LengthHistogram.from_file(HIST, 0.01), time_scale=0.0, seed=0
     )
     reqs = [Request(f"r{i}", [1], 50, target_length=5 + i) for i in range(5)]
     reqs.append(Request("long", [1], 20, target_length=100))
@@ -237,7 +214,7 @@ def test_sim_engine_batches_up_to_max_batch_and_honours_oracle_lengths() -> None
     assert len(out["long"]) == 20 and finish["long"] == "length" and finish["r0"] == "stop"
     assert 2 <= len(out["drawn"]) <= 200  # 0.01 x the 20K histogram
     steps = len(running)
-    assert engine.simulated_ms >= steps * ptl_ms(1) and engine.simulated_ms <= steps * ptl_ms(3)
+    assert engine.simulated_ms >= steps * PTL(1) and engine.simulated_ms <= steps * PTL(3)
 
 
 def test_sim_engine_resumes_after_a_prefix() -> None:

@@ -1,4 +1,4 @@
-"""Ranking metrics, histogram workload and quantile mapping."""
+"""Ranking metrics and quantile mapping (the histograms themselves: test_workload.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from ranker.metrics import ranking_report, recall_at, spearman
-from ranker.workload import LengthHistogram, WorkloadError, quantile_map, ranks01
+from ranker.workload import quantile_map, ranks01
+from srl.workload import LengthHistogram
 
 HIST = Path(__file__).parent / "data" / "streamrl_output_length_hist.csv"
 
@@ -40,38 +41,6 @@ def test_ranking_report_keys() -> None:
     r = ranking_report(np.arange(40.0), np.arange(40.0))
     assert set(r) == {"recall_at_20", "recall_at_10", "recall_at_5", "spearman", "n"}
     assert r["n"] == 40
-
-
-def test_histogram_statistics_match_workload_doc() -> None:
-    h = LengthHistogram.from_file(HIST)
-    # WORKLOAD.md: mean ≈ 4.5K, median ≈ 2.7K, P90 ≈ 12.8K (digitised; ±5 %)
-    assert h.mean() == pytest.approx(4500, rel=0.08)
-    assert float(h.quantile(0.5)) == pytest.approx(2700, rel=0.08)
-    assert float(h.quantile(0.9)) == pytest.approx(12800, rel=0.08)
-    x = h.sample(50_000, np.random.default_rng(0))
-    top = np.sort(x)[-10_000:]
-    assert top.sum() / x.sum() == pytest.approx(0.56, abs=0.04)  # longest 20 % hold ≈ 56 %
-    half = LengthHistogram.from_file(HIST, scale=0.25)
-    assert float(half.quantile(0.5)) == pytest.approx(float(h.quantile(0.5)) / 4)
-
-
-@pytest.mark.parametrize(
-    "text, msg",
-    [
-        ("", "no bins"),
-        ("1,2\n", "expected lo,hi,probability"),
-        ("2,1,0.5\n", "lo < hi"),
-        ("0,5,0.5\n4,8,0.5\n", "overlap"),
-        ("0,5,0\n", "positive sum"),
-    ],
-)
-def test_bad_histogram_files(tmp_path: Path, text: str, msg: str) -> None:
-    p = tmp_path / "h.csv"
-    p.write_text("# comment\n" + text)
-    with pytest.raises(WorkloadError, match=msg):
-        LengthHistogram.from_file(p)
-    with pytest.raises(WorkloadError, match="No such file"):
-        LengthHistogram.from_file(tmp_path / "missing.csv")
 
 
 def test_quantile_map_keeps_order_and_takes_the_histogram_shape() -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from ranker.features import FeatureSpec, featurize
 from ranker.metrics import recall_at, spearman
-from ranker.model import CONFIG_FILE, MODEL_FILE, LengthRanker, RankerError
+from ranker.model import CONFIG_FILE, MODEL_FILE, LengthRanker, RankerError, standardisation
 from ranker.publish import RankerFollower, latest_version, load_version, publish, versions
 from srl.store import LocalStore
 
@@ -124,3 +124,18 @@ def test_publish_moves_on_when_a_rival_takes_the_number_mid_write(
     mine = publish(store, "r", fitted)
     assert mine.version == 2 and versions(store, "r") == [2]
     assert load_version(store, "r").version == 2
+
+
+@pytest.mark.parametrize(
+    "column, mu, sd",
+    [
+        ([0.0, 2.0, 4.0], 2.0, 1.632993),  # the population std
+        ([3.0, 3.0, 3.0], 3.0, 1.0),  # constant in training: scale kept (an unseen n-gram)
+        ([1.0, 1.001, 1.002], 1.001, 1e-2),  # nearly constant: scale at least 1e-2
+        ([0.0, 0.0, 1e-7], 3.3e-8, 1.0),  # below 1e-6: treated as constant
+    ],
+)
+def test_standardisation(column: list[float], mu: float, sd: float) -> None:
+    got_mu, got_sd = standardisation(np.array(column, dtype=np.float32)[:, None])
+    assert got_mu.tolist() == pytest.approx([mu], rel=1e-3, abs=1e-9)
+    assert got_sd.dtype == np.float32 and got_sd.tolist() == pytest.approx([sd], rel=1e-5)

@@ -1,4 +1,4 @@
-"""Algorithm 2 (pool split), balancing and longest-predicted-first ordering: pure functions."""
+"""Algorithm 2 (pool split) and longest-first balancing: pure functions."""
 
 from __future__ import annotations
 
@@ -9,23 +9,15 @@ import pytest
 
 from ranker.schedule import (
     ClassLengths,
-    LptQueue,
-    PtlModel,
     balance,
     history_lengths,
-    lpt_order,
     plan_pools,
     pool_latency,
     split_longtail,
 )
+from srl.workload import PtlModel
 
 PTL = PtlModel()
-
-
-def test_ptl_matches_workload_figures() -> None:
-    # WORKLOAD.md: 8.3 ms at BS 1 and 36.9 ms at BS 512 (StreamRL Fig. 6), within the fit
-    assert PTL(1) == pytest.approx(8.156)
-    assert PTL(512) == pytest.approx(36.772)
 
 
 def test_split_longtail_takes_top_alpha_by_prediction() -> None:
@@ -124,22 +116,8 @@ def test_balance_partitions_and_orders_longest_first() -> None:
     assert max(loads) - min(loads) <= pred.max() + 1e-9
 
 
-def test_lpt_order_is_stable_longest_first() -> None:
-    assert list(lpt_order([3, 9, 3, 1, 9])) == [1, 4, 0, 2, 3]
-
-
-def test_lpt_queue_refills_with_longest_remaining() -> None:
-    q: LptQueue[str] = LptQueue()
-    for name, pred in [("a", 10), ("b", None), ("c", 50), ("d", 30), ("e", None)]:
-        q.push(name, pred)
-    assert q.pop() == "c"
-    q.push("f", 40)  # arrives later, still longer than the rest
-    assert [q.pop() for _ in range(len(q))] == ["f", "d", "a", "b", "e"]
-    assert not q
-
-
-def test_assign_buckets_and_window_plan() -> None:
-    from ranker.dispatch import assign_buckets, length_quantiles, window_plan
+def test_assign_buckets_and_length_quantiles() -> None:
+    from ranker.dispatch import assign_buckets, length_quantiles
 
     def bucket_for(n: int) -> str:
         return (
@@ -163,8 +141,5 @@ def test_assign_buckets_and_window_plan() -> None:
     # a large prediction outside the top alpha stays on the regular pool's last bucket
     got = assign_buckets([9000, 8000, 1], 0.3, "gt4096", bucket_for, ["le256", "le4096"])
     assert got == ["gt4096", "le4096", "le256"]
-    assert window_plan(pred, None, 8, 32) is None
     hist = np.array(length_quantiles(np.arange(1, 10_001)))
     assert len(hist) == 101 and hist[0] == 1 and hist[-1] == 10_000
-    plan = window_plan(pred, hist, 8, 32)
-    assert plan is not None and plan.longtail_instances + plan.regular_instances == 8

@@ -7,23 +7,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ranker.schedule import PoolPlan, PtlModel
-from ranker.simulate import SimSettings, compare, instance_makespan, random_fifo, skew_aware
-from ranker.workload import LengthHistogram
+from ranker.schedule import PoolPlan
+from ranker.simulate import (
+    SimSettings,
+    compare,
+    plan_counts,
+    random_fifo,
+    run_iteration,
+    skew_aware,
+)
+from srl.workload import LengthHistogram, PtlModel, instance_makespan
 
 PTL = PtlModel()
 HIST = Path(__file__).parent / "data" / "streamrl_output_length_hist.csv"
-
-
-def test_instance_makespan_by_hand() -> None:
-    # cap 1: samples run one after another at PTL(1)
-    assert instance_makespan(np.array([3, 5]), 1, PTL) == pytest.approx(8 * PTL(1) / 1000)
-    # cap 2: one step with both, one step with the survivor
-    assert instance_makespan(np.array([1, 2]), 2, PTL) == pytest.approx((PTL(2) + PTL(1)) / 1000)
-    # refill: [4, 1, 1] cap 2 → step 1 (4,1), step 2 (4,1'), steps 3-4 (4 alone)
-    assert instance_makespan(np.array([4, 1, 1]), 2, PTL) == pytest.approx(
-        (2 * PTL(2) + 2 * PTL(1)) / 1000
-    )
 
 
 def test_longest_first_beats_longest_last() -> None:
@@ -91,25 +87,32 @@ def test_a_mispredicted_straggler_migrates_and_the_makespan_shrinks() -> None:
     assert on < 0.9 * off
 
 
-@pytest.mark.parametrize("cap", [1, 4, 16])
-def test_the_model_is_the_sim_engines(cap: int) -> None:
-    """The simulator's instance model and the sim engine agree step for step (same PTL,
-    same continuous batching, admission by priority = predicted length)."""
-    from producers.engines import base, sim
+@pytest.mark.parametrize(
+    "plans, want",
+    [
+        ([], {}),
+        ([PoolPlan(0, 0, 16, 32, 0, 1)], {"0x0+16x32": 1}),
+        (
+            [
+                PoolPlan(4, 8, 12, 32, 1, 1),
+                PoolPlan(0, 0, 16, 32, 0, 1),
+                PoolPlan(4, 8, 12, 32, 2, 2),
+            ],
+            {"4x8+12x32": 2, "0x0+16x32": 1},
+        ),
+    ],
+)
+def test_plan_counts(plans: list[PoolPlan], want: dict[str, int]) -> None:
+    got = plan_counts(list(plans))
+    assert got == want and list(got) == list(want)  # first chosen first
 
-    lengths = np.random.default_rng(cap).integers(1, 300, 100)
-    engine = sim.SimEngine(max_batch=cap, time_scale=0.0, seed=0)
-    for i, n in enumerate(lengths):
-        engine.add(
-            base.Request(
-                key=str(i),
-                prompt_ids=[5],
-                max_new_tokens=10_000,
-                priority=float(n),
-                target_length=int(n),
-            )
-        )
-    while engine.has_work:
-        engine.step()
-    ours = instance_makespan(np.sort(lengths)[::-1].copy(), cap, PTL)
-    assert engine.simulated_ms / 1000 == pytest.approx(ours, rel=1e-9)
+
+def test_an_iteration_without_predictions_is_the_oracles() -> None:
+    true = LengthHistogram.from_file(HIST).sample(256, np.random.default_rng(2))
+    s = SimSettings(instances=4, b_max=8, batch=256)
+    it = run_iteration(true, None, true, s, np.random.default_rng(0))
+    assert it.ranker is it.oracle and it.migrate is None
+    assert it.bound_s <= it.oracle.makespan_s <= it.fifo_s * 1.5
+    with_pred = run_iteration(true, true.astype(float), true, s, np.random.default_rng(0))
+    assert with_pred.fifo_s == it.fifo_s and with_pred.ranker.makespan_s == it.oracle.makespan_s
+    assert with_pred.migrate is not None

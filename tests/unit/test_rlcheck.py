@@ -26,12 +26,12 @@ def _even_first_mass(model: Any, tok: Any, texts: list[str]) -> float:
 def test_grpo_step_raises_the_probability_of_rewarded_completions(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torch
 
-    from srl.tinymodel import load_model, load_tokenizer
+    from srl.tinymodel import load_tokenizer
 
-    tok, model = load_tokenizer(tiny_model), load_model(tiny_model)
-    torch.manual_seed(0)
+    s = rlcheck.RlSettings(lr=1e-2, max_new_tokens=2)
+    tok, engine = load_tokenizer(tiny_model), rlcheck.make_engine(tiny_model, 0, s)
+    model = engine.model
 
     def first_token_even(prompt: str, completion: str, metadata: dict[str, Any]) -> float:
         ids = tok(completion, add_special_tokens=False)["input_ids"]
@@ -40,10 +40,11 @@ def test_grpo_step_raises_the_probability_of_rewarded_completions(
     monkeypatch.setattr(task, "demo_reward", first_token_even)
     prompts = task.demo_prompts(8, "train", seed=0)
     texts = [p.text for p in prompts]
-    s = rlcheck.RlSettings(lr=1e-2, max_new_tokens=2)
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
     before = _even_first_mass(model, tok, texts)
-    rewards = [rlcheck._step(model.train(), opt, tok, prompts, s) for _ in range(8)]
+    rewards = []
+    for _ in range(8):
+        model.train()
+        rewards.append(rlcheck._step(engine, tok, prompts, s))
     after = _even_first_mass(model.eval(), tok, texts)
     assert all(0.0 <= r <= 1.0 for r in rewards)
     assert after > before + 0.1, (before, after)

@@ -13,11 +13,12 @@ from srl.store import LocalStore, ObjectExists, ObjectMissing
 from srl.stores import open_store
 from srl.weights import (
     Manifest,
-    VersionTracker,
     fetch_tensors,
     load_manifest,
     materialize,
     publish,
+    shard_index,
+    shard_names,
     version_prefix,
 )
 
@@ -151,21 +152,6 @@ def test_corrupted_file_or_manifest_is_refused(tmp_path: Path) -> None:
         Manifest.from_json(b"{}")
 
 
-def test_version_tracker_only_moves_forward() -> None:
-    from schemas.records import WeightsAnnouncement
-
-    def ann(v: int, run: str = "r") -> WeightsAnnouncement:
-        return WeightsAnnouncement(
-            run=run, version=v, manifest_uri="u", manifest_sha256="s", trainer_step=v, total_bytes=1
-        )
-
-    t = VersionTracker("r")
-    assert t.accept(ann(1))
-    t.advance(1)
-    assert not t.accept(ann(1)) and not t.accept(ann(0)) and not t.accept(ann(5, "other"))
-    assert t.accept(ann(3)) and t.ignored == 3
-
-
 def test_publish_again_after_a_crash_before_the_manifest(tmp_path: Path) -> None:
     store = LocalStore(tmp_path)
     prefix = version_prefix("r", 2)
@@ -175,3 +161,26 @@ def test_publish_again_after_a_crash_before_the_manifest(tmp_path: Path) -> None
     assert sorted(store.list(prefix)) == [f"{prefix}/manifest.json", f"{prefix}/model.safetensors"]
     got = fetch_tensors(store, load_manifest(store, pub.announcement()))
     assert all(torch.equal(got[k], v) for k, v in tiny_state().items())
+
+
+@pytest.mark.parametrize(
+    "n, want",
+    [
+        (1, ["model.safetensors"]),
+        (2, ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]),
+        (12, [f"model-{i:05d}-of-00012.safetensors" for i in range(1, 13)]),
+    ],
+)
+def test_shard_names_are_the_hugging_face_layout(n: int, want: list[str]) -> None:
+    assert shard_names(n) == want
+
+
+def test_shard_index_maps_every_tensor_to_its_file() -> None:
+    import orjson
+
+    names = shard_names(2)
+    got = orjson.loads(shard_index(names, [{"a": 0, "b": 0}, {"c": 0}], 96))
+    assert got == {
+        "metadata": {"total_size": 96},
+        "weight_map": {"a": names[0], "b": names[0], "c": names[1]},
+    }
