@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -170,10 +170,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     _fresh(out)
 
-    # the warm start is shared by every run seed (seed 0): runs differ only in RL
-    model_dir = (Path(cfg.model) if cfg.model else warmstart.ensure_model(seed=0)).resolve()
-    if not (model_dir / "config.json").exists():
-        raise DemoError(f"--model {model_dir}: not a Hugging Face model directory (no config.json)")
+    model_dir = _policy_v0(cfg)
     eval_set = task.demo_prompts(cfg.eval_prompts, "eval", seed=rep.EVAL_SEED)
     click_echo(f"policy v0: {model_dir}")
     before = warmstart.evaluate(model_dir, eval_set)
@@ -181,57 +178,80 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
         f"held-out accuracy before training: {before.accuracy:.3f} ({len(eval_set)} prompts)"
     )
 
-    prefix = cfg.topic_prefix
-    if not cfg.embedded and prefix == "srl":
-        prefix = f"srl-demo-{uuid.uuid4().hex[:6]}"
+    prefix = demo_prefix(cfg)
     run = f"demo-{cfg.mode}-s{cfg.seed}"
     with _broker(cfg, out) as bootstrap:
         plan = Plan(cfg, out, model_dir, bootstrap, prefix, run, f"file://{out / 'store'}")
-        conf = plan.write()
-        live = cfg.model_copy(
-            update={
-                "bootstrap_servers": bootstrap,
-                "topic_prefix": prefix,
-                "run": run,
-                "store": plan.store_url,
-                "bucket_bounds": DEMO_BUCKET_BOUNDS,
-            }
-        )
-
-        wait_for_broker(live)
-        create_topics(live)
-        _bootstrap_ranker(plan)
-        # the roles read OUT/srl.toml only: SRL_* variables would override it
-        env = {
-            k: v for k, v in os.environ.items() if not k.startswith("SRL_") or k == "SRL_VERBOSE"
-        }
-        env |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        fleet = Fleet(env=env, cwd=out)
-        watcher = Watcher(live, run, f"srl-trainer-{run}")
-        watcher.start()
-        t_run = time.monotonic()
-        status = "ok"
-        try:
-            roles = plan.roles(conf)
-            for r in roles:
-                fleet.start(r)
-            status = _supervise(cfg, fleet, roles[0], watcher, progress)
-        except KeyboardInterrupt:
-            status = "interrupted"
-        finally:
-            click_echo("stopping the generators, the dispatcher and the trainer …")
-            fleet.stop()
-            watcher.halt.set()
-            watcher.join(10)
-        wall_run = time.monotonic() - t_run
-        click_echo("auditing the topics and evaluating the final policy …")
-        report = rep.build(live, plan, fleet, before, eval_set, wall_run, status)
+        report = _run_roles(plan, before, eval_set, progress)
     report["total_wall_s"] = round(time.monotonic() - t_total, 1)
     report["out"] = str(out)
     rep.write(report, out)
-    if status != "ok":
-        raise DemoError(f"{status}; partial report in {out / 'report.json'}")
+    if report["status"] != "ok":
+        raise DemoError(f"{report['status']}; partial report in {out / 'report.json'}")
     return report
+
+
+def _policy_v0(cfg: DemoConfig) -> Path:
+    """``--model`` or the cached warm start (seed 0, shared by every run seed: runs differ
+    only in RL)."""
+    model_dir = (Path(cfg.model) if cfg.model else warmstart.ensure_model(seed=0)).resolve()
+    if not (model_dir / "config.json").exists():
+        raise DemoError(f"--model {model_dir}: not a Hugging Face model directory (no config.json)")
+    return model_dir
+
+
+def demo_prefix(cfg: DemoConfig) -> str:
+    """The topic prefix: on an external broker a fresh one unless one was given, so runs
+    never read each other's records."""
+    if not cfg.embedded and cfg.topic_prefix == "srl":
+        return f"srl-demo-{uuid.uuid4().hex[:6]}"
+    return cfg.topic_prefix
+
+
+def role_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The roles' environment: no SRL_* variable but SRL_VERBOSE (they read OUT/srl.toml only,
+    and SRL_* would override it), one thread per math library."""
+    env = {k: v for k, v in environ.items() if not k.startswith("SRL_") or k == "SRL_VERBOSE"}
+    return env | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _run_roles(plan: Plan, before: Any, eval_set: list[Any], progress: bool) -> dict[str, Any]:
+    """On a running broker: topics, ranker v1, every role until the trainer is done (or one
+    fails, or Ctrl-C), then the stop and the report (its ``status`` says which)."""
+    cfg, run = plan.cfg, plan.run
+    conf = plan.write()
+    live = cfg.model_copy(
+        update={
+            "bootstrap_servers": plan.bootstrap,
+            "topic_prefix": plan.prefix,
+            "run": run,
+            "store": plan.store_url,
+            "bucket_bounds": DEMO_BUCKET_BOUNDS,
+        }
+    )
+    wait_for_broker(live)
+    create_topics(live)
+    _bootstrap_ranker(plan)
+    fleet = Fleet(env=role_env(os.environ), cwd=plan.out)
+    watcher = Watcher(live, run, f"srl-trainer-{run}")
+    watcher.start()
+    t_run = time.monotonic()
+    status = "ok"
+    try:
+        roles = plan.roles(conf)
+        for r in roles:
+            fleet.start(r)
+        status = _supervise(cfg, fleet, roles[0], watcher, progress)
+    except KeyboardInterrupt:
+        status = "interrupted"
+    finally:
+        click_echo("stopping the generators, the dispatcher and the trainer …")
+        fleet.stop()
+        watcher.halt.set()
+        watcher.join(10)
+    wall_run = time.monotonic() - t_run
+    click_echo("auditing the topics and evaluating the final policy …")
+    return rep.build(live, plan, fleet, before, eval_set, wall_run, status)
 
 
 def _bootstrap_ranker(plan: Plan) -> None:

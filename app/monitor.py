@@ -15,6 +15,10 @@
   (docs/metrics.md) of the last ``window_s`` seconds; ``stalled``: partitions with lag whose
   group has no member on them, or whose committed offset has not moved for ``stall_after_s``.
 
+``Monitor`` holds the readers: the admin client, a reader that samples backlog records,
+:class:`MetricWindow` on the metrics topic and :class:`StallWatch` across snapshots. Rows,
+backlog, stalls and the event summary are pure functions below them.
+
 Reads only: it joins no group and commits nothing. Called by ``app.top``.
 """
 
@@ -23,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter, defaultdict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.codec import SchemaError
@@ -31,6 +37,7 @@ from srl.config import CommonConfig
 from srl.errors import SrlError
 from srl.kafka import (
     POSITION_SUFFIX,
+    GroupState,
     KafkaException,
     Member,
     PartitionLag,
@@ -48,8 +55,14 @@ from srl.weights import latest_announcement, load_manifest
 
 FRESH_MS = 30_000  # a gen_stats / train_step event older than this no longer counts as "now"
 
+Parts = dict[tuple[str, int], tuple[int, int]]  # {(topic, partition): (low, high)}
+Sampled = dict[tuple[str, int], list[tuple[int, int | None]]]  # (offset, tokens) per partition
+
 
 class Monitor:
+    """The broker, metrics and store readers behind one ``snapshot()``; the arithmetic is in
+    the pure functions below, the metric window in :class:`MetricWindow`."""
+
     def __init__(
         self,
         cfg: CommonConfig,
@@ -61,124 +74,43 @@ class Monitor:
         self.layout = Layout.from_config(cfg)
         self.window_ms = int(window_s * 1000)
         self.sample = sample
-        self.stall_after_ms = int(stall_after_s * 1000)
         wait_for_broker(cfg)
         self.admin = admin(cfg)
         self._reader = reader(cfg, "top")
-        self._metrics = reader(cfg, "top-metrics")
-        self._metrics_next: int | None = None  # next offset of {prefix}.metrics to read
-        self.events: deque[MetricEvent] = deque()
-        self._moved: dict[tuple[str, str, int], tuple[int | None, int]] = {}  # offset, since ms
         self._timeout = cfg.connect_timeout_s
+        self.metrics = MetricWindow(cfg, self.layout, self.window_ms)
+        self._stalls = StallWatch(int(stall_after_s * 1000))
         self.group_info: dict[str, dict[str, Any]] = {}
 
     def close(self) -> None:
-        for c in (self._reader, self._metrics):
+        for c in (self._reader, self.metrics.reader):
             with contextlib.suppress(RuntimeError, KafkaException):
                 c.close()
 
     # -- broker state ------------------------------------------------------------------
-    def partitions(self) -> dict[tuple[str, int], tuple[int, int]]:
+    def partitions(self) -> Parts:
         """``{(topic, partition): (low, high)}`` for every srl topic, one admin round trip."""
         return topic_watermarks(self.admin, self.layout.prefix, self._timeout)
 
-    def group_rows(self, parts: dict[tuple[str, int], tuple[int, int]]) -> list[dict[str, Any]]:
-        rows = []
-        self.group_info = {}
-        for g in describe_groups(self.admin, self._timeout):
-            keys = [*g.committed, *g.owners]
-            topics = {t for t, _ in keys if t.startswith(f"{self.layout.prefix}.")}
-            if not topics:
-                continue  # not an srl group (or not one of this prefix)
-            self.group_info[g.group] = {"state": g.state, "members": g.members}
-            for key in sorted(k for k in parts if k[0] in topics):
-                rows.append(
-                    self._row(
-                        g.group, g.state, key, parts[key], g.committed.get(key), g.owners.get(key)
-                    )
-                )
+    def group_rows(self, parts: Parts) -> list[dict[str, Any]]:
+        rows, self.group_info = group_rows(
+            self.layout, describe_groups(self.admin, self._timeout), parts
+        )
         return rows
 
-    def _row(
-        self,
-        gid: str,
-        state: str,
-        key: tuple[str, int],
-        ends: tuple[int, int],
-        current: int | None,
-        member: Member | None,
-    ) -> dict[str, Any]:
-        topic, part = key
-        return {
-            "group": gid,
-            "topic": topic,
-            "partition": part,
-            "bucket": self._bucket(topic, part),
-            "current_offset": current,
-            "log_end_offset": ends[1],
-            "lag": None if current is None else PartitionLag(topic, part, *ends, current).lag,
-            "consumer_id": member.member_id if member else None,
-            "host": member.host if member else None,
-            "client_id": member.client_id if member else None,
-            "state": state,
-        }
-
-    def _bucket(self, topic: str, part: int) -> str | None:
-        if topic == self.layout.trajectories:
-            return self.layout.bucket_of_partition(part)
-        for kind in ("prompts", "resume"):
-            head = f"{self.layout.prefix}.{kind}."
-            if topic.startswith(head):
-                return topic[len(head) :]
-        return None
-
-    # -- backlog -----------------------------------------------------------------------
     def backlog(
-        self, rows: list[dict[str, Any]], parts: dict[tuple[str, int], tuple[int, int]]
+        self, rows: list[dict[str, Any]], parts: Parts
     ) -> tuple[list[dict[str, Any]], Counter[int]]:
         """Backlog per (group, topic, bucket) and the policy versions of sampled chunks."""
-        starts = {}
-        for r in rows:
-            if r["bucket"] is None:
-                continue
-            key = (r["topic"], r["partition"])
-            start = r["current_offset"] if r["current_offset"] is not None else parts[key][0]
-            if start < r["log_end_offset"]:
-                starts[(r["group"], *key)] = start
+        starts = backlog_starts(rows, parts)
         sampled, versions = self._sample({(t, p): s for (_, t, p), s in starts.items()}, parts)
-        agg: dict[tuple[str, str, str], dict[str, Any]] = {}
-        for r in rows:
-            if r["bucket"] is None:
-                continue
-            key = (r["topic"], r["partition"])
-            a = agg.setdefault(
-                (r["group"], r["topic"], r["bucket"]),
-                {
-                    "group": r["group"],
-                    "topic": r["topic"],
-                    "bucket": r["bucket"],
-                    "records": 0,
-                    "tokens": 0,
-                    "tokens_exact": True,
-                },
-            )
-            start = starts.get((r["group"], *key))
-            if start is None:
-                continue
-            n = r["log_end_offset"] - start
-            got = [t for off, t in sampled.get(key, []) if off >= start]
-            seen = [t for t in got if t is not None]  # None: a record that does not decode
-            a["records"] += n
-            if seen:
-                a["tokens"] += round(sum(seen) / len(seen) * n)
-            a["tokens_exact"] &= len(seen) == n
-        return list(agg.values()), versions
+        return aggregate_backlog(rows, starts, sampled), versions
 
     def _sample(
-        self, starts: dict[tuple[str, int], int], parts: dict[tuple[str, int], tuple[int, int]]
-    ) -> tuple[dict[tuple[str, int], list[tuple[int, int | None]]], Counter[int]]:
+        self, starts: dict[tuple[str, int], int], parts: Parts
+    ) -> tuple[Sampled, Counter[int]]:
         """Up to ``sample`` records from each start: (offset, tokens) and chunk versions."""
-        out: dict[tuple[str, int], list[tuple[int, int | None]]] = defaultdict(list)
+        out: Sampled = defaultdict(list)
         versions: Counter[int] = Counter()
         if not starts:
             return out, versions
@@ -197,96 +129,9 @@ class Monitor:
         self._reader.unassign()
         return out, versions
 
-    # -- metric events -----------------------------------------------------------------
-    def read_events(self) -> None:
-        """Bring ``events`` up to date: the last ``window_s`` seconds of ``{prefix}.metrics``."""
-        now = now_ms()
-        tp0 = TopicPartition(self.layout.metrics, 0)
-        try:
-            _, high = self._metrics.get_watermark_offsets(tp0, timeout=self._timeout, cached=False)
-        except KafkaException:
-            return  # no metrics topic yet
-        if self._metrics_next is None:
-            tp = TopicPartition(self.layout.metrics, 0, now - self.window_ms)
-            start = self._metrics.offsets_for_times([tp], timeout=self._timeout)[0].offset
-            self._metrics_next = start if start >= 0 else high  # -1: nothing that recent
-            self._metrics.assign([TopicPartition(self.layout.metrics, 0, self._metrics_next)])
-        deadline = time.monotonic() + self._timeout
-        while self._metrics_next < high and time.monotonic() < deadline:
-            for msg in self._metrics.consume(1000, 0.2):
-                if msg.error():
-                    continue
-                self._metrics_next = (msg.offset() or 0) + 1
-                with contextlib.suppress(SchemaError):
-                    self.events.append(decode_as(msg.value() or b"", MetricEvent))
-        while self.events and self.events[0].ts_ms < now - self.window_ms:
-            self.events.popleft()
-
-    def summarize_events(self) -> dict[str, Any]:
-        now = now_ms()
-        gen: dict[str, MetricEvent] = {}
-        counters: dict[str, MetricEvent] = {}
-        train: MetricEvent | None = None
-        published: MetricEvent | None = None
-        staleness: Counter[int] = Counter()
-        outcomes: Counter[str] = Counter()
-        trained_ts: list[int] = []
-        for e in self.events:
-            if e.run != self.cfg.run:
-                continue
-            if e.kind == "gen_stats":
-                gen[e.source] = e
-            elif e.kind == "train_step":
-                train = e
-            elif e.kind == "weights_published":
-                published = e
-            elif e.kind == "counter":
-                counters[e.source] = e
-            elif e.kind == "sample":
-                outcome = e.labels.get("outcome", "trained")
-                outcomes[outcome] += 1
-                if "staleness" in e.values:
-                    staleness[int(e.values["staleness"])] += 1
-                if outcome == "trained":
-                    trained_ts.append(e.ts_ms)
-        fresh_gen = {s: e for s, e in gen.items() if now - e.ts_ms <= FRESH_MS}
-        span = (now - min(trained_ts)) / 1000 if trained_ts else 0.0
-        n = sum(staleness.values())
-        dead = sum(e.values.get("dead_letters", 0.0) for e in counters.values())
-        return {
-            "throughput": {
-                "gen_tokens_per_s": sum(
-                    e.values.get("tokens_per_s", 0.0) for e in fresh_gen.values()
-                )
-                if fresh_gen
-                else None,
-                "train_tokens_per_s": train.values.get("tokens_per_s")
-                if train and now - train.ts_ms <= FRESH_MS
-                else None,
-                "trajectories_per_s": len(trained_ts) / span if span > 0 else None,
-                "simulated": any(e.labels.get("simulated") == "true" for e in fresh_gen.values()),
-            },
-            "versions": {
-                "trainer": _int(train.values.get("policy_version")) if train else None,
-                "published": _int(published.values.get("version")) if published else None,
-                "generators": {
-                    s: _int(e.values.get("policy_version")) for s, e in sorted(fresh_gen.items())
-                },
-            },
-            "staleness": {
-                "histogram": {str(k): v for k, v in sorted(staleness.items())},
-                "mean": sum(k * v for k, v in staleness.items()) / n if n else None,
-                "max": max(staleness) if staleness else None,
-            },
-            "drops": {
-                "by_outcome": {k: v for k, v in sorted(outcomes.items()) if k != "trained"},
-                "dead_letters_counted": int(dead),
-            },
-        }
-
     # -- weights -------------------------------------------------------------------------
     def weights(self) -> dict[str, Any]:
-
+        """The run's latest announcement and whether its manifest and files are all there."""
         out: dict[str, Any] = {
             "run": self.cfg.run,
             "version": None,
@@ -326,8 +171,8 @@ class Monitor:
         parts = self.partitions()
         rows = self.group_rows(parts)
         backlog, in_backlog = self.backlog(rows, parts)
-        self.read_events()
-        summary = self.summarize_events()
+        self.metrics.read()
+        summary = summarize_events(self.metrics.events, self.cfg.run, now_ms())
         summary["versions"]["in_backlog"] = {str(v): n for v, n in sorted(in_backlog.items())}
         dlq = parts.get((self.layout.dlq, 0))
         summary["drops"]["dead_letter_records"] = dlq[1] - dlq[0] if dlq else 0
@@ -338,7 +183,13 @@ class Monitor:
             "run": self.cfg.run,
             "window_s": self.window_ms / 1000,
             "topics": [
-                {"topic": t, "partition": p, "bucket": self._bucket(t, p), "low": lo, "high": hi}
+                {
+                    "topic": t,
+                    "partition": p,
+                    "bucket": bucket_of(self.layout, t, p),
+                    "low": lo,
+                    "high": hi,
+                }
                 for (t, p), (lo, hi) in parts.items()
             ],
             "groups": rows,
@@ -350,6 +201,55 @@ class Monitor:
         }
 
     def stalled(self, rows: list[dict[str, Any]], now: int) -> list[dict[str, Any]]:
+        """Partitions with lag and no consumer, or whose committed offset stands still."""
+        return self._stalls.stalled(rows, now)
+
+
+class MetricWindow:
+    """The last ``window_ms`` of ``{prefix}.metrics``, read forward from where the previous
+    call stopped (the first call starts at the window's start, by timestamp)."""
+
+    def __init__(self, cfg: CommonConfig, layout: Layout, window_ms: int) -> None:
+        self.topic = layout.metrics
+        self.window_ms = window_ms
+        self.reader = reader(cfg, "top-metrics")
+        self.next: int | None = None  # next offset of {prefix}.metrics to read
+        self.events: deque[MetricEvent] = deque()
+        self._timeout = cfg.connect_timeout_s
+
+    def read(self) -> None:
+        """Bring ``events`` up to date: the last ``window_ms`` of the metrics topic."""
+        now = now_ms()
+        tp0 = TopicPartition(self.topic, 0)
+        try:
+            _, high = self.reader.get_watermark_offsets(tp0, timeout=self._timeout, cached=False)
+        except KafkaException:
+            return  # no metrics topic yet
+        if self.next is None:
+            tp = TopicPartition(self.topic, 0, now - self.window_ms)
+            start = self.reader.offsets_for_times([tp], timeout=self._timeout)[0].offset
+            self.next = start if start >= 0 else high  # -1: nothing that recent
+            self.reader.assign([TopicPartition(self.topic, 0, self.next)])
+        deadline = time.monotonic() + self._timeout
+        while self.next < high and time.monotonic() < deadline:
+            for msg in self.reader.consume(1000, 0.2):
+                if msg.error():
+                    continue
+                self.next = (msg.offset() or 0) + 1
+                with contextlib.suppress(SchemaError):
+                    self.events.append(decode_as(msg.value() or b"", MetricEvent))
+        while self.events and self.events[0].ts_ms < now - self.window_ms:
+            self.events.popleft()
+
+
+class StallWatch:
+    """When each (group, topic, partition)'s committed offset last moved, across snapshots."""
+
+    def __init__(self, stall_after_ms: int) -> None:
+        self.stall_after_ms = stall_after_ms
+        self._moved: dict[tuple[str, str, int], tuple[int | None, int]] = {}  # offset, since ms
+
+    def stalled(self, rows: list[dict[str, Any]], now: int) -> list[dict[str, Any]]:
         out = []
         for r in rows:
             key = (r["group"], r["topic"], r["partition"])
@@ -357,27 +257,222 @@ class Monitor:
             if offset != r["current_offset"]:
                 self._moved[key] = (r["current_offset"], now)
                 since = now
-            behind = r["lag"] if r["lag"] is not None else 0
-            if not behind:
-                continue
-            # a position group (srl.kafka.position_group) never has members: only its offset
-            # standing still means something
-            if r["consumer_id"] is None and not r["group"].endswith(POSITION_SUFFIX):
-                reason = "no consumer assigned"
-            elif now - since >= self.stall_after_ms:
-                reason = f"committed offset unchanged for {(now - since) / 1000:.0f}s"
-            else:
-                continue
-            out.append(
-                {
-                    "group": r["group"],
-                    "topic": r["topic"],
-                    "partition": r["partition"],
-                    "lag": behind,
-                    "reason": reason,
-                }
-            )
+            reason = stall_reason(r, now - since, self.stall_after_ms)
+            if reason is not None:
+                out.append(
+                    {
+                        "group": r["group"],
+                        "topic": r["topic"],
+                        "partition": r["partition"],
+                        "lag": r["lag"],
+                        "reason": reason,
+                    }
+                )
         return out
+
+
+# -- pure parts ----------------------------------------------------------------------------
+def stall_reason(row: dict[str, Any], unmoved_ms: int, stall_after_ms: int) -> str | None:
+    """Why a partition with lag is stalled (its committed offset unmoved for ``unmoved_ms``),
+    or None: no lag, or a consumer that has moved recently enough."""
+    if not row["lag"]:
+        return None
+    # a position group (srl.kafka.position_group) never has members: only its offset
+    # standing still means something
+    if row["consumer_id"] is None and not row["group"].endswith(POSITION_SUFFIX):
+        return "no consumer assigned"
+    if unmoved_ms >= stall_after_ms:
+        return f"committed offset unchanged for {unmoved_ms / 1000:.0f}s"
+    return None
+
+
+def bucket_of(layout: Layout, topic: str, part: int) -> str | None:
+    """The length bucket (trajectories) or pool (prompts, resume) a partition serves."""
+    if topic == layout.trajectories:
+        return layout.bucket_of_partition(part)
+    for kind in ("prompts", "resume"):
+        head = f"{layout.prefix}.{kind}."
+        if topic.startswith(head):
+            return topic[len(head) :]
+    return None
+
+
+def group_rows(
+    layout: Layout, groups: list[GroupState], parts: Parts
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """One row per (srl group, partition of an srl topic it reads), and each such group's
+    state and member count."""
+    rows = []
+    info = {}
+    for g in groups:
+        keys = [*g.committed, *g.owners]
+        topics = {t for t, _ in keys if t.startswith(f"{layout.prefix}.")}
+        if not topics:
+            continue  # not an srl group (or not one of this prefix)
+        info[g.group] = {"state": g.state, "members": g.members}
+        for key in sorted(k for k in parts if k[0] in topics):
+            rows.append(
+                group_row(
+                    layout,
+                    g.group,
+                    g.state,
+                    key,
+                    parts[key],
+                    g.committed.get(key),
+                    g.owners.get(key),
+                )
+            )
+    return rows, info
+
+
+def group_row(
+    layout: Layout,
+    gid: str,
+    state: str,
+    key: tuple[str, int],
+    ends: tuple[int, int],
+    current: int | None,
+    member: Member | None,
+) -> dict[str, Any]:
+    """A row in the columns of ``kafka-consumer-groups.sh`` (plus bucket and state)."""
+    topic, part = key
+    return {
+        "group": gid,
+        "topic": topic,
+        "partition": part,
+        "bucket": bucket_of(layout, topic, part),
+        "current_offset": current,
+        "log_end_offset": ends[1],
+        "lag": None if current is None else PartitionLag(topic, part, *ends, current).lag,
+        "consumer_id": member.member_id if member else None,
+        "host": member.host if member else None,
+        "client_id": member.client_id if member else None,
+        "state": state,
+    }
+
+
+def backlog_starts(rows: list[dict[str, Any]], parts: Parts) -> dict[tuple[str, str, int], int]:
+    """``{(group, topic, partition): first unconsumed offset}`` for bucketed partitions with
+    a backlog: the committed offset, else the low watermark (where srl consumers start)."""
+    starts = {}
+    for r in rows:
+        if r["bucket"] is None:
+            continue
+        key = (r["topic"], r["partition"])
+        start = r["current_offset"] if r["current_offset"] is not None else parts[key][0]
+        if start < r["log_end_offset"]:
+            starts[(r["group"], *key)] = start
+    return starts
+
+
+def aggregate_backlog(
+    rows: list[dict[str, Any]], starts: dict[tuple[str, str, int], int], sampled: Sampled
+) -> list[dict[str, Any]]:
+    """Records and tokens per (group, topic, bucket): tokens exact when every pending record
+    was sampled and decoded, else the sampled mean times the count."""
+    agg: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for r in rows:
+        if r["bucket"] is None:
+            continue
+        key = (r["topic"], r["partition"])
+        a = agg.setdefault(
+            (r["group"], r["topic"], r["bucket"]),
+            {
+                "group": r["group"],
+                "topic": r["topic"],
+                "bucket": r["bucket"],
+                "records": 0,
+                "tokens": 0,
+                "tokens_exact": True,
+            },
+        )
+        start = starts.get((r["group"], *key))
+        if start is None:
+            continue
+        n = r["log_end_offset"] - start
+        got = [t for off, t in sampled.get(key, []) if off >= start]
+        seen = [t for t in got if t is not None]  # None: a record that does not decode
+        a["records"] += n
+        if seen:
+            a["tokens"] += round(sum(seen) / len(seen) * n)
+        a["tokens_exact"] &= len(seen) == n
+    return list(agg.values())
+
+
+@dataclass
+class EventTally:
+    """The run's metric events of the window, reduced: the latest of each kind and source,
+    sample outcomes and staleness counts, and the times of trained samples."""
+
+    gen: dict[str, MetricEvent] = field(default_factory=dict)  # latest gen_stats per source
+    counters: dict[str, MetricEvent] = field(default_factory=dict)  # latest counter per source
+    train: MetricEvent | None = None  # latest train_step
+    published: MetricEvent | None = None  # latest weights_published
+    staleness: Counter[int] = field(default_factory=Counter)
+    outcomes: Counter[str] = field(default_factory=Counter)
+    trained_ts: list[int] = field(default_factory=list)
+
+
+def tally_events(events: Iterable[MetricEvent], run: str) -> EventTally:
+    t = EventTally()
+    for e in events:
+        if e.run != run:
+            continue
+        if e.kind == "gen_stats":
+            t.gen[e.source] = e
+        elif e.kind == "train_step":
+            t.train = e
+        elif e.kind == "weights_published":
+            t.published = e
+        elif e.kind == "counter":
+            t.counters[e.source] = e
+        elif e.kind == "sample":
+            outcome = e.labels.get("outcome", "trained")
+            t.outcomes[outcome] += 1
+            if "staleness" in e.values:
+                t.staleness[int(e.values["staleness"])] += 1
+            if outcome == "trained":
+                t.trained_ts.append(e.ts_ms)
+    return t
+
+
+def summarize_events(events: Iterable[MetricEvent], run: str, now: int) -> dict[str, Any]:
+    """``throughput``, ``versions``, ``staleness`` and ``drops`` of one run's events at
+    ``now`` (ms); generator and trainer rates count only if fresher than :data:`FRESH_MS`."""
+    t = tally_events(events, run)
+    fresh_gen = {s: e for s, e in t.gen.items() if now - e.ts_ms <= FRESH_MS}
+    span = (now - min(t.trained_ts)) / 1000 if t.trained_ts else 0.0
+    n = sum(t.staleness.values())
+    dead = sum(e.values.get("dead_letters", 0.0) for e in t.counters.values())
+    train = t.train
+    return {
+        "throughput": {
+            "gen_tokens_per_s": sum(e.values.get("tokens_per_s", 0.0) for e in fresh_gen.values())
+            if fresh_gen
+            else None,
+            "train_tokens_per_s": train.values.get("tokens_per_s")
+            if train and now - train.ts_ms <= FRESH_MS
+            else None,
+            "trajectories_per_s": len(t.trained_ts) / span if span > 0 else None,
+            "simulated": any(e.labels.get("simulated") == "true" for e in fresh_gen.values()),
+        },
+        "versions": {
+            "trainer": _int(train.values.get("policy_version")) if train else None,
+            "published": _int(t.published.values.get("version")) if t.published else None,
+            "generators": {
+                s: _int(e.values.get("policy_version")) for s, e in sorted(fresh_gen.items())
+            },
+        },
+        "staleness": {
+            "histogram": {str(k): v for k, v in sorted(t.staleness.items())},
+            "mean": sum(k * v for k, v in t.staleness.items()) / n if n else None,
+            "max": max(t.staleness) if t.staleness else None,
+        },
+        "drops": {
+            "by_outcome": {k: v for k, v in sorted(t.outcomes.items()) if k != "trained"},
+            "dead_letters_counted": int(dead),
+        },
+    }
 
 
 def _int(x: float | None) -> int | None:

@@ -186,9 +186,9 @@ def final_policy(
 
 
 # -- the report ------------------------------------------------------------------------------
-def _mean(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return sum(xs) / len(xs) if xs else None
+def _mean(xs: list[float | None]) -> float | None:
+    finite = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(finite) / len(finite) if finite else None
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -211,69 +211,119 @@ def build(
     wall_run: float,
     status: str,
 ) -> dict[str, Any]:
-
+    """The report of one demo run (``OUT/report.json``), read back from the topics and the
+    store; ``before`` is the held-out evaluation of policy v0."""
     events = metric_events(cfg, plan.run)
     samples = [e for e in events if e.kind == "sample"]
-    steps: dict[int, Any] = {}
-    for e in events:
-        if e.kind == "train_step" and e.step is not None:
-            steps[int(e.step)] = e  # a step redone after a restart: the last one counts
-    gen_stats = [e for e in events if e.kind == "gen_stats"]
+    steps = step_events(events)
     audit = audit_trajectories(cfg, f"srl-trainer-{plan.run}", samples)
 
     final_dir, version = final_policy(cfg, plan.run, plan.model_dir, plan.out / "final-model")
     after = warmstart.evaluate(final_dir, eval_set)
 
-    order = sorted(steps)
     t0 = min((e.ts_ms for e in events), default=0)
-    # held-out accuracy over wall-clock: every eval_every-th published version, evaluated now
-    published = {int(e.values["version"]): e.ts_ms for e in events if e.kind == "weights_published"}
-    curve = [{"version": 0, "t_s": 0.0, "accuracy": before.accuracy}]
-    every = plan.cfg.eval_every
-    for v in sorted(published):
-        if every and v % every == 0 and v != version:
-            d, _ = final_policy(cfg, plan.run, plan.model_dir, plan.out / "eval-model", v)
-            acc = warmstart.evaluate(d, eval_set).accuracy
-            curve.append(
-                {"version": v, "t_s": round((published[v] - t0) / 1000, 2), "accuracy": acc}
-            )
-    if version:
-        t_final = round((published.get(version, t0) - t0) / 1000, 2)
-        curve.append({"version": version, "t_s": t_final, "accuracy": after.accuracy})
-    shutil.rmtree(plan.out / "eval-model", ignore_errors=True)
-    rewards = [steps[s].values.get("reward_mean") for s in order]
-    tenth = max(1, math.ceil(len(order) / 10))
-    counts = {o: sum(1 for v in audit.outcomes.values() if v == o) for o in SAMPLE_OUTCOMES}
-    last_sample: dict[str, Any] = {}
-    for e in samples:
-        t = e.labels.get("trajectory_id", "")
-        if t not in last_sample or (e.step or 0) >= (last_sample[t].step or 0):
-            last_sample[t] = e
-    trained = [e for e in last_sample.values() if e.labels.get("outcome") == "trained"]
-    staleness = [int(e.values.get("staleness", 0)) for e in trained]
-    latency = [
-        e.values["ready_latency_ms"] for e in last_sample.values() if "ready_latency_ms" in e.values
-    ]
+    curve = eval_curve(cfg, plan, eval_set, events, t0, before.accuracy, (version, after.accuracy))
+    last = list(last_samples(samples).values())
+    latency = [e.values["ready_latency_ms"] for e in last if "ready_latency_ms" in e.values]
     gen_tokens = sum(audit.trajectories[t].tokens for t in audit.generated)
-    counters: dict[str, float] = {}
-    for e in events:
-        if e.kind == "counter" and e.source.startswith("trainer"):
-            counters.update(e.values)
     c = plan.cfg
     report: dict[str, Any] = {
         "status": status,
         "mode": c.mode,
         "seed": c.seed,
         "max_staleness": 0 if c.mode != "async" else c.max_staleness,
-        "steps": len(order),
+        "steps": len(steps),
         "steps_requested": c.steps,
-        "reward_first": _r(_mean(rewards[:tenth])),
-        "reward_last": _r(_mean(rewards[-tenth:])),
+        **reward_ends([steps[s].values.get("reward_mean") for s in sorted(steps)]),
         "eval_accuracy_before": _r(before.accuracy),
         "eval_accuracy_after": _r(after.accuracy),
         "eval_prompts": len(eval_set),
         "eval_by_op_before": getattr(before, "by_op", None),
         "eval_by_op_after": getattr(after, "by_op", None),
+        **audit_fields(audit, events),
+        **throughput_fields(wall_run, gen_tokens, version, last, latency),
+        "eval_curve": curve,
+        "model": str(plan.model_dir),
+        "final_model": str(final_dir),
+        "run": plan.run,
+        "topic_prefix": plan.prefix,
+        "bootstrap": plan.bootstrap,
+        "series": series(steps, t0, [e for e in events if e.kind == "gen_stats"], latency),
+        "roles": {r.name: (r.proc.returncode if r.proc else None) for r in fleet.roles},
+    }
+    if audit.lost():
+        report["lost_examples"] = sorted(audit.lost())[:5]
+    return report
+
+
+def eval_curve(
+    cfg: CommonConfig,
+    plan: Plan,
+    eval_set: list[Any],
+    events: list[Any],
+    t0: int,
+    before: float,
+    final: tuple[int, float],
+) -> list[dict[str, Any]]:
+    """Held-out accuracy over wall-clock: v0, every ``eval_every``-th published version
+    (materialised and evaluated now), and the final version (``(version, accuracy)``)."""
+    published = published_times(events)
+    version, after = final
+    curve = [{"version": 0, "t_s": 0.0, "accuracy": before}]
+    for v in curve_versions(published, plan.cfg.eval_every, version):
+        d, _ = final_policy(cfg, plan.run, plan.model_dir, plan.out / "eval-model", v)
+        acc = warmstart.evaluate(d, eval_set).accuracy
+        curve.append({"version": v, "t_s": round((published[v] - t0) / 1000, 2), "accuracy": acc})
+    if version:
+        t_final = round((published.get(version, t0) - t0) / 1000, 2)
+        curve.append({"version": version, "t_s": t_final, "accuracy": after})
+    shutil.rmtree(plan.out / "eval-model", ignore_errors=True)
+    return curve
+
+
+def step_events(events: list[Any]) -> dict[int, Any]:
+    """The ``train_step`` event of each step; a step redone after a restart: the last one."""
+    return {int(e.step): e for e in events if e.kind == "train_step" and e.step is not None}
+
+
+def published_times(events: list[Any]) -> dict[int, int]:
+    """``{version: ts_ms}`` of the ``weights_published`` events."""
+    return {int(e.values["version"]): e.ts_ms for e in events if e.kind == "weights_published"}
+
+
+def curve_versions(published: dict[int, int], every: int, final: int) -> list[int]:
+    """The published versions the curve evaluates besides the final one: every ``every``-th
+    (none when ``every`` is 0)."""
+    return [v for v in sorted(published) if every and v % every == 0 and v != final]
+
+
+def last_samples(samples: list[Any]) -> dict[str, Any]:
+    """Each trajectory's ``sample`` event of the highest step (the last decision counts)."""
+    last: dict[str, Any] = {}
+    for e in samples:
+        t = e.labels.get("trajectory_id", "")
+        if t not in last or (e.step or 0) >= (last[t].step or 0):
+            last[t] = e
+    return last
+
+
+def reward_ends(rewards: list[float | None]) -> dict[str, float | None]:
+    """Mean reward over the first and over the last tenth of the steps (at least one)."""
+    tenth = max(1, math.ceil(len(rewards) / 10))
+    return {
+        "reward_first": _r(_mean(rewards[:tenth])),
+        "reward_last": _r(_mean(rewards[-tenth:])),
+    }
+
+
+def audit_fields(audit: Audit, events: list[Any]) -> dict[str, Any]:
+    """What happened to the trajectories: generated, decided, pending, lost, duplicates."""
+    counts = {o: sum(1 for v in audit.outcomes.values() if v == o) for o in SAMPLE_OUTCOMES}
+    counters: dict[str, float] = {}
+    for e in events:
+        if e.kind == "counter" and e.source.startswith("trainer"):
+            counters.update(e.values)
+    return {
         "trajectories_generated": len(audit.generated),
         "trajectories_trained": counts["trained"],
         "dropped_stale": counts["dropped_stale"],
@@ -285,6 +335,18 @@ def build(
         "migrated": sum(1 for e in events if e.kind == "migrated"),
         "incomplete_at_stop": len(audit.trajectories) - len(audit.generated),
         "lost": len(audit.lost()),
+    }
+
+
+def throughput_fields(
+    wall_run: float, gen_tokens: int, version: int, last: list[Any], latency: list[float]
+) -> dict[str, Any]:
+    """Generation rate, versions, staleness of the trained samples (``last``: each
+    trajectory's last decision) and chunk-to-trainer latency percentiles."""
+    staleness = [
+        int(e.values.get("staleness", 0)) for e in last if e.labels.get("outcome") == "trained"
+    ]
+    return {
         "wall_s": round(wall_run, 1),
         "tokens_per_s": _r(gen_tokens / wall_run if wall_run > 0 else None, 1),
         "tokens_generated": gen_tokens,
@@ -292,33 +354,31 @@ def build(
         "staleness_hist": {str(k): staleness.count(k) for k in sorted(set(staleness))},
         "ready_latency_ms_p50": _r(_pct(latency, 50), 1),
         "ready_latency_ms_p99": _r(_pct(latency, 99), 1),
-        "eval_curve": curve,
-        "model": str(plan.model_dir),
-        "final_model": str(final_dir),
-        "run": plan.run,
-        "topic_prefix": plan.prefix,
-        "bootstrap": plan.bootstrap,
-        "series": {
-            "step": order,
-            "t_s": [round((steps[s].ts_ms - t0) / 1000, 2) for s in order],
-            "reward_mean": rewards,
-            "train_tokens_per_s": [steps[s].values.get("tokens_per_s") for s in order],
-            "staleness_mean": [steps[s].values.get("staleness_mean") for s in order],
-            "gen": [
-                [
-                    round((e.ts_ms - t0) / 1000, 2),
-                    e.labels.get("worker_id", e.source),
-                    e.values.get("tokens_per_s"),
-                ]
-                for e in gen_stats
-            ],
-            "ready_latency_ms": sorted(latency),
-        },
-        "roles": {r.name: (r.proc.returncode if r.proc else None) for r in fleet.roles},
     }
-    if audit.lost():
-        report["lost_examples"] = sorted(audit.lost())[:5]
-    return report
+
+
+def series(
+    steps: dict[int, Any], t0: int, gen_stats: list[Any], latency: list[float]
+) -> dict[str, Any]:
+    """The plotted series: per step (seconds since ``t0``, reward, tokens/s, staleness), the
+    generators' rates over time, and the sorted latencies."""
+    order = sorted(steps)
+    return {
+        "step": order,
+        "t_s": [round((steps[s].ts_ms - t0) / 1000, 2) for s in order],
+        "reward_mean": [steps[s].values.get("reward_mean") for s in order],
+        "train_tokens_per_s": [steps[s].values.get("tokens_per_s") for s in order],
+        "staleness_mean": [steps[s].values.get("staleness_mean") for s in order],
+        "gen": [
+            [
+                round((e.ts_ms - t0) / 1000, 2),
+                e.labels.get("worker_id", e.source),
+                e.values.get("tokens_per_s"),
+            ]
+            for e in gen_stats
+        ],
+        "ready_latency_ms": sorted(latency),
+    }
 
 
 def write(report: dict[str, Any], out: Path) -> None:

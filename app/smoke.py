@@ -1,8 +1,9 @@
 """A data-plane smoke run: synthetic trajectories through the real broker, codec and topics.
 
-What ``srl demo`` runs until the full RL demo exists. It checks the path every role stands
-on: chunks produced to the bucket's partitions, consumed in a group, committed, and every
-trajectory reassembled exactly once. Token ids are random; nothing is trained.
+It checks the path every role stands on: chunks produced to the bucket's partitions,
+consumed in a group, committed, and every trajectory reassembled exactly once. Token ids are
+random; nothing is trained. Called by ``srl smoke`` (``app.cli.main``); the tests reuse
+``synthetic_chunks``.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def synthetic_chunks(
 
 
 def run_smoke(cfg: CommonConfig, n: int, external: bool = False) -> dict[str, Any]:
-    from rich.progress import Progress
-
+    """Produce ``n`` synthetic trajectories, consume them in a fresh group, commit, and check
+    that every one was reassembled; SrlError if any was lost. Returns the figures."""
     with contextlib.ExitStack() as stack:
         if not external:
             click.echo("starting the embedded broker …")
@@ -69,56 +70,15 @@ def run_smoke(cfg: CommonConfig, n: int, external: bool = False) -> dict[str, An
         create_topics(cfg)
         chunks = synthetic_chunks(n, layout)
         expected = {c.trajectory_id: c.seq + 1 for c in chunks if c.is_last}
-        tokens = sum(c.n_tokens for c in chunks)
         t0 = time.perf_counter()
-        with Progress(transient=True) as progress, Producer(cfg, "smoke") as producer:
-            task = progress.add_task("producing chunks", total=len(chunks))
-            for c in chunks:
-                producer.produce(
-                    layout.trajectories,
-                    encode(c),
-                    key=c.trajectory_id,
-                    partition=layout.partition_for(c.bucket, c.trajectory_id),
-                )
-                progress.advance(task)
+        _produce(cfg, layout, chunks)
         produce_s = time.perf_counter() - t0
-        consumer = make_consumer(cfg, f"srl-smoke-{uuid.uuid4().hex[:8]}", "smoke")
-        seen: dict[str, set[int]] = defaultdict(set)
-        done: set[str] = set()
-        duplicates = 0
-        ends: dict[tuple[str, int], int] = {}
-        try:
-            consumer.subscribe([layout.trajectories])
-            deadline = time.monotonic() + 60
-            while len(done) < len(expected) and time.monotonic() < deadline:
-                for msg in consumer.consume(1000, 0.5):
-                    if msg.error():
-                        continue
-                    c = decode_as(msg.value() or b"", TrajectoryChunk)
-                    if c.seq in seen[c.trajectory_id]:
-                        duplicates += 1
-                    seen[c.trajectory_id].add(c.seq)
-                    if len(seen[c.trajectory_id]) == expected.get(c.trajectory_id, -1):
-                        done.add(c.trajectory_id)
-                    ends[(msg.topic() or "", msg.partition() or 0)] = (msg.offset() or 0) + 1
-            consumer.commit_sync([TopicPartition(t, p, o) for (t, p), o in ends.items()])
-        finally:
-            consumer.close()
+        done, duplicates = _consume(cfg, layout, expected)
         wall = time.perf_counter() - t0
-        result = {
-            "trajectories": len(expected),
-            "chunks": len(chunks),
-            "tokens": tokens,
-            "assembled": len(done),
-            "duplicates": duplicates,
-            "lost": len(expected) - len(done),
-            "produce_s": round(produce_s, 3),
-            "wall_s": round(wall, 3),
-            "tokens_per_s": round(tokens / wall),
-        }
+        result = smoke_result(chunks, len(expected), done, duplicates, produce_s, wall)
         click.echo(
             f"{result['assembled']}/{result['trajectories']} trajectories ({len(chunks)} chunks, "
-            f"{tokens} tokens) "
+            f"{result['tokens']} tokens) "
             f"reassembled in {wall:.2f}s ({result['tokens_per_s']} tokens/s); lost "
             f"{result['lost']}, "
             f"duplicates {duplicates}"
@@ -126,3 +86,70 @@ def run_smoke(cfg: CommonConfig, n: int, external: bool = False) -> dict[str, An
         if result["lost"]:
             raise SrlError(f"smoke run lost {result['lost']} trajectories")
         return result
+
+
+def _produce(cfg: CommonConfig, layout: Layout, chunks: list[TrajectoryChunk]) -> None:
+    """Every chunk to its bucket's partitions, keyed by trajectory, with a progress bar."""
+    from rich.progress import Progress
+
+    with Progress(transient=True) as progress, Producer(cfg, "smoke") as producer:
+        task = progress.add_task("producing chunks", total=len(chunks))
+        for c in chunks:
+            producer.produce(
+                layout.trajectories,
+                encode(c),
+                key=c.trajectory_id,
+                partition=layout.partition_for(c.bucket, c.trajectory_id),
+            )
+            progress.advance(task)
+
+
+def _consume(cfg: CommonConfig, layout: Layout, expected: dict[str, int]) -> tuple[int, int]:
+    """Read the trajectories topic in a fresh group until every expected trajectory has all
+    its chunks (at most 60 s), then commit: (trajectories complete, duplicate chunks)."""
+    consumer = make_consumer(cfg, f"srl-smoke-{uuid.uuid4().hex[:8]}", "smoke")
+    seen: dict[str, set[int]] = defaultdict(set)
+    done: set[str] = set()
+    duplicates = 0
+    ends: dict[tuple[str, int], int] = {}
+    try:
+        consumer.subscribe([layout.trajectories])
+        deadline = time.monotonic() + 60
+        while len(done) < len(expected) and time.monotonic() < deadline:
+            for msg in consumer.consume(1000, 0.5):
+                if msg.error():
+                    continue
+                c = decode_as(msg.value() or b"", TrajectoryChunk)
+                if c.seq in seen[c.trajectory_id]:
+                    duplicates += 1
+                seen[c.trajectory_id].add(c.seq)
+                if len(seen[c.trajectory_id]) == expected.get(c.trajectory_id, -1):
+                    done.add(c.trajectory_id)
+                ends[(msg.topic() or "", msg.partition() or 0)] = (msg.offset() or 0) + 1
+        consumer.commit_sync([TopicPartition(t, p, o) for (t, p), o in ends.items()])
+    finally:
+        consumer.close()
+    return len(done), duplicates
+
+
+def smoke_result(
+    chunks: list[TrajectoryChunk],
+    trajectories: int,
+    assembled: int,
+    duplicates: int,
+    produce_s: float,
+    wall: float,
+) -> dict[str, Any]:
+    """The smoke run's figures; ``lost``: trajectories not reassembled."""
+    tokens = sum(c.n_tokens for c in chunks)
+    return {
+        "trajectories": trajectories,
+        "chunks": len(chunks),
+        "tokens": tokens,
+        "assembled": assembled,
+        "duplicates": duplicates,
+        "lost": trajectories - assembled,
+        "produce_s": round(produce_s, 3),
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens / wall),
+    }

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from app.cli.common import echo_json
@@ -33,106 +33,139 @@ def _s(v: Any) -> str:
 
 
 def render(snap: dict[str, Any]) -> Any:
+    """The text view of one snapshot, top to bottom: header, stalled partitions, consumer
+    groups, backlog per bucket, then one line each for throughput, weights, versions,
+    staleness and drops."""
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
-    parts: list[Any] = [
-        Text(
-            f"srl top  {snap['bootstrap']}  prefix {snap['prefix']}  run {snap['run']}  "
-            f"{time.strftime('%H:%M:%S', time.localtime(snap['ts_ms'] / 1000))}",
-            style="bold",
-        )
-    ]
-    for s in snap["stalled"]:
-        parts.append(
-            Text(
-                f"STALLED {s['group']} {s['topic']}[{s['partition']}] lag {s['lag']}: "
-                f"{s['reason']}",
-                style="bold red",
-            )
-        )
-    groups = Table(
+    parts: list[Any] = [Text(header_line(snap), style="bold")]
+    parts += [Text(stalled_line(s), style="bold red") for s in snap["stalled"]]
+    parts.append(
+        _groups_table(snap["groups"])
+        if snap["groups"]
+        else Text("no consumer group on srl topics yet")
+    )
+    if snap["backlog"]:
+        parts.append(_backlog_table(snap["backlog"]))
+    parts.append(Text(throughput_line(snap["throughput"])))
+    text, style = weights_line(snap["weights"])
+    parts.append(Text(text, style=style))
+    parts.append(Text(versions_line(snap["versions"])))
+    parts.append(Text(staleness_line(snap["staleness"], snap["window_s"])))
+    parts.append(Text(drops_line(snap["drops"])))
+    return Group(*parts)
+
+
+GROUP_COLUMNS = (
+    "GROUP",
+    "TOPIC",
+    "PARTITION",
+    "BUCKET",
+    "CURRENT-OFFSET",
+    "LOG-END-OFFSET",
+    "LAG",
+    "CONSUMER-ID",
+    "HOST",
+    "CLIENT-ID",
+)  # kafka-consumer-groups.sh --describe, with srl's BUCKET
+
+
+def group_cells(r: dict[str, Any]) -> tuple[str, ...]:
+    """One consumer-group row as the cells of :data:`GROUP_COLUMNS` ("-" for nothing)."""
+    return (
+        r["group"],
+        r["topic"],
+        str(r["partition"]),
+        _s(r["bucket"]),
+        _s(r["current_offset"]),
+        str(r["log_end_offset"]),
+        _s(r["lag"]),
+        _s(r["consumer_id"]),
+        _s(r["host"]),
+        _s(r["client_id"]),
+    )
+
+
+def backlog_cells(b: dict[str, Any]) -> tuple[str, ...]:
+    """One backlog row: group, topic, bucket, records, tokens ("~" when estimated)."""
+    tokens = f"{b['tokens']}" if b["tokens_exact"] else f"~{b['tokens']}"
+    return b["group"], b["topic"], b["bucket"], str(b["records"]), tokens
+
+
+def _groups_table(rows: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(*GROUP_COLUMNS, box=None, title="consumer groups", title_justify="left")
+    for r in rows:
+        table.add_row(*group_cells(r))
+    return table
+
+
+def _backlog_table(backlog: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(
         "GROUP",
         "TOPIC",
-        "PARTITION",
         "BUCKET",
-        "CURRENT-OFFSET",
-        "LOG-END-OFFSET",
-        "LAG",
-        "CONSUMER-ID",
-        "HOST",
-        "CLIENT-ID",
+        "RECORDS",
+        "TOKENS",
         box=None,
-        title="consumer groups",
+        title="backlog per length bucket",
         title_justify="left",
     )
-    for r in snap["groups"]:
-        groups.add_row(
-            r["group"],
-            r["topic"],
-            str(r["partition"]),
-            _s(r["bucket"]),
-            _s(r["current_offset"]),
-            str(r["log_end_offset"]),
-            _s(r["lag"]),
-            _s(r["consumer_id"]),
-            _s(r["host"]),
-            _s(r["client_id"]),
-        )
-    parts.append(groups if snap["groups"] else Text("no consumer group on srl topics yet"))
-    if snap["backlog"]:
-        backlog = Table(
-            "GROUP",
-            "TOPIC",
-            "BUCKET",
-            "RECORDS",
-            "TOKENS",
-            box=None,
-            title="backlog per length bucket",
-            title_justify="left",
-        )
-        for b in snap["backlog"]:
-            tokens = f"{b['tokens']}" if b["tokens_exact"] else f"~{b['tokens']}"
-            backlog.add_row(b["group"], b["topic"], b["bucket"], str(b["records"]), tokens)
-        parts.append(backlog)
-    t, w, v, st, d = (snap[k] for k in ("throughput", "weights", "versions", "staleness", "drops"))
+    for b in backlog:
+        table.add_row(*backlog_cells(b))
+    return table
+
+
+def header_line(snap: dict[str, Any]) -> str:
+    clock = time.strftime("%H:%M:%S", time.localtime(snap["ts_ms"] / 1000))
+    return f"srl top  {snap['bootstrap']}  prefix {snap['prefix']}  run {snap['run']}  {clock}"
+
+
+def stalled_line(s: dict[str, Any]) -> str:
+    return f"STALLED {s['group']} {s['topic']}[{s['partition']}] lag {s['lag']}: {s['reason']}"
+
+
+def throughput_line(t: dict[str, Any]) -> str:
     sim = " (simulated engine)" if t["simulated"] else ""
-    parts.append(
-        Text(
-            f"throughput: generation {_rate(t['gen_tokens_per_s'])} tok/s{sim}, training "
-            f"{_rate(t['train_tokens_per_s'])} tok/s, {_rate(t['trajectories_per_s'], 2)} "
-            f"trajectories/s"
-        )
+    return (
+        f"throughput: generation {_rate(t['gen_tokens_per_s'])} tok/s{sim}, training "
+        f"{_rate(t['train_tokens_per_s'])} tok/s, {_rate(t['trajectories_per_s'], 2)} "
+        f"trajectories/s"
     )
+
+
+def weights_line(w: dict[str, Any]) -> tuple[str, str]:
+    """The weights line and its style: yellow when nothing is announced, red when the
+    manifest does not verify."""
     if w["version"] is None:
-        parts.append(Text(f"weights: no version announced for run {w['run']}", style="yellow"))
-    else:
-        ok = "manifest ok" if w["manifest_ok"] else f"MANIFEST NOT OK: {w['error']}"
-        parts.append(
-            Text(
-                f"weights: {w['run']} v{w['version']}  {ok}",
-                style="green" if w["manifest_ok"] else "bold red",
-            )
-        )
+        return f"weights: no version announced for run {w['run']}", "yellow"
+    ok = "manifest ok" if w["manifest_ok"] else f"MANIFEST NOT OK: {w['error']}"
+    return f"weights: {w['run']} v{w['version']}  {ok}", "green" if w["manifest_ok"] else "bold red"
+
+
+def versions_line(v: dict[str, Any]) -> str:
     gens = ", ".join(f"{k}=v{_s(x)}" for k, x in v["generators"].items()) or "-"
     backlog_v = ", ".join(f"v{k}:{n}" for k, n in v["in_backlog"].items()) or "-"
-    parts.append(
-        Text(
-            f"versions: trainer {_s(v['trainer'])}, published {_s(v['published'])}, "
-            f"generators {gens}, in backlog (sampled chunks) {backlog_v}"
-        )
+    return (
+        f"versions: trainer {_s(v['trainer'])}, published {_s(v['published'])}, "
+        f"generators {gens}, in backlog (sampled chunks) {backlog_v}"
     )
+
+
+def staleness_line(st: dict[str, Any], window_s: float) -> str:
     hist = "  ".join(f"{k}:{n}" for k, n in st["histogram"].items()) or "-"
-    parts.append(
-        Text(
-            f"staleness (last {snap['window_s']:g}s): {hist}   mean {_rate(st['mean'], 2)}"
-            f"  max {_s(st['max'])}"
-        )
+    return (
+        f"staleness (last {window_s:g}s): {hist}   mean {_rate(st['mean'], 2)}  max {_s(st['max'])}"
     )
+
+
+def drops_line(d: dict[str, Any]) -> str:
     drops = ", ".join(f"{k} {n}" for k, n in d["by_outcome"].items()) or "none"
-    parts.append(Text(f"drops: {drops}; dead letters: {d['dead_letter_records']} on the DLQ"))
-    return Group(*parts)
+    return f"drops: {drops}; dead letters: {d['dead_letter_records']} on the DLQ"
 
 
 def _rate(x: float | None, digits: int = 0) -> str:
@@ -154,165 +187,193 @@ class SnapshotCollector:
         yield up
         if self.snap is None:
             return
-        snap = self.snap
-        P = ["topic", "partition"]
-        CG = ["consumergroup", "topic", "partition"]
-        m = {
-            "parts": G(
-                "kafka_topic_partitions", "Number of partitions for this Topic", labels=["topic"]
-            ),
-            "cur": G(
-                "kafka_topic_partition_current_offset",
-                "Current Offset of a Broker at Topic/Partition",
-                labels=P,
-            ),
-            "old": G(
-                "kafka_topic_partition_oldest_offset",
-                "Oldest Offset of a Broker at Topic/Partition",
-                labels=P,
-            ),
-            "gcur": G(
-                "kafka_consumergroup_current_offset",
-                "Current Offset of a ConsumerGroup at Topic/Partition",
-                labels=CG,
-            ),
-            "gcursum": G(
-                "kafka_consumergroup_current_offset_sum",
-                "Current Offset of a ConsumerGroup at Topic for all partitions",
-                labels=CG[:2],
-            ),
-            "lag": G(
-                "kafka_consumergroup_lag",
-                "Current Approximate Lag of a ConsumerGroup at Topic/Partition",
-                labels=CG,
-            ),
-            "lagsum": G(
-                "kafka_consumergroup_lag_sum",
-                "Current Approximate Lag of a ConsumerGroup at Topic for all partitions",
-                labels=CG[:2],
-            ),
-            "members": G(
-                "kafka_consumergroup_members",
-                "Amount of members in a consumer group",
-                labels=["consumergroup"],
-            ),
-            "brec": G(
-                "srl_backlog_records",
-                "Records not yet consumed by a group, per length bucket",
-                labels=["consumergroup", "topic", "bucket"],
-            ),
-            "btok": G(
-                "srl_backlog_tokens",
-                "Tokens not yet consumed by a group, per length bucket (estimated past the sample)",
-                labels=["consumergroup", "topic", "bucket"],
-            ),
-            "stalled": G(
-                "srl_partition_stalled",
-                "1 for a partition with lag and no progress or no consumer",
-                labels=CG,
-            ),
-        }
-        count: dict[str, int] = defaultdict(int)
-        for r in snap["topics"]:
-            count[r["topic"]] += 1
-            m["cur"].add_metric([r["topic"], str(r["partition"])], r["high"])
-            m["old"].add_metric([r["topic"], str(r["partition"])], r["low"])
-        for topic, n in count.items():
-            m["parts"].add_metric([topic], n)
-        sums: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
-        for r in snap["groups"]:
-            labels = [r["group"], r["topic"], str(r["partition"])]
-            current = r["current_offset"]
-            m["gcur"].add_metric(labels, -1 if current is None else current)  # -1 as kafka_exporter
-            if r["lag"] is not None:
-                m["lag"].add_metric(labels, r["lag"])
-                sums[(r["group"], r["topic"])][0] += current
-                sums[(r["group"], r["topic"])][1] += r["lag"]
-        for (g, topic), (cur, lag) in sums.items():
-            m["gcursum"].add_metric([g, topic], cur)
-            m["lagsum"].add_metric([g, topic], lag)
-        for g, info in snap["group_info"].items():
-            m["members"].add_metric([g], info["members"])
-        for b in snap["backlog"]:
-            m["brec"].add_metric([b["group"], b["topic"], b["bucket"]], b["records"])
-            m["btok"].add_metric([b["group"], b["topic"], b["bucket"]], b["tokens"])
-        for s in snap["stalled"]:
-            m["stalled"].add_metric([s["group"], s["topic"], str(s["partition"])], 1)
-        yield from m.values()
-        yield from self._srl_metrics(snap)
+        yield from kafka_metrics(self.snap)
+        yield from srl_metrics(self.snap)
 
-    @staticmethod
-    def _srl_metrics(snap: dict[str, Any]) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily as G
 
-        t, w, v = snap["throughput"], snap["weights"], snap["versions"]
-        for name, key, doc in (
-            (
-                "srl_generation_tokens_per_second",
-                "gen_tokens_per_s",
-                "Tokens/s over all generator workers",
-            ),
-            (
-                "srl_training_tokens_per_second",
-                "train_tokens_per_s",
-                "Tokens/s of the last optimizer step",
-            ),
-            (
-                "srl_trajectories_per_second",
-                "trajectories_per_s",
-                "Trajectories trained per second",
-            ),
-        ):
-            if t[key] is not None:
-                yield G(name, doc, value=t[key])
-        if w["version"] is not None:
-            ver = G("srl_weights_version", "Latest announced policy version", labels=["run"])
-            ver.add_metric([w["run"]], w["version"])
-            yield ver
-        ok = G(
-            "srl_weights_manifest_ok",
-            "1 if the latest version's manifest verifies and its files exist",
-            labels=["run"],
+_P = ["topic", "partition"]
+_CG = ["consumergroup", "topic", "partition"]
+_BUCKET = ["consumergroup", "topic", "bucket"]
+# kafka_exporter's families (name, help, labels), then srl's backlog and stall ones
+KAFKA_FAMILIES: dict[str, tuple[str, str, list[str]]] = {
+    "parts": ("kafka_topic_partitions", "Number of partitions for this Topic", ["topic"]),
+    "cur": (
+        "kafka_topic_partition_current_offset",
+        "Current Offset of a Broker at Topic/Partition",
+        _P,
+    ),
+    "old": (
+        "kafka_topic_partition_oldest_offset",
+        "Oldest Offset of a Broker at Topic/Partition",
+        _P,
+    ),
+    "gcur": (
+        "kafka_consumergroup_current_offset",
+        "Current Offset of a ConsumerGroup at Topic/Partition",
+        _CG,
+    ),
+    "gcursum": (
+        "kafka_consumergroup_current_offset_sum",
+        "Current Offset of a ConsumerGroup at Topic for all partitions",
+        _CG[:2],
+    ),
+    "lag": (
+        "kafka_consumergroup_lag",
+        "Current Approximate Lag of a ConsumerGroup at Topic/Partition",
+        _CG,
+    ),
+    "lagsum": (
+        "kafka_consumergroup_lag_sum",
+        "Current Approximate Lag of a ConsumerGroup at Topic for all partitions",
+        _CG[:2],
+    ),
+    "members": (
+        "kafka_consumergroup_members",
+        "Amount of members in a consumer group",
+        ["consumergroup"],
+    ),
+    "brec": (
+        "srl_backlog_records",
+        "Records not yet consumed by a group, per length bucket",
+        _BUCKET,
+    ),
+    "btok": (
+        "srl_backlog_tokens",
+        "Tokens not yet consumed by a group, per length bucket (estimated past the sample)",
+        _BUCKET,
+    ),
+    "stalled": (
+        "srl_partition_stalled",
+        "1 for a partition with lag and no progress or no consumer",
+        _CG,
+    ),
+}
+
+
+def partition_counts(topics: list[dict[str, Any]]) -> dict[str, int]:
+    """Partitions per topic, in the order topics first appear."""
+    count: dict[str, int] = defaultdict(int)
+    for r in topics:
+        count[r["topic"]] += 1
+    return dict(count)
+
+
+def lag_sums(groups: list[dict[str, Any]]) -> dict[tuple[str, str], tuple[int, int]]:
+    """``{(group, topic): (sum of committed offsets, sum of lag)}`` over the partitions with
+    a committed offset (kafka_exporter's ``_sum`` metrics)."""
+    sums: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for r in groups:
+        if r["lag"] is not None:
+            sums[(r["group"], r["topic"])][0] += r["current_offset"]
+            sums[(r["group"], r["topic"])][1] += r["lag"]
+    return {k: (cur, lag) for k, (cur, lag) in sums.items()}
+
+
+def kafka_metrics(snap: dict[str, Any]) -> list[Any]:
+    """Offsets, lag and members with kafka_exporter's names and labels; backlog and stalls."""
+    from prometheus_client.core import GaugeMetricFamily as G
+
+    m = {k: G(name, doc, labels=labels) for k, (name, doc, labels) in KAFKA_FAMILIES.items()}
+    for r in snap["topics"]:
+        m["cur"].add_metric([r["topic"], str(r["partition"])], r["high"])
+        m["old"].add_metric([r["topic"], str(r["partition"])], r["low"])
+    for topic, n in partition_counts(snap["topics"]).items():
+        m["parts"].add_metric([topic], n)
+    for r in snap["groups"]:
+        labels = [r["group"], r["topic"], str(r["partition"])]
+        current = r["current_offset"]
+        m["gcur"].add_metric(labels, -1 if current is None else current)  # -1 as kafka_exporter
+        if r["lag"] is not None:
+            m["lag"].add_metric(labels, r["lag"])
+    for (g, topic), (cur, lag) in lag_sums(snap["groups"]).items():
+        m["gcursum"].add_metric([g, topic], cur)
+        m["lagsum"].add_metric([g, topic], lag)
+    for g, info in snap["group_info"].items():
+        m["members"].add_metric([g], info["members"])
+    for b in snap["backlog"]:
+        m["brec"].add_metric([b["group"], b["topic"], b["bucket"]], b["records"])
+        m["btok"].add_metric([b["group"], b["topic"], b["bucket"]], b["tokens"])
+    for s in snap["stalled"]:
+        m["stalled"].add_metric([s["group"], s["topic"], str(s["partition"])], 1)
+    return list(m.values())
+
+
+THROUGHPUT_METRICS = (
+    ("srl_generation_tokens_per_second", "gen_tokens_per_s", "Tokens/s over all generator workers"),
+    ("srl_training_tokens_per_second", "train_tokens_per_s", "Tokens/s of the last optimizer step"),
+    ("srl_trajectories_per_second", "trajectories_per_s", "Trajectories trained per second"),
+)
+
+
+def srl_metrics(snap: dict[str, Any]) -> Iterator[Any]:
+    """srl's own metrics: throughput, weights, policy versions, staleness, drops."""
+    t = snap["throughput"]
+    for name, key, doc in THROUGHPUT_METRICS:
+        if t[key] is not None:
+            yield _gauge(name, doc, value=t[key])
+    yield from _weights_metrics(snap["weights"])
+    yield from _version_metrics(snap["versions"])
+    yield _labelled(
+        "srl_staleness_samples",
+        "Samples per staleness (v - b) in the window",
+        "staleness",
+        snap["staleness"]["histogram"].items(),
+    )
+    yield _labelled(
+        "srl_dropped_samples",
+        "Samples not trained in the window, by outcome",
+        "outcome",
+        snap["drops"]["by_outcome"].items(),
+    )
+    yield _gauge(
+        "srl_dead_letter_records",
+        "Records on the dead-letter topic",
+        value=snap["drops"]["dead_letter_records"],
+    )
+
+
+def _weights_metrics(w: dict[str, Any]) -> Iterator[Any]:
+    if w["version"] is not None:
+        ver = _gauge("srl_weights_version", "Latest announced policy version", labels=["run"])
+        ver.add_metric([w["run"]], w["version"])
+        yield ver
+    ok = _gauge(
+        "srl_weights_manifest_ok",
+        "1 if the latest version's manifest verifies and its files exist",
+        labels=["run"],
+    )
+    if w["version"] is not None:
+        ok.add_metric([w["run"]], 1 if w["manifest_ok"] else 0)
+    yield ok
+
+
+def _version_metrics(v: dict[str, Any]) -> Iterator[Any]:
+    yield _labelled(
+        "srl_generator_policy_version",
+        "Policy version a generator worker runs",
+        "source",
+        ((src, ver) for src, ver in v["generators"].items() if ver is not None),
+    )
+    if v["trainer"] is not None:
+        yield _gauge(
+            "srl_trainer_policy_version",
+            "Policy version after the trainer's last step",
+            value=v["trainer"],
         )
-        if w["version"] is not None:
-            ok.add_metric([w["run"]], 1 if w["manifest_ok"] else 0)
-        yield ok
-        gen = G(
-            "srl_generator_policy_version",
-            "Policy version a generator worker runs",
-            labels=["source"],
-        )
-        for src, ver in v["generators"].items():
-            if ver is not None:
-                gen.add_metric([src], ver)
-        yield gen
-        if v["trainer"] is not None:
-            yield G(
-                "srl_trainer_policy_version",
-                "Policy version after the trainer's last step",
-                value=v["trainer"],
-            )
-        hist = G(
-            "srl_staleness_samples",
-            "Samples per staleness (v - b) in the window",
-            labels=["staleness"],
-        )
-        for k, n in snap["staleness"]["histogram"].items():
-            hist.add_metric([k], n)
-        yield hist
-        drops = G(
-            "srl_dropped_samples",
-            "Samples not trained in the window, by outcome",
-            labels=["outcome"],
-        )
-        for k, n in snap["drops"]["by_outcome"].items():
-            drops.add_metric([k], n)
-        yield drops
-        yield G(
-            "srl_dead_letter_records",
-            "Records on the dead-letter topic",
-            value=snap["drops"]["dead_letter_records"],
-        )
+
+
+def _gauge(name: str, doc: str, **kw: Any) -> Any:
+    from prometheus_client.core import GaugeMetricFamily
+
+    return GaugeMetricFamily(name, doc, **kw)
+
+
+def _labelled(name: str, doc: str, label: str, items: Iterable[tuple[str, float]]) -> Any:
+    """A gauge with one label, one sample per ``(label value, value)``."""
+    family = _gauge(name, doc, labels=[label])
+    for key, n in items:
+        family.add_metric([key], n)
+    return family
 
 
 def run_top(

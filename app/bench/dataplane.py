@@ -27,6 +27,7 @@ import multiprocessing as mp
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,7 @@ from schemas.records import TrajectoryChunk, decode_as, encode, pack_tokens
 from srl.broker import EmbeddedBroker
 from srl.config import CommonConfig
 from srl.errors import SrlError
-from srl.kafka import Producer, create_topics, make_consumer
+from srl.kafka import Consumer, Producer, create_topics, make_consumer
 from srl.topics import Layout, TopicSpec
 
 TIMEOUT_S = 300.0
@@ -147,46 +148,18 @@ def run_phase(cfg: CommonConfig, spec: dict[str, Any]) -> dict[str, Any]:
     cfg = cfg.model_copy(update={"topic_prefix": f"{cfg.topic_prefix}.bench{uuid.uuid4().hex[:6]}"})
     layout = Layout.from_config(cfg)
     create_topics(cfg, [*layout.specs(), TopicSpec(warmup_topic(cfg), 1, {})])
-    probe = make_trajectories(
-        spec["n"], spec["mean_tokens"], spec["chunk_tokens"], layout, spec["seed"]
-    )
-    n_chunks = sum(len(t) for t in probe)
-    n_tokens = sum(c.n_tokens for t in probe for c in t)
-    n_bytes = sum(len(encode(c)) for t in probe for c in t)
-    del probe
+    size = phase_size(spec, layout)
     consumer = make_consumer(cfg, f"bench-{uuid.uuid4().hex[:8]}", "bench-dataplane")
     ctx = mp.get_context("spawn")
     go, ready, start_ns, q = ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Queue()
     child = ctx.Process(target=_produce, args=(cfg, spec, go, ready, start_ns, q), daemon=True)
     try:
-        consumer.subscribe([layout.trajectories])
-        deadline = time.monotonic() + 30
-        while not consumer.assignment():  # join the group before the clock starts
-            consumer.poll(0.1)
-            if time.monotonic() > deadline:
-                raise SrlError("bench consumer got no partitions within 30 s")
+        _join(consumer, layout.trajectories)
         child.start()
         if not ready.wait(TIMEOUT_S):
             raise SrlError("bench producer did not start")
         go.set()
-        assembler = Assembler(set())
-        ready_ns: dict[str, int] = {}
-        got = 0
-        end_ns = 0
-        deadline = time.monotonic() + TIMEOUT_S
-        codec = spec["mode"] == "codec"
-        while got < n_chunks:
-            if time.monotonic() > deadline or not child.is_alive() and child.exitcode:
-                raise SrlError(f"bench {spec['mode']}: {got}/{n_chunks} chunks consumed")
-            for msg in consumer.next_batch(1000, 0.05):
-                if msg.error():
-                    continue
-                got += 1
-                if codec:
-                    traj = assembler.add(decode_as(msg.value() or b"", TrajectoryChunk))
-                    if traj is not None:
-                        ready_ns[traj.trajectory_id] = time.time_ns()
-            end_ns = time.time_ns()
+        got = _consume(consumer, child, spec["mode"], size["chunks"])
         last_ns = q.get(timeout=60)
         child.join(30)
     finally:
@@ -194,31 +167,93 @@ def run_phase(cfg: CommonConfig, spec: dict[str, Any]) -> dict[str, Any]:
         if child.is_alive():
             child.kill()
             child.join()
-    wall = (end_ns - start_ns.value) / 1e9
-    res: dict[str, Any] = {
+    res = phase_result(spec, size, (got.end_ns - start_ns.value) / 1e9)
+    if spec["mode"] == "codec":
+        if len(got.ready_ns) != spec["n"] or got.duplicates:
+            raise SrlError(
+                f"assembled {len(got.ready_ns)}/{spec['n']}, duplicates {got.duplicates}"
+            )
+        res |= latency_figures(got.ready_ns, last_ns)
+    return res
+
+
+def phase_size(spec: dict[str, Any], layout: Layout) -> dict[str, int]:
+    """Chunks, tokens and encoded bytes of a phase's trajectories (made again, as the child
+    makes them)."""
+    probe = make_trajectories(
+        spec["n"], spec["mean_tokens"], spec["chunk_tokens"], layout, spec["seed"]
+    )
+    return {
+        "chunks": sum(len(t) for t in probe),
+        "tokens": sum(c.n_tokens for t in probe for c in t),
+        "bytes": sum(len(encode(c)) for t in probe for c in t),
+    }
+
+
+def _join(consumer: Consumer, topic: str) -> None:
+    """Subscribe and wait for an assignment: the group is joined before the clock starts."""
+    consumer.subscribe([topic])
+    deadline = time.monotonic() + 30
+    while not consumer.assignment():
+        consumer.poll(0.1)
+        if time.monotonic() > deadline:
+            raise SrlError("bench consumer got no partitions within 30 s")
+
+
+@dataclass
+class Consumed:
+    end_ns: int  # wall clock after the last message
+    ready_ns: dict[str, int]  # trajectory id -> wall clock when the assembler returned it
+    duplicates: int
+
+
+def _consume(consumer: Consumer, child: Any, mode: str, n_chunks: int) -> Consumed:
+    """Read ``n_chunks`` messages; in the codec mode decode and assemble each."""
+    assembler = Assembler(set())
+    ready_ns: dict[str, int] = {}
+    got = 0
+    end_ns = 0
+    deadline = time.monotonic() + TIMEOUT_S
+    codec = mode == "codec"
+    while got < n_chunks:
+        if time.monotonic() > deadline or not child.is_alive() and child.exitcode:
+            raise SrlError(f"bench {mode}: {got}/{n_chunks} chunks consumed")
+        for msg in consumer.next_batch(1000, 0.05):
+            if msg.error():
+                continue
+            got += 1
+            if codec:
+                traj = assembler.add(decode_as(msg.value() or b"", TrajectoryChunk))
+                if traj is not None:
+                    ready_ns[traj.trajectory_id] = time.time_ns()
+        end_ns = time.time_ns()
+    return Consumed(end_ns, ready_ns, assembler.duplicates)
+
+
+def phase_result(spec: dict[str, Any], size: dict[str, int], wall: float) -> dict[str, Any]:
+    """A phase's rates over ``wall`` seconds (first produce to last message consumed)."""
+    return {
         "mode": spec["mode"],
         "trajectories": spec["n"],
-        "chunks": n_chunks,
-        "tokens": n_tokens,
-        "bytes": n_bytes,
+        "chunks": size["chunks"],
+        "tokens": size["tokens"],
+        "bytes": size["bytes"],
         "wall_s": round(wall, 4),
-        "tokens_per_s": round(n_tokens / wall),
+        "tokens_per_s": round(size["tokens"] / wall),
         "trajectories_per_s": round(spec["n"] / wall, 1),
-        "mb_per_s": round(n_bytes / wall / 1e6, 2),
+        "mb_per_s": round(size["bytes"] / wall / 1e6, 2),
         "target_tokens_per_s": spec["rate"] or None,
     }
-    if codec:
-        if len(ready_ns) != spec["n"] or assembler.duplicates:
-            raise SrlError(
-                f"assembled {len(ready_ns)}/{spec['n']}, duplicates {assembler.duplicates}"
-            )
-        lat = np.array([(ready_ns[t] - last_ns[t]) / 1e6 for t in ready_ns])
-        res |= {
-            "ready_latency_ms_p50": round(float(np.percentile(lat, 50)), 2),
-            "ready_latency_ms_p99": round(float(np.percentile(lat, 99)), 2),
-            "ready_latency_ms_max": round(float(lat.max()), 2),
-        }
-    return res
+
+
+def latency_figures(ready_ns: dict[str, int], last_ns: dict[str, int]) -> dict[str, float]:
+    """Last chunk produced -> trajectory ready, in ms: p50, p99, max."""
+    lat = np.array([(ready_ns[t] - last_ns[t]) / 1e6 for t in ready_ns])
+    return {
+        "ready_latency_ms_p50": round(float(np.percentile(lat, 50)), 2),
+        "ready_latency_ms_p99": round(float(np.percentile(lat, 99)), 2),
+        "ready_latency_ms_max": round(float(lat.max()), 2),
+    }
 
 
 def run(

@@ -73,13 +73,8 @@ def run_bench(
 
     layout = Layout.from_config(cfg)
     create_topics(cfg)
-    bucket = layout.buckets[0]
     results: dict[str, dict[str, float]] = {}
-    cases = [
-        Case("batch1", 1, False),
-        Case(f"batch{cfg.max_batch}", cfg.max_batch, False),
-        Case(f"batch{cfg.max_batch}+publish", cfg.max_batch, True),
-    ]
+    cases = bench_cases(cfg.max_batch)
     engines = {c.batch: make_engine(cfg.model_copy(update={"max_batch": c.batch})) for c in cases}
     for e in engines.values():
         _no_eos(e)
@@ -89,46 +84,14 @@ def run_bench(
                 engine = engines[c.batch]
                 n = max(2, requests_n // 8) if c.batch == 1 else requests_n
                 reqs = _requests(engine, n, max_new_tokens, seed=rep)
-                sink = None
-                if c.publish:
-                    chunker = Chunker(cfg.chunk_tokens, "bench")
-                    for r in reqs:
-                        chunker.open(TrajectoryStart(r.key, "bench", "bench", 0, 1, bucket))
-
-                    def sink(e: Any, chunker: Chunker = chunker) -> None:
-                        for ch in chunker.add(e.key, e.tokens, e.logprobs, 0, e.finish_reason):
-                            producer.produce(
-                                layout.trajectories,
-                                encode(ch),
-                                key=ch.trajectory_id,
-                                partition=layout.partition_for(bucket, ch.trajectory_id),
-                            )
-
+                sink = _publisher(cfg, layout, producer, reqs) if c.publish else None
                 tokens, secs, cpu = _run(engine, reqs, sink)
                 if c.publish:
                     t0, c0 = time.perf_counter(), time.process_time()
                     producer.flush()
                     secs += time.perf_counter() - t0
                     cpu += time.process_time() - c0
-                best = results.setdefault(
-                    c.name,
-                    {
-                        "tokens": 0,
-                        "seconds": 0.0,
-                        "tokens_per_s": 0.0,
-                        "cpu_seconds": 0.0,
-                        "tokens_per_cpu_s": 0.0,
-                    },
-                )
-                if tokens / secs > best["tokens_per_s"]:
-                    best.update(
-                        tokens=tokens, seconds=round(secs, 3), tokens_per_s=round(tokens / secs, 1)
-                    )
-                if tokens / cpu > best["tokens_per_cpu_s"]:
-                    best.update(cpu_seconds=round(cpu, 3), tokens_per_cpu_s=round(tokens / cpu, 1))
-    plain, pub = results[cases[1].name]["tokens_per_s"], results[cases[2].name]["tokens_per_s"]
-    plain_cpu = results[cases[1].name]["tokens_per_cpu_s"]
-    pub_cpu = results[cases[2].name]["tokens_per_cpu_s"]
+                keep_best(results.setdefault(c.name, dict(EMPTY_CASE)), tokens, secs, cpu)
     return {
         "engine": cfg.engine,
         "model": cfg.model,
@@ -137,11 +100,70 @@ def run_bench(
         "chunk_tokens": cfg.chunk_tokens,
         "repeats": repeats,
         "cases": results,
+        **speedups(results, cases),
+        "simulated": bool(engines[1].simulated),
+    }
+
+
+def bench_cases(max_batch: int) -> list[Case]:
+    """Batch 1, batch ``max_batch``, and batch ``max_batch`` publishing every token."""
+    return [
+        Case("batch1", 1, False),
+        Case(f"batch{max_batch}", max_batch, False),
+        Case(f"batch{max_batch}+publish", max_batch, True),
+    ]
+
+
+def _publisher(
+    cfg: Any, layout: Layout, producer: Producer, reqs: list[Request]
+) -> Callable[[Any], None]:
+    """A sink that turns each emitted token batch into chunks (the generator's Chunker) and
+    produces them to the first bucket's partitions of the trajectories topic."""
+    bucket = layout.buckets[0]
+    chunker = Chunker(cfg.chunk_tokens, "bench")
+    for r in reqs:
+        chunker.open(TrajectoryStart(r.key, "bench", "bench", 0, 1, bucket))
+
+    def sink(e: Any) -> None:
+        for ch in chunker.add(e.key, e.tokens, e.logprobs, 0, e.finish_reason):
+            producer.produce(
+                layout.trajectories,
+                encode(ch),
+                key=ch.trajectory_id,
+                partition=layout.partition_for(bucket, ch.trajectory_id),
+            )
+
+    return sink
+
+
+EMPTY_CASE = {
+    "tokens": 0,
+    "seconds": 0.0,
+    "tokens_per_s": 0.0,
+    "cpu_seconds": 0.0,
+    "tokens_per_cpu_s": 0.0,
+}
+
+
+def keep_best(best: dict[str, float], tokens: int, secs: float, cpu: float) -> None:
+    """Keep the best wall-clock rate and, separately, the best CPU rate of a case's repeats."""
+    if tokens / secs > best["tokens_per_s"]:
+        best.update(tokens=tokens, seconds=round(secs, 3), tokens_per_s=round(tokens / secs, 1))
+    if tokens / cpu > best["tokens_per_cpu_s"]:
+        best.update(cpu_seconds=round(cpu, 3), tokens_per_cpu_s=round(tokens / cpu, 1))
+
+
+def speedups(results: dict[str, dict[str, float]], cases: list[Case]) -> dict[str, float]:
+    """Batching speedup over batch 1 and the share of the rate that publishing costs, by
+    wall clock and by CPU time."""
+    plain, pub = results[cases[1].name]["tokens_per_s"], results[cases[2].name]["tokens_per_s"]
+    plain_cpu = results[cases[1].name]["tokens_per_cpu_s"]
+    pub_cpu = results[cases[2].name]["tokens_per_cpu_s"]
+    return {
         "batch_speedup": round(plain / results["batch1"]["tokens_per_s"], 2),
         "publish_overhead": round(1 - pub / plain, 4),
         "batch_speedup_cpu": round(plain_cpu / results["batch1"]["tokens_per_cpu_s"], 2),
         "publish_overhead_cpu": round(1 - pub_cpu / plain_cpu, 4),
-        "simulated": bool(engines[1].simulated),
     }
 
 

@@ -156,21 +156,31 @@ def mode_configs(
     w: Workload, mode: str, split: dict[str, Any], top: dict[str, Any], model_dir: Path
 ) -> tuple[Any, list[Any], Any]:
     """The dispatcher's, the generators' and the trainer's configs of one mode."""
-
-    k = w.k(mode)
     d_over, t_over = ({}, {}) if mode in BARRIER else DESIGNS[w.design]
+    return (
+        dispatch_config(w, mode, top, d_over),
+        [generate_config(w, mode, top, i) for i in range(split["instances"])],
+        train_config(w, mode, top, model_dir, t_over),
+    )
+
+
+def dispatch_config(
+    w: Workload, mode: str, top: dict[str, Any], over: dict[str, Any]
+) -> DispatchConfig:
+    """The dispatcher of one mode: a window of one step's groups, released by trainer step,
+    oracle lengths for the longest-first modes; ``over``: the design's own settings."""
     hist = LengthHistogram.from_file(w.lengths, w.scale)
     max_len = int(math.ceil(float(np.max(hist.hi)))) + 1
     B = w.groups_per_step
     dispatch = {
-        "max_staleness": k,
+        "max_staleness": w.k(mode),
         "groups_per_step": B,
         "window": B,
         "max_pending": 2 * B,
         "partitioning": "key" if mode in RANDOM_DISPATCH else "balanced",
         "tasks_per_group": w.tasks_per_group,
-    } | d_over
-    dcfg = DispatchConfig(
+    } | over
+    return DispatchConfig(
         **top,
         task="sim",
         lengths=w.lengths,
@@ -184,47 +194,52 @@ def mode_configs(
         pools=("gen",),
         **dispatch,
     )
-    gcfgs = [
-        GenerateConfig(
-            **top,
-            pool="gen",
-            worker_id=f"gen-{i}",
-            engine="sim",
-            max_batch=w.b_max,
-            chunk_tokens=w.chunk_tokens,
-            max_staleness=k,
-            time_scale=1.0 / w.compression,
-            sim_tokens_per_step=w.tokens_per_step,
-            seed=w.seed + i,
-            stats_interval_s=2.0,
-            commit_interval_s=0.5,
-            drain_timeout_s=0.0,
-        )
-        for i in range(split["instances"])
-    ]
-    tcfg = TrainConfig(
+
+
+def generate_config(w: Workload, mode: str, top: dict[str, Any], i: int) -> GenerateConfig:
+    """Generator instance ``i`` of one mode, on the simulated engine."""
+    return GenerateConfig(
+        **top,
+        pool="gen",
+        worker_id=f"gen-{i}",
+        engine="sim",
+        max_batch=w.b_max,
+        chunk_tokens=w.chunk_tokens,
+        max_staleness=w.k(mode),
+        time_scale=1.0 / w.compression,
+        sim_tokens_per_step=w.tokens_per_step,
+        seed=w.seed + i,
+        stats_interval_s=2.0,
+        commit_interval_s=0.5,
+        drain_timeout_s=0.0,
+    )
+
+
+def train_config(
+    w: Workload, mode: str, top: dict[str, Any], model_dir: Path, over: dict[str, Any]
+) -> TrainConfig:
+    """The trainer of one mode (a barrier for ``colocated`` and ``sync``); ``over``: the
+    design's own settings."""
+    return TrainConfig(
         **top,
         model=str(model_dir),
         reward="app.bench.pipeline:sim_reward",
-        groups_per_step=B,
-        max_staleness=k,
+        groups_per_step=w.groups_per_step,
+        max_staleness=w.k(mode),
         sync_barrier=mode in ("colocated", "sync"),
         max_steps=w.iterations,
         checkpoint_every=1000,
         micro_batch_tokens=65_536,
         expire_s=600.0,
         idle_exit_s=120.0,
-        **t_over,
+        **over,
     )
-    return dcfg, gcfgs, tcfg
 
 
-def run_mode(
-    w: Workload, mode: str, split: dict[str, Any], bootstrap: str, model_dir: Path, work: Path
-) -> dict[str, Any]:
-
+def mode_settings(mode: str, split: dict[str, Any], bootstrap: str, work: Path) -> dict[str, Any]:
+    """The settings every role of one mode shares: its own topics, run and store."""
     tag = uuid.uuid4().hex[:6]
-    top = {
+    return {
         "bootstrap_servers": bootstrap,
         "topic_prefix": f"bench.{mode.replace('+', '-')}.{tag}",
         "run": f"pipe-{tag}",
@@ -232,63 +247,126 @@ def run_mode(
         "prompt_partitions": split["instances"],
         "linger_ms": 2.0,
     }
-    dcfg, gcfgs, tcfg = mode_configs(w, mode, split, top, model_dir)
-    create_topics(dcfg)
-    prompts = load_source(dcfg)
-    predictor = make_predictor(dcfg, prompts)
-    stop = threading.Event()
-    errors: list[BaseException] = []
-    engines = [
-        LoggedSimEngine(c.max_batch, None, c.time_scale, c.seed, c.sim_tokens_per_step)
-        for c in gcfgs
-    ]
 
-    def guarded(fn: Any, *args: Any) -> None:
+
+class RoleThreads:
+    """The dispatcher and the generators of one mode, each on a daemon thread; the first
+    error stops them all and is kept for after the run."""
+
+    def __init__(self, dcfg: DispatchConfig, gcfgs: list[GenerateConfig]) -> None:
+        prompts = load_source(dcfg)
+        predictor = make_predictor(dcfg, prompts)
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.engines = [
+            LoggedSimEngine(c.max_batch, None, c.time_scale, c.seed, c.sim_tokens_per_step)
+            for c in gcfgs
+        ]
+        self.threads = [
+            threading.Thread(
+                target=self._guarded, args=(run_generator, c, self.stop, e), daemon=True
+            )
+            for c, e in zip(gcfgs, self.engines, strict=True)
+        ]
+        self.threads.append(
+            threading.Thread(
+                target=self._guarded,
+                args=(run_dispatcher, dcfg, prompts, predictor, self.stop),
+                daemon=True,
+            )
+        )
+
+    def _guarded(self, fn: Any, *args: Any) -> None:
         try:
             fn(*args)
         except BaseException as e:  # reported after the run
-            errors.append(e)
-            stop.set()
+            self.errors.append(e)
+            self.stop.set()
 
-    threads = [
-        threading.Thread(target=guarded, args=(run_generator, c, stop, e), daemon=True)
-        for c, e in zip(gcfgs, engines, strict=True)
-    ]
-    threads.append(
-        threading.Thread(
-            target=guarded, args=(run_dispatcher, dcfg, prompts, predictor, stop), daemon=True
+    def start(self) -> None:
+        for th in self.threads:
+            th.start()
+
+    def join(self) -> None:
+        self.stop.set()
+        for th in self.threads:
+            th.join(timeout=60)
+
+    def first_decode(self) -> float | None:
+        """When the first decode step of any engine started (None: none ran)."""
+        return min(
+            (e.first_decode for e in self.engines if e.first_decode is not None), default=None
         )
-    )
+
+    def gen_busy_sim_s(self) -> float:
+        return sum(e.simulated_ms for e in self.engines) / 1000.0
+
+
+def run_mode(
+    w: Workload, mode: str, split: dict[str, Any], bootstrap: str, model_dir: Path, work: Path
+) -> dict[str, Any]:
+    """One mode for real on its own topics: the roles on threads, the trainer in this one,
+    then its figures from the trainer's metric events."""
+    top = mode_settings(mode, split, bootstrap, work)
+    dcfg, gcfgs, tcfg = mode_configs(w, mode, split, top, model_dir)
+    create_topics(dcfg)
+    roles = RoleThreads(dcfg, gcfgs)
     stream = mode not in ("colocated", "sync")
     sim_train = SimTrainEngine(
         w.train_s_per_token / split["trainer_devices"] / w.compression, stream
     )
     t0 = time.monotonic()
-    for th in threads:
-        th.start()
+    roles.start()
     try:
         Trainer(tcfg, sim_train, store_from_config(tcfg), None, None).run()
     finally:
         wall = time.monotonic() - t0
-        stop.set()
-        for th in threads:
-            th.join(timeout=60)
-    if errors:
-        raise SrlError(f"bench pipeline {mode}: {type(errors[0]).__name__}: {errors[0]}")
+        roles.join()
+    if roles.errors:
+        e = roles.errors[0]
+        raise SrlError(f"bench pipeline {mode}: {type(e).__name__}: {e}")
     events = metric_events(tcfg, tcfg.run)
-    decoded = [e.first_decode for e in engines if e.first_decode is not None]
     out = summarize(
         w,
         mode,
         split,
         events,
         wall,
-        min(decoded, default=None),
-        sum(e.simulated_ms for e in engines) / 1000.0,
+        roles.first_decode(),
+        roles.gen_busy_sim_s(),
         sim_train.busy_s * w.compression,
     )
     out["design"] = "barrier" if mode in BARRIER else w.design
     return out
+
+
+Sample = tuple[str, int, int, int]  # (outcome, tokens, step, staleness)
+
+
+def sample_outcomes(events: list[Any]) -> dict[str, Sample]:
+    """Each trajectory's last ``sample`` event as (outcome, tokens, step, staleness)."""
+    samples: dict[str, Sample] = {}
+    for e in events:
+        if e.kind == "sample":
+            samples[e.labels["trajectory_id"]] = (
+                e.labels.get("outcome", ""),
+                int(e.values.get("tokens", 0)),
+                int(e.step or 0),
+                int(e.values.get("staleness", 0)),
+            )
+    return samples
+
+
+def step_work(order: list[int], samples: dict[str, Sample]) -> list[StepWork]:
+    """Per step: the lengths of every sample finalized in it and the tokens it trained."""
+    return [
+        StepWork(
+            s,
+            [x[1] for x in samples.values() if x[2] == s],
+            sum(x[1] for x in samples.values() if x[0] == "trained" and x[2] == s),
+        )
+        for s in order
+    ]
 
 
 def summarize(
@@ -310,39 +388,56 @@ def summarize(
     order = sorted(steps)
     first, last = steps[order[0]].ts_ms / 1000.0, steps[order[-1]].ts_ms / 1000.0
     span_sim = (last - first) * w.compression
-    samples: dict[str, tuple[str, int, int, int]] = {}  # id -> (outcome, tokens, step, staleness)
-    for e in events:
-        if e.kind == "sample":
-            samples[e.labels["trajectory_id"]] = (
-                e.labels.get("outcome", ""),
-                int(e.values.get("tokens", 0)),
-                int(e.step or 0),
-                int(e.values.get("staleness", 0)),
-            )
+    samples = sample_outcomes(events)
+    paced = mode in BARRIER or DESIGNS[w.design][0].get("max_staleness", 0) is not None
+    bound = run_bound(w, mode, split, step_work(order, samples), paced)
+    # the whole run, from the first decode step (nothing can be generated before it)
+    run_s = (last - (first if first_decode is None else first_decode)) * w.compression
+    run_sim = wall * w.compression
+    out = {
+        **sample_figures(samples, order, span_sim, bound["bound_s"], run_s),
+        "gen_idle": round(max(0.0, 1 - gen_busy_sim_s / (split["instances"] * run_sim)), 3),
+        "train_idle": round(max(0.0, 1 - train_busy_sim_s / run_sim), 3),
+        "span_s": round(span_sim, 2),
+        "run_s": round(run_s, 2),
+        "bound_s": round(bound["bound_s"], 2),
+        "bound_steps_s": bound["steps_s"],
+        "measured_tokens": sum(x[1] for x in samples.values() if _measured(x, order)),
+        "steps": len(order),
+        "measured_steps": len(order) - 1,
+        "wall_s": round(wall, 1),
+        "split": split,
+    }
+    # the trained tokens/s this mode would reach at the bound (for the plot)
+    out["bound_tokens_per_s"] = (
+        round(out["trained_tokens_per_s"] / out["fraction_of_bound"], 1)
+        if out["fraction_of_bound"]
+        else None
+    )
+    return out
+
+
+def _measured(x: Sample, order: list[int]) -> bool:
+    """A sample trained after the first (warm-up) step."""
+    return x[0] == "trained" and x[2] in order[1:]
+
+
+def sample_figures(
+    samples: dict[str, Sample], order: list[int], span_sim: float, bound_s: float, run_s: float
+) -> dict[str, Any]:
+    """Rates over the measured span (steps after the first), the run against its bound, and
+    what was generated, trained and dropped."""
     trained = [x for x in samples.values() if x[0] == "trained"]
     dropped = [x for x in samples.values() if x[0] == "dropped_stale"]
     measured = [x for x in trained if x[2] in order[1:]]
     measured_tokens = sum(x[1] for x in measured)
-    work = [
-        StepWork(
-            s,
-            [x[1] for x in samples.values() if x[2] == s],
-            sum(x[1] for x in trained if x[2] == s),
-        )
-        for s in order
-    ]
-    paced = mode in BARRIER or DESIGNS[w.design][0].get("max_staleness", 0) is not None
-    bound = run_bound(w, mode, split, work, paced)
-    # the whole run, from the first decode step (nothing can be generated before it)
-    run_s = (last - (first if first_decode is None else first_decode)) * w.compression
     gen_tokens = sum(x[1] for x in samples.values())
     stale = [x[3] for x in trained]
-    run_sim = wall * w.compression
     rate = len(measured) / span_sim if span_sim > 0 else 0.0
-    out = {
+    return {
         "samples_per_s": round(rate, 3),
         "trained_tokens_per_s": round(measured_tokens / span_sim, 1) if span_sim > 0 else 0.0,
-        "fraction_of_bound": round(bound["bound_s"] / run_s, 3) if run_s > 0 else 0.0,
+        "fraction_of_bound": round(bound_s / run_s, 3) if run_s > 0 else 0.0,
         "generated_tokens": gen_tokens,
         "trained_tokens": sum(x[1] for x in trained),
         "dropped_tokens": sum(x[1] for x in dropped),
@@ -356,25 +451,7 @@ def summarize(
         "dropped_stale": len(dropped),
         "staleness_mean": round(float(np.mean(stale)), 3) if stale else 0.0,
         "staleness_max": max(stale, default=0),
-        "gen_idle": round(max(0.0, 1 - gen_busy_sim_s / (split["instances"] * run_sim)), 3),
-        "train_idle": round(max(0.0, 1 - train_busy_sim_s / run_sim), 3),
-        "span_s": round(span_sim, 2),
-        "run_s": round(run_s, 2),
-        "bound_s": round(bound["bound_s"], 2),
-        "bound_steps_s": bound["steps_s"],
-        "measured_tokens": measured_tokens,
-        "steps": len(order),
-        "measured_steps": len(order) - 1,
-        "wall_s": round(wall, 1),
-        "split": split,
     }
-    # the trained tokens/s this mode would reach at the bound (for the plot)
-    out["bound_tokens_per_s"] = (
-        round(out["trained_tokens_per_s"] / out["fraction_of_bound"], 1)
-        if out["fraction_of_bound"]
-        else None
-    )
-    return out
 
 
 def ratio(a: float, b: float | None) -> float | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from typing import Any
 
 import click
 
@@ -43,48 +44,15 @@ def main(steps: int, groups: int, n: int, budget: int, spec: str, threads: int) 
 
     if threads:
         torch.set_num_threads(threads)
-    shape = (
-        TinyModelSpec()
-        if spec == "default"
-        else TinyModelSpec(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(tmp, shape)
+        model_dir = build_tiny_model(tmp, model_spec(spec))
         cfg = load_config(
             TrainConfig, cli={"model": str(model_dir), "device": "cpu", "lr": 1e-5}, env={}
         )
         engine = Engine(cfg)
         params = sum(p.numel() for p in engine.params)
-        times, tokens, padded = [], 0, 0
-        for step in range(steps + 1):
-            rows = []
-            for _ in range(groups * n):
-                length = int(np.clip(rng.lognormal(np.log(128), 0.6), 16, 512))
-                ids = rng.integers(4, 260, 32 + length)
-                rows.append(
-                    Row(
-                        "t",
-                        ids,
-                        32,
-                        -rng.random(length).astype(np.float32) * 5,
-                        float(rng.normal()),
-                    )
-                )
-            t0 = time.perf_counter()
-            for mb in pack([r.length for r in rows], budget):
-                engine.backward(make_micro_batch([rows[i] for i in mb], seq_mean=False))
-            stats = engine.step(float(sum(r.loss_tokens for r in rows)))
-            if step:  # the first step warms up
-                times.append(time.perf_counter() - t0)
-                tokens += sum(r.loss_tokens for r in rows)
-                padded += stats.padded_tokens
+        times, tokens, padded = time_steps(engine, rng, steps, groups * n, budget)
     echo_json(
         {
             "spec": spec,
@@ -100,6 +68,52 @@ def main(steps: int, groups: int, n: int, budget: int, spec: str, threads: int) 
             "step_s_median": round(float(np.median(times)), 3),
         }
     )
+
+
+def model_spec(name: str) -> TinyModelSpec:
+    """``default``: TinyModelSpec(); ``test``: the test fixture's smaller shape."""
+    if name == "default":
+        return TinyModelSpec()
+    return TinyModelSpec(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+
+
+def synthetic_rows(rng: Any, count: int) -> list[Row]:
+    """``count`` rows: a 32-token prompt, a completion of log-normal length around 128
+    (clipped to [16, 512]), random behaviour log-probs and advantage."""
+    import numpy as np
+
+    rows = []
+    for _ in range(count):
+        length = int(np.clip(rng.lognormal(np.log(128), 0.6), 16, 512))
+        ids = rng.integers(4, 260, 32 + length)
+        rows.append(
+            Row("t", ids, 32, -rng.random(length).astype(np.float32) * 5, float(rng.normal()))
+        )
+    return rows
+
+
+def time_steps(
+    engine: Engine, rng: Any, steps: int, rows_per_step: int, budget: int
+) -> tuple[list[float], int, int]:
+    """Seconds of each timed step (after one warm-up), completion and padded tokens."""
+    times, tokens, padded = [], 0, 0
+    for step in range(steps + 1):
+        rows = synthetic_rows(rng, rows_per_step)
+        t0 = time.perf_counter()
+        for mb in pack([r.length for r in rows], budget):
+            engine.backward(make_micro_batch([rows[i] for i in mb], seq_mean=False))
+        stats = engine.step(float(sum(r.loss_tokens for r in rows)))
+        if step:  # the first step warms up
+            times.append(time.perf_counter() - t0)
+            tokens += sum(r.loss_tokens for r in rows)
+            padded += stats.padded_tokens
+    return times, tokens, padded
 
 
 if __name__ == "__main__":

@@ -1,0 +1,57 @@
+"""The demo's and the smoke run's pure parts: topic prefix, the roles' environment, figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.demo import demo_prefix, role_env
+from app.demoplan import DemoConfig
+from app.smoke import smoke_result, synthetic_chunks
+from srl.topics import Layout
+
+
+@pytest.mark.parametrize(
+    ("embedded", "prefix", "fresh"),
+    [
+        (True, "srl", False),  # the embedded broker is the demo's own
+        (True, "mine", False),
+        (False, "srl", True),  # a shared broker: a prefix of its own
+        (False, "mine", False),  # unless one was given
+    ],
+)
+def test_demo_prefix(embedded: bool, prefix: str, fresh: bool) -> None:
+    cfg = DemoConfig(topic_prefix=prefix, embedded=embedded)
+    got = demo_prefix(cfg)
+    if fresh:
+        assert got.startswith("srl-demo-") and len(got) == len("srl-demo-") + 6
+        assert demo_prefix(cfg) != got
+    else:
+        assert got == prefix
+
+
+def test_role_env_drops_srl_settings_but_verbosity() -> None:
+    env = role_env({"PATH": "/bin", "SRL_RUN": "x", "SRL_VERBOSE": "1", "OMP_NUM_THREADS": "8"})
+    assert env == {
+        "PATH": "/bin",
+        "SRL_VERBOSE": "1",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def test_smoke_result() -> None:
+    chunks = synthetic_chunks(5, Layout("x"))
+    tokens = sum(c.n_tokens for c in chunks)
+    got = smoke_result(chunks, 5, 4, 1, 0.12345, 2.0)
+    assert got == {
+        "trajectories": 5,
+        "chunks": len(chunks),
+        "tokens": tokens,
+        "assembled": 4,
+        "duplicates": 1,
+        "lost": 1,
+        "produce_s": 0.123,
+        "wall_s": 2.0,
+        "tokens_per_s": round(tokens / 2.0),
+    }
