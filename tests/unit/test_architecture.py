@@ -41,8 +41,6 @@ KNOWN_OVERSIZE: set[str] = {
     "app/top.py:render",
     "app/top.py:collect",
     "app/top.py:_srl_metrics",
-    "consumers/trainer.py:Trainer",
-    "consumers/trainer.py:_take_step",
     "producers/dispatcher.py:run_dispatcher",
     "producers/worker.py:GeneratorWorker",
     "ranker/model.py:fit",
