@@ -185,13 +185,13 @@ class Trainer:
         specs = self.layout.specs()
         create_topics(self.cfg, [s for s in specs if not self.layout.is_task_topic(s.name)])
         self._recover()
-        self.consumer, self.sharer = consumer, _ = open_consumers(self.cfg)
+        self.consumer, self.sharer = open_consumers(self.cfg)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            consumer.subscribe([self.layout.trajectories], on_assign=self._on_assign)
+            self.consumer.subscribe([self.layout.trajectories], on_assign=self._on_assign)
             while not self._done():
                 t0 = time.monotonic()
-                msgs = consumer.next_batch(500, 0.2)
+                msgs = self.consumer.next_batch(500, 0.2)
                 now = time.monotonic()
                 self.idle_s += now - t0
                 for msg in msgs:
@@ -212,9 +212,9 @@ class Trainer:
             for s, h in old.items():
                 signal.signal(s, h)
             with contextlib.suppress(KafkaException):
-                share_positions(self.sharer, consumer, asynchronous=False)
+                share_positions(self.sharer, self.consumer, asynchronous=False)
             self.sharer.close()
-            consumer.close()
+            self.consumer.close()
         return TrainResult(self.step, self.version, self.outcomes.counts())
 
     def _on_assign(self, _consumer: Any, partitions: list[Any]) -> None:
