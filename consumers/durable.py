@@ -1,0 +1,115 @@
+"""What the trainer's rank 0 writes to the store: weights versions and checkpoints.
+
+Owns three counters that survive a restart, and the writes that move them:
+
+* ``version``: the policy versions this run has published. It only grows and is never
+  reused: a restart continues after the newest manifest in the store, even one published
+  after the checkpoint it resumes from;
+* ``lineage``: the version the weights really descend from (a manifest's ``parent_version``),
+  which lags ``version`` after a restart from an older checkpoint; saved with checkpoints;
+* ``number``: checkpoint numbers, one past the highest in the store, complete or not
+  (create-only writes never meet an interrupted one again).
+
+``publish`` writes ``weights/{run}/v{N}/`` (``srl.weights``: files, manifest last) and then
+announces it; ``reannounce`` repeats the newest announcement after a restart; ``save`` writes
+a checkpoint (``consumers.checkpoint``: marker last) and prunes old ones. When each happens,
+and what follows a checkpoint (sample events, commits), is ``consumers.trainer``'s order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+from consumers import checkpoint as ckpts
+from consumers.config import TrainConfig
+from consumers.distributed import Dist
+from consumers.engine import extra_files
+from consumers.outcomes import Outcomes
+from consumers.train_engine import TrainEngine
+from srl.kafka import Producer
+from srl.metrics import Metrics
+from srl.store import ObjectStore
+from srl.topics import Layout
+from srl.weights import MANIFEST, Manifest, Published, announce, publish, version_prefix
+
+
+class Durable:
+    """Weights versions and checkpoints of one run; see the module docstring."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        engine: TrainEngine,
+        store: ObjectStore,
+        dist: Dist | None,
+        producer: Producer,
+        metrics: Metrics,
+        ckpt: ckpts.Checkpoint | None,
+    ) -> None:
+        self.cfg, self.engine, self.store, self.dist = cfg, engine, store, dist
+        self.producer, self.metrics = producer, metrics
+        self.layout = Layout.from_config(cfg)
+        self.files = extra_files(cfg.model)  # config and tokenizer: each version HF-loadable
+        self.number = ckpts.highest_number(store, cfg.run)
+        self.lineage = int(ckpt.extra.get("lineage", ckpt.version)) if ckpt else 0
+        self.version = max(ckpt.version if ckpt else 0, ckpts.newest_published(store, cfg.run))
+
+    def publish(self, step: int) -> None:
+        """Version ``version + 1`` from the engine's weights: files, manifest, announcement."""
+        t0 = time.perf_counter()
+        version = self.version + 1
+        pub = publish(
+            self.store,
+            self.cfg.run,
+            version,
+            self.engine.tensors(),
+            trainer_step=step,
+            parent_version=self.lineage,
+            extra_files=self.files,
+        )
+        announce(self.producer, self.layout, pub)
+        self.version = self.lineage = version
+        self.metrics.emit(
+            "weights_published",
+            {
+                "version": version,
+                "bytes": pub.manifest.total_bytes,
+                "publish_s": time.perf_counter() - t0,
+            },
+            step=step,
+        )
+
+    def reannounce(self) -> None:
+        """After a restart: announce the newest version again (its manifest is in the store)."""
+        if self.version <= 0:
+            return
+        key = f"{version_prefix(self.cfg.run, self.version)}/{MANIFEST}"
+        body = self.store.get(key)
+        pub = Published(
+            Manifest.from_json(body, key), self.store.uri(key), hashlib.sha256(body).hexdigest()
+        )
+        announce(self.producer, self.layout, pub)
+
+    def save(self, step: int, outcomes: Outcomes) -> None:
+        """Checkpoint ``number + 1``: model, optimizer, the ledger and the window's events."""
+        self.number += 1
+        ckpts.save(
+            self.store,
+            self.cfg.run,
+            self.number,
+            step=step,
+            version=self.version,
+            ledger=outcomes.ledger.entries,
+            events=outcomes.window,
+            model=self.engine.tensors(),
+            optimizer=self._optimizer_state(),
+            extra={"lineage": self.lineage},
+        )
+        ckpts.prune(self.store, self.cfg.run, self.cfg.keep_checkpoints)
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        if self.dist is not None:
+            self.dist.gather_state()  # ZeRO's partitions live on every rank
+        return self.engine.optimizer_state()
