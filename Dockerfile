@@ -12,6 +12,7 @@ COPY schemas ./schemas
 COPY producers ./producers
 COPY consumers ./consumers
 COPY ranker ./ranker
+COPY app ./app
 RUN pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" . \
  && python -c "from srl.tinymodel import build_tiny_model; build_tiny_model('/opt/srl/models/tiny')"
 
