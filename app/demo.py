@@ -46,7 +46,6 @@ from typing import Any
 from app import report as rep
 from app import task, warmstart
 from app.demoplan import (
-    DEMO_BUCKET_BOUNDS,
     DemoConfig,
     DemoError,
     Fleet,
@@ -60,7 +59,7 @@ from schemas.records import MetricEvent, SchemaError, decode_as
 from srl.broker import EmbeddedBroker
 from srl.config import CommonConfig, load_config
 from srl.kafka import base_settings, committed_offsets, create_topics, wait_for_broker, watermarks
-from srl.topics import Layout
+from srl.topics import Layout, trainer_group
 
 log = logging.getLogger("app.demo")
 
@@ -187,15 +186,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
     with _broker(cfg, out) as bootstrap:
         plan = Plan(cfg, out, model_dir, bootstrap, prefix, run, f"file://{out / 'store'}")
         conf = plan.write()
-        live = cfg.model_copy(
-            update={
-                "bootstrap_servers": bootstrap,
-                "topic_prefix": prefix,
-                "run": run,
-                "store": plan.store_url,
-                "bucket_bounds": DEMO_BUCKET_BOUNDS,
-            }
-        )
+        live = plan.common()
 
         wait_for_broker(live)
         create_topics(live)
@@ -206,7 +197,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
         }
         env |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         fleet = Fleet(env=env, cwd=out)
-        watcher = Watcher(live, run, f"srl-trainer-{run}")
+        watcher = Watcher(live, run, trainer_group(run))
         watcher.start()
         t_run = time.monotonic()
         status = "ok"

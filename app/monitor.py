@@ -28,9 +28,9 @@ from typing import Any
 from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, KafkaException, TopicPartition
 from confluent_kafka.admin import OffsetSpec
 
+from app.configs import TopConfig
 from schemas.codec import SchemaError
 from schemas.records import MetricEvent, PromptTask, TrajectoryChunk, decode, decode_as, now_ms
-from srl.config import CommonConfig
 from srl.errors import SrlError
 from srl.kafka import POSITION_SUFFIX, _short, admin, base_settings, wait_for_broker
 from srl.stores import store_for_uri, store_from_config
@@ -43,7 +43,7 @@ FRESH_MS = 30_000  # a gen_stats / train_step event older than this no longer co
 class Monitor:
     def __init__(
         self,
-        cfg: CommonConfig,
+        cfg: TopConfig,
         window_s: float = 300.0,
         sample: int = 64,
         stall_after_s: float = 60.0,

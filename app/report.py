@@ -38,7 +38,7 @@ from app import warmstart
 from schemas.records import MetricEvent, SchemaError, TrajectoryChunk, decode_as
 from srl.kafka import base_settings, committed_offsets, watermarks
 from srl.stores import store_from_config
-from srl.topics import Layout
+from srl.topics import Layout, trainer_group
 from srl.weights import load_manifest, materialize, read_announcements
 
 if TYPE_CHECKING:
@@ -242,7 +242,7 @@ def build(
         if e.kind == "train_step" and e.step is not None:
             steps[int(e.step)] = e  # a step redone after a restart: the last one counts
     gen_stats = [e for e in events if e.kind == "gen_stats"]
-    audit = audit_trajectories(cfg, f"srl-trainer-{plan.run}", samples)
+    audit = audit_trajectories(cfg, trainer_group(plan.run), samples)
 
     final_dir, version = final_policy(cfg, plan.run, plan.model_dir, plan.out / "final-model")
     after = warmstart.evaluate(final_dir, eval_set)

@@ -16,9 +16,9 @@ from typing import Any
 import click
 import numpy as np
 
+from app.configs import StreamConfig
 from schemas.records import TrajectoryChunk, decode_as, encode, now_ms, pack_logprobs, pack_tokens
 from srl.broker import EmbeddedBroker
-from srl.config import CommonConfig
 from srl.errors import SrlError
 from srl.kafka import Producer, create_topics, make_consumer
 from srl.topics import Layout
@@ -57,7 +57,7 @@ def synthetic_chunks(
     return chunks
 
 
-def run_smoke(cfg: CommonConfig, n: int, external: bool = False) -> dict[str, Any]:
+def run_smoke(cfg: StreamConfig, n: int, external: bool = False) -> dict[str, Any]:
     from rich.progress import Progress
 
     with contextlib.ExitStack() as stack:

@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from app.cli.common import echo_json
+from app.configs import TopConfig
 from app.monitor import Monitor
-from srl.config import CommonConfig
 from srl.errors import SrlError
 
 log = logging.getLogger("app.top")
@@ -316,7 +316,7 @@ class SnapshotCollector:
 
 
 def run_top(
-    cfg: CommonConfig,
+    cfg: TopConfig,
     *,
     once: bool,
     as_json: bool,

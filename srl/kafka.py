@@ -27,7 +27,7 @@ import confluent_kafka
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from srl.config import CommonConfig
+from srl.config import KafkaSettings, ProducerSettings, TopicsConfig
 from srl.errors import BrokerUnavailable, SrlError
 from srl.topics import Layout, TopicSpec
 
@@ -43,7 +43,7 @@ def client_id(role: str) -> str:
     return f"srl-{role}-{socket.gethostname()}-{os.getpid()}"
 
 
-def base_settings(cfg: CommonConfig, role: str = "client") -> dict[str, Any]:
+def base_settings(cfg: KafkaSettings, role: str = "client") -> dict[str, Any]:
     return {
         "bootstrap.servers": cfg.bootstrap_servers,
         "client.id": client_id(role),
@@ -53,7 +53,7 @@ def base_settings(cfg: CommonConfig, role: str = "client") -> dict[str, Any]:
 
 
 def producer_settings(
-    cfg: CommonConfig, role: str = "producer", **overrides: Any
+    cfg: ProducerSettings, role: str = "producer", **overrides: Any
 ) -> dict[str, Any]:
     settings = base_settings(cfg, role)
     settings.update(
@@ -73,7 +73,7 @@ def producer_settings(
 
 
 def consumer_settings(
-    cfg: CommonConfig, group_id: str, role: str = "consumer", **overrides: Any
+    cfg: KafkaSettings, group_id: str, role: str = "consumer", **overrides: Any
 ) -> dict[str, Any]:
     settings = base_settings(cfg, role)
     settings.update(
@@ -93,7 +93,7 @@ def consumer_settings(
     return settings
 
 
-def wait_for_broker(cfg: CommonConfig, timeout_s: float | None = None) -> Any:
+def wait_for_broker(cfg: KafkaSettings, timeout_s: float | None = None) -> Any:
     """Cluster metadata once a broker answers; BrokerUnavailable after ``timeout_s``."""
     timeout_s = cfg.connect_timeout_s if timeout_s is None else timeout_s
     admin = AdminClient({k: v for k, v in base_settings(cfg, "admin").items()} | cfg.kafka)
@@ -132,7 +132,7 @@ class Producer:
     """
 
     def __init__(
-        self, cfg: CommonConfig, role: str = "producer", check: bool = True, **overrides: Any
+        self, cfg: ProducerSettings, role: str = "producer", check: bool = True, **overrides: Any
     ) -> None:
         if check:
             wait_for_broker(cfg)
@@ -320,18 +320,18 @@ def commit_sync(consumer: Consumer, offsets: list[TopicPartition]) -> None:
 
 
 def make_consumer(
-    cfg: CommonConfig, group_id: str, role: str = "consumer", **overrides: Any
+    cfg: KafkaSettings, group_id: str, role: str = "consumer", **overrides: Any
 ) -> Consumer:
     """A group consumer with manual offset storage (see module docstring)."""
     settings = consumer_settings(cfg, group_id, role, **overrides)
     return Consumer(settings)
 
 
-def admin(cfg: CommonConfig) -> AdminClient:
+def admin(cfg: KafkaSettings) -> AdminClient:
     return AdminClient(base_settings(cfg, "admin") | cfg.kafka)
 
 
-def create_topics(cfg: CommonConfig, specs: Iterable[TopicSpec] | None = None) -> list[str]:
+def create_topics(cfg: TopicsConfig, specs: Iterable[TopicSpec] | None = None) -> list[str]:
     """Create missing topics (all of the layout's by default); returns the names created."""
     wait_for_broker(cfg)
     specs = list(specs) if specs is not None else Layout.from_config(cfg).specs()
@@ -380,7 +380,7 @@ def _wait_for_leaders(client: AdminClient, names: list[str], timeout_s: float) -
 
 
 def watermarks(
-    cfg: CommonConfig, topics: Iterable[str], timeout_s: float = 10.0
+    cfg: KafkaSettings, topics: Iterable[str], timeout_s: float = 10.0
 ) -> dict[tuple[str, int], tuple[int, int]]:
     """``{(topic, partition): (low, high)}`` for every partition of ``topics``."""
     c = Consumer(
@@ -430,7 +430,10 @@ def share_positions(sharer: Consumer, consumer: Consumer, asynchronous: bool = T
 
 
 def committed_offsets(
-    cfg: CommonConfig, group_id: str, partitions: Iterable[tuple[str, int]], timeout_s: float = 10.0
+    cfg: KafkaSettings,
+    group_id: str,
+    partitions: Iterable[tuple[str, int]],
+    timeout_s: float = 10.0,
 ) -> dict[tuple[str, int], int | None]:
     """Committed offset of ``group_id`` per partition; None where nothing is committed."""
     c = Consumer(
