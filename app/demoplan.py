@@ -40,7 +40,7 @@ class DemoConfig(KafkaSettings):
 
     Of the shared settings the demo reads only the Kafka ones (which broker, the topic prefix,
     librdkafka settings): it names the run, places the store under ``out`` and fixes the
-    buckets itself (:meth:`Plan.common`)."""
+    buckets itself (``Plan.common``)."""
 
     section = "demo"
 

@@ -474,6 +474,13 @@ def test_a_hand_written_option_may_not_shadow_a_setting() -> None:
     assert isinstance(out.exception, AssertionError) and "shadow" in str(out.exception)
 
 
+def test_the_configuration_doc_is_generated_from_the_config_classes() -> None:
+    from app.cli.configdoc import DOC, rewrite
+
+    text = DOC.read_text()
+    assert rewrite(text) == text, "docs/configuration.md is stale: python -m app.cli.configdoc"
+
+
 def test_a_group_help_imports_no_config_class() -> None:
     """``srl --help`` stays instant: the options of a command are made on its first use, so a
     group's help imports neither pydantic nor a config module (nor torch)."""
