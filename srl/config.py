@@ -358,10 +358,10 @@ def describe(cls: type[Settings]) -> list[tuple[str, str, str]]:
 # The groups in the order commands list their options and docs/configuration.md its tables.
 GROUPS: tuple[type[Settings], ...] = (
     KafkaSettings,
-    ConnectSettings,
     ProducerSettings,
     LayoutSettings,
     RunSettings,
     StoreSettings,
+    ConnectSettings,
     RegistrySettings,
 )

@@ -104,7 +104,7 @@ def _click_type(annotation: Any) -> click.ParamType:
 
 def _shown(value: Any) -> str | None:
     """A default as a user types it; None where there is nothing to show."""
-    if value is None or value in ((), {}):
+    if value is None or value in ((), {}, ""):
         return None
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -212,13 +212,15 @@ def with_config(spec: str) -> Callable[[F], F]:
 class ConfigCommand(click.Command):
     """A command whose config options are made on first use: its parse or its help."""
 
+    config_added = False
+
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:
-        cls = config_of(self)
-        if cls is not None and not any(p.name == "config" for p in self.params):
-            own = {p.name for p in self.params}
-            clash = own & {*cls.model_fields, "config"}
+        cls = None if self.config_added else config_of(self)
+        if cls is not None:
+            clash = {p.name for p in self.params} & {*cls.model_fields, "config"}
             assert not clash, f"{self.name}: hand-written options {clash} shadow config fields"
             self.params = [*config_options(cls), *self.params]
+        self.config_added = True
         return super().get_params(ctx)
 
 
