@@ -45,6 +45,7 @@ from app.cli import consumer, main, producer
 from app.cli.options import ConfigCommand, cli_values, config_of, field_option, with_config
 from srl.config import CommonConfig, Settings, TopicsConfig
 from srl.errors import ConfigError
+from tests.conftest import ROOT
 
 PACKAGES = ("schemas", "srl", "producers", "consumers", "ranker", "app")
 ROOTS = {"srl": main.cli, "srl-producer": producer.cli, "srl-consumer": consumer.cli}
@@ -491,5 +492,24 @@ def test_a_group_help_imports_no_config_class() -> None:
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('pydantic', 'torch', 'srl', 'producers', 'consumers') or m.endswith('.config')))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_no_command_help_imports_torch_or_a_client() -> None:
+    """Every command's ``--help`` (which builds its options from its config class) imports no
+    torch, transformers, Kafka or S3 client: those load inside the command when it runs."""
+    code = (
+        "import sys; from click.testing import CliRunner\n"
+        "from tests.unit.test_cli_options import ALL\n"
+        "for _, _, (group, path) in ALL: "
+        "assert CliRunner().invoke(group, [*path, '--help']).exit_code == 0\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'confluent_kafka', 'boto3', "
+        "'matplotlib') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
     assert out.stdout.strip() == "[]", out.stdout
