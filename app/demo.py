@@ -46,7 +46,6 @@ from typing import Any
 from app import report as rep
 from app import task, warmstart
 from app.demoplan import (
-    DEMO_BUCKET_BOUNDS,
     DemoConfig,
     DemoError,
     Fleet,
@@ -67,7 +66,7 @@ from srl.kafka import (
     reader,
     wait_for_broker,
 )
-from srl.topics import Layout
+from srl.topics import Layout, trainer_group
 
 log = logging.getLogger("app.demo")
 
@@ -220,20 +219,12 @@ def _run_roles(plan: Plan, before: Any, eval_set: list[Any], progress: bool) -> 
     fails, or Ctrl-C), then the stop and the report (its ``status`` says which)."""
     cfg, run = plan.cfg, plan.run
     conf = plan.write()
-    live = cfg.model_copy(
-        update={
-            "bootstrap_servers": plan.bootstrap,
-            "topic_prefix": plan.prefix,
-            "run": run,
-            "store": plan.store_url,
-            "bucket_bounds": DEMO_BUCKET_BOUNDS,
-        }
-    )
+    live = plan.common()
     wait_for_broker(live)
     create_topics(live)
     _bootstrap_ranker(plan)
     fleet = Fleet(env=role_env(os.environ), cwd=plan.out)
-    watcher = Watcher(live, run, f"srl-trainer-{run}")
+    watcher = Watcher(live, run, trainer_group(run))
     watcher.start()
     t_run = time.monotonic()
     status = "ok"

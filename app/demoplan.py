@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from srl.config import CommonConfig
+from srl.config import CommonConfig, KafkaSettings
 from srl.errors import SrlError
 
 log = logging.getLogger("app.demo")
@@ -34,8 +35,12 @@ class DemoError(SrlError):
     """The demo could not run (a role died, the run timed out …)."""
 
 
-class DemoConfig(CommonConfig):
-    """``srl demo``'s settings; the ``[demo]`` table of a config file or ``SRL_*`` variables."""
+class DemoConfig(KafkaSettings):
+    """``srl demo``'s settings; the ``[demo]`` table of a config file or ``SRL_*`` variables.
+
+    Of the shared settings the demo reads only the Kafka ones (which broker, the topic prefix,
+    librdkafka settings): it names the run, places the store under ``out`` and fixes the
+    buckets itself (``Plan.common``)."""
 
     section = "demo"
 
@@ -75,7 +80,21 @@ class DemoConfig(CommonConfig):
         ),
     )
     timeout_s: float = Field(1800.0, gt=0, description="Give up when training takes longer.")
-    embedded: bool = Field(True, description="Start the embedded broker (false with --bootstrap).")
+    embedded: bool = Field(
+        True,
+        description=(
+            "Start the embedded broker; false when bootstrap_servers is given (then a fresh topic "
+            "prefix srl-demo-XXXXXX unless one is given too)."
+        ),
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _external_broker(cls, data: Any) -> Any:
+        """A given bootstrap_servers means that broker, unless ``embedded`` is set as well."""
+        if isinstance(data, dict) and "bootstrap_servers" in data and "embedded" not in data:
+            return {**data, "embedded": False}
+        return data
 
 
 # -- processes ---------------------------------------------------------------------------
@@ -170,12 +189,17 @@ def _toml_value(v: Any) -> str:
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _toml_key(k: str) -> str:
+    """A bare key where TOML allows one; quoted otherwise (librdkafka's dotted names)."""
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else _toml_value(k)
+
+
 def _toml(top: dict[str, Any], tables: dict[str, dict[str, Any]]) -> str:
     lines = ["# Written by `srl demo`: every role of this run reads it (docs/configuration.md)."]
-    lines += [f"{k} = {_toml_value(v)}" for k, v in top.items() if v is not None]
+    lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in top.items() if v is not None]
     for name, table in tables.items():
         lines += ["", f"[{name}]"]
-        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
+        lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items() if v is not None]
     return "\n".join(lines) + "\n"
 
 
@@ -240,18 +264,35 @@ class Plan:
             },
         }
 
+    def common(self) -> CommonConfig:
+        """This run's shared settings: the demo's own clients use them, and they are the
+        top-level keys of OUT/srl.toml (with its ``[kafka]`` table) that every role reads."""
+        return CommonConfig.model_validate(
+            {
+                "bootstrap_servers": self.bootstrap,
+                "topic_prefix": self.prefix,
+                "run": self.run,
+                "store": self.store_url,
+                "bucket_bounds": DEMO_BUCKET_BOUNDS,
+                "linger_ms": 2.0,
+                "kafka": self.cfg.kafka,
+                "connect_timeout_s": self.cfg.connect_timeout_s,
+            }
+        )
+
     def write(self) -> Path:
+        c = self.common()
         top = {
-            "bootstrap_servers": self.bootstrap,
-            "topic_prefix": self.prefix,
-            "run": self.run,
-            "store": self.store_url,
-            "bucket_bounds": list(DEMO_BUCKET_BOUNDS),
-            "linger_ms": 2.0,
+            "bootstrap_servers": c.bootstrap_servers,
+            "topic_prefix": c.topic_prefix,
+            "run": c.run,
+            "store": c.store,
+            "bucket_bounds": list(c.bucket_bounds),
+            "linger_ms": c.linger_ms,
         }
         tables = self.role_tables()
-        if self.cfg.kafka:  # librdkafka settings (security …) reach every role
-            tables = {"kafka": dict(self.cfg.kafka)} | tables
+        if c.kafka:  # librdkafka settings (security …) reach every role
+            tables = {"kafka": dict(c.kafka)} | tables
         path = self.out / "srl.toml"
         path.write_text(_toml(top, tables))
         return path

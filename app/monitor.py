@@ -31,9 +31,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.configs import TopConfig
 from schemas.codec import SchemaError
 from schemas.records import MetricEvent, PromptTask, TrajectoryChunk, decode, decode_as, now_ms
-from srl.config import CommonConfig
 from srl.errors import SrlError
 from srl.kafka import (
     POSITION_SUFFIX,
@@ -65,7 +65,7 @@ class Monitor:
 
     def __init__(
         self,
-        cfg: CommonConfig,
+        cfg: TopConfig,
         window_s: float = 300.0,
         sample: int = 64,
         stall_after_s: float = 60.0,
@@ -209,7 +209,7 @@ class MetricWindow:
     """The last ``window_ms`` of ``{prefix}.metrics``, read forward from where the previous
     call stopped (the first call starts at the window's start, by timestamp)."""
 
-    def __init__(self, cfg: CommonConfig, layout: Layout, window_ms: int) -> None:
+    def __init__(self, cfg: TopConfig, layout: Layout, window_ms: int) -> None:
         self.topic = layout.metrics
         self.window_ms = window_ms
         self.reader = reader(cfg, "top-metrics")

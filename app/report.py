@@ -38,7 +38,7 @@ from schemas.records import MetricEvent, SchemaError, TrajectoryChunk, decode_as
 from srl.errors import SrlError
 from srl.kafka import committed_offsets, read_range, watermarks
 from srl.stores import store_from_config
-from srl.topics import Layout
+from srl.topics import Layout, trainer_group
 from srl.weights import load_manifest, materialize, read_announcements
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class Audit:
         return self.generated - set(self.outcomes) - self.pending()
 
 
-def audit_trajectories(cfg: CommonConfig, trainer_group: str, samples: list[Any]) -> Audit:
+def audit_trajectories(cfg: CommonConfig, group: str, samples: list[Any]) -> Audit:
 
     layout = Layout.from_config(cfg)
     seen: dict[str, TrajSeen] = {}
@@ -140,7 +140,7 @@ def audit_trajectories(cfg: CommonConfig, trainer_group: str, samples: list[Any]
         )
     outcomes = {t: max(d, key=lambda x: x[1])[0] for t, d in decided.items() if t}
     hw = watermarks(cfg, [layout.trajectories])
-    done = committed_offsets(cfg, trainer_group, list(hw))
+    done = committed_offsets(cfg, group, list(hw))
     return Audit(
         trajectories=seen,
         duplicate_chunks=dup,
@@ -216,7 +216,7 @@ def build(
     events = metric_events(cfg, plan.run)
     samples = [e for e in events if e.kind == "sample"]
     steps = step_events(events)
-    audit = audit_trajectories(cfg, f"srl-trainer-{plan.run}", samples)
+    audit = audit_trajectories(cfg, trainer_group(plan.run), samples)
 
     final_dir, version = final_policy(cfg, plan.run, plan.model_dir, plan.out / "final-model")
     after = warmstart.evaluate(final_dir, eval_set)

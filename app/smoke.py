@@ -17,9 +17,9 @@ from typing import Any
 import click
 import numpy as np
 
+from app.configs import StreamConfig
 from schemas.records import TrajectoryChunk, decode_as, encode, now_ms, pack_logprobs, pack_tokens
 from srl.broker import EmbeddedBroker
-from srl.config import CommonConfig
 from srl.errors import SrlError
 from srl.kafka import Producer, TopicPartition, create_topics, make_consumer
 from srl.topics import Layout
@@ -58,7 +58,7 @@ def synthetic_chunks(
     return chunks
 
 
-def run_smoke(cfg: CommonConfig, n: int, external: bool = False) -> dict[str, Any]:
+def run_smoke(cfg: StreamConfig, n: int, external: bool = False) -> dict[str, Any]:
     """Produce ``n`` synthetic trajectories, consume them in a fresh group, commit, and check
     that every one was reassembled; SrlError if any was lost. Returns the figures."""
     with contextlib.ExitStack() as stack:
@@ -88,7 +88,7 @@ def run_smoke(cfg: CommonConfig, n: int, external: bool = False) -> dict[str, An
         return result
 
 
-def _produce(cfg: CommonConfig, layout: Layout, chunks: list[TrajectoryChunk]) -> None:
+def _produce(cfg: StreamConfig, layout: Layout, chunks: list[TrajectoryChunk]) -> None:
     """Every chunk to its bucket's partitions, keyed by trajectory, with a progress bar."""
     from rich.progress import Progress
 
@@ -104,7 +104,7 @@ def _produce(cfg: CommonConfig, layout: Layout, chunks: list[TrajectoryChunk]) -
             progress.advance(task)
 
 
-def _consume(cfg: CommonConfig, layout: Layout, expected: dict[str, int]) -> tuple[int, int]:
+def _consume(cfg: StreamConfig, layout: Layout, expected: dict[str, int]) -> tuple[int, int]:
     """Read the trajectories topic in a fresh group until every expected trajectory has all
     its chunks (at most 60 s), then commit: (trajectories complete, duplicate chunks)."""
     consumer = make_consumer(cfg, f"srl-smoke-{uuid.uuid4().hex[:8]}", "smoke")

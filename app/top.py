@@ -21,8 +21,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from app.cli.common import echo_json
+from app.configs import TopConfig
 from app.monitor import Monitor
-from srl.config import CommonConfig
 from srl.errors import SrlError
 
 log = logging.getLogger("app.top")
@@ -377,7 +377,7 @@ def _labelled(name: str, doc: str, label: str, items: Iterable[tuple[str, float]
 
 
 def run_top(
-    cfg: CommonConfig,
+    cfg: TopConfig,
     *,
     once: bool,
     as_json: bool,

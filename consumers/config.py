@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 
 from srl.config import CommonConfig
 from srl.errors import ConfigError
+from srl.topics import trainer_group
 
 
 class TrainConfig(CommonConfig):
@@ -144,7 +145,7 @@ class TrainConfig(CommonConfig):
         1,
         ge=0,
         le=3,
-        description="DeepSpeed ZeRO stage 0, 1 or 2 (backend=deepspeed; 3 is refused).",
+        description="DeepSpeed ZeRO stage 0, 1 or 2 (backend deepspeed; 3 is refused).",
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
 
@@ -170,8 +171,15 @@ class TrainConfig(CommonConfig):
                 f"--publish-every {self.publish_every} with --max-staleness {self.max_staleness}: "
                 "windows need --publish-every <= max_staleness + 1 (or --batching groups)"
             )
+        if self.backend == "deepspeed" and self.zero_stage > 2:
+            raise ConfigError(
+                "zero_stage: 3 partitions the parameters, which the weights publisher reads "
+                "whole; use --zero-stage 0, 1 or 2"
+            )
+        if self.backend == "deepspeed" and self.dtype != "float32":
+            raise ConfigError("dtype: the deepspeed backend trains in float32 only in this build")
         return self
 
     @property
     def consumer_group(self) -> str:
-        return self.group_id or f"srl-trainer-{self.run}"
+        return self.group_id or trainer_group(self.run)

@@ -1,20 +1,24 @@
 """Typed settings of the dispatcher (``[dispatch]``) and the generator worker (``[generate]``).
 
 Owns every knob of the producer side, with bounds checked once at load and the cross-field
-rules in one validator per class. Values come from defaults < config file < ``SRL_*`` <
-CLI options (``srl.config.load_config``). docs/generator.md lists them.
+rules in one validator per class (bucket names are checked against the topic layout here, not
+in the worker). Values come from defaults < config file < ``SRL_*`` < CLI options
+(``srl.config.load_config``); the CLI options are generated from these fields
+(``app/cli/options.py``). docs/generator.md explains them.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterable
 from typing import Literal
 
 from pydantic import Field, model_validator
 
-from srl.config import _NAME, CommonConfig
+from srl.config import NAME_PATTERN, CommonConfig, Settings, TopicsConfig, cli
 from srl.errors import ConfigError
+from srl.topics import Layout, pool_group, trainer_group
 
 
 class DispatchConfig(CommonConfig):
@@ -44,6 +48,7 @@ class DispatchConfig(CommonConfig):
         gt=0,
         le=100,
         description="Factor on histogram lengths (0.25 / 0.5: the 5K / 10K settings).",
+        json_schema_extra=cli("--scale"),
     )
     seed: int = Field(0, description="Seed of the built-in task's prompts.")
     group_size: int = Field(4, ge=1, le=4096, description="n: samples per prompt (GRPO group).")
@@ -147,32 +152,10 @@ class DispatchConfig(CommonConfig):
         return self
 
 
-class GenerateConfig(CommonConfig):
-    """``srl-producer generate``: one generator worker of one pool."""
+class EngineSettings(Settings):
+    """The generation backend and how its output is chunked: ``srl-producer generate`` and
+    ``srl-producer bench``."""
 
-    section = "generate"
-
-    pool: str = Field(
-        "regular",
-        pattern=_NAME,
-        description="Generator pool; its consumer group is {prefix}.gen.{pool}.",
-    )
-    buckets: tuple[str, ...] = Field(
-        (), description="Length buckets whose prompt topics this pool consumes; empty: all."
-    )
-    group_id: str | None = Field(
-        None, description="Consumer group on the prompt topics; null: {prefix}.gen.{pool}."
-    )
-    take_over_from: str | None = Field(
-        None,
-        description=(
-            "Before joining, copy this consumer group's committed positions to ours where ours has "
-            "none (replacing a pool whose group a dead member wedges on the embedded broker)."
-        ),
-    )
-    worker_id: str | None = Field(
-        None, description="Id on chunks and metrics; null: host-pid-pool."
-    )
     engine: Literal["hf", "sim", "vllm"] = Field("hf", description="Generation backend.")
     model: str | None = Field(
         None, description="Hugging Face model directory: policy version 0 (hf, vllm)."
@@ -193,6 +176,67 @@ class GenerateConfig(CommonConfig):
         ge=1,
         le=65_536,
         description="Tokens per published chunk (the last chunk may be shorter).",
+    )
+    seed: int | None = Field(None, description="Sampling seed; null: random.")
+    lengths: str | None = Field(
+        None, description="sim engine: length histogram file for tasks without metadata.sim_length."
+    )
+    length_scale: float = Field(
+        1.0,
+        gt=0,
+        le=100,
+        description="sim engine: factor on histogram lengths.",
+        json_schema_extra=cli("--scale"),
+    )
+    time_scale: float = Field(
+        1.0,
+        ge=0,
+        le=1000,
+        description="sim engine: factor on the modelled step time PTL(BS) (0.01 = 100x faster than "
+        "modelled).",
+    )
+    sim_tokens_per_step: int = Field(
+        1,
+        ge=1,
+        le=4096,
+        description=(
+            "sim engine: tokens per sequence per decode step (each step lasts that many PTL(BS)); "
+            ">1 cuts Python work in time-compressed runs."
+        ),
+    )
+    sim_vocab: int = Field(
+        32_000,
+        ge=5,
+        description="sim engine: token ids are drawn from [4, sim_vocab) (set it to a real trainer "
+        "model's vocabulary size).",
+    )
+
+
+class GenerateConfig(CommonConfig, EngineSettings):
+    """``srl-producer generate``: one generator worker of one pool."""
+
+    section = "generate"
+
+    pool: str = Field(
+        "regular",
+        pattern=NAME_PATTERN,
+        description="Generator pool; its consumer group is {prefix}.gen.{pool}.",
+    )
+    buckets: tuple[str, ...] = Field(
+        (), description="Length buckets whose prompt topics this pool consumes; empty: all."
+    )
+    group_id: str | None = Field(
+        None, description="Consumer group on the prompt topics; null: {prefix}.gen.{pool}."
+    )
+    take_over_from: str | None = Field(
+        None,
+        description=(
+            "Before joining, copy this consumer group's committed positions to ours where ours has "
+            "none (replacing a pool whose group a dead member wedges on the embedded broker)."
+        ),
+    )
+    worker_id: str | None = Field(
+        None, description="Id on chunks and metrics; null: host-pid-pool."
     )
     max_staleness: int = Field(
         1,
@@ -239,35 +283,6 @@ class GenerateConfig(CommonConfig):
     migrate_min_tokens: int = Field(
         64, ge=1, description="… and at least this many tokens (short predictions are noisy)."
     )
-    seed: int | None = Field(None, description="Sampling seed; null: random.")
-    lengths: str | None = Field(
-        None, description="sim engine: length histogram file for tasks without metadata.sim_length."
-    )
-    length_scale: float = Field(
-        1.0, gt=0, le=100, description="sim engine: factor on histogram lengths."
-    )
-    time_scale: float = Field(
-        1.0,
-        ge=0,
-        le=1000,
-        description="sim engine: factor on the modelled step time PTL(BS) (0.01 = 100x faster than "
-        "modelled).",
-    )
-    sim_tokens_per_step: int = Field(
-        1,
-        ge=1,
-        le=4096,
-        description=(
-            "sim engine: tokens per sequence per decode step (each step lasts that many PTL(BS)); "
-            ">1 cuts Python work in time-compressed runs."
-        ),
-    )
-    sim_vocab: int = Field(
-        32_000,
-        ge=5,
-        description="sim engine: token ids are drawn from [4, sim_vocab) (set it to a real trainer "
-        "model's vocabulary size).",
-    )
     stats_interval_s: float = Field(
         5.0, gt=0, description="How often gen_stats events are emitted."
     )
@@ -280,11 +295,13 @@ class GenerateConfig(CommonConfig):
         description=(
             "On SIGTERM: how long in-flight trajectories may run before they are handed off."
         ),
+        json_schema_extra=cli("--drain-timeout"),
     )
     idle_exit_s: float | None = Field(
         None,
         gt=0,
         description="Exit cleanly after this long with nothing to do; null: run until stopped.",
+        json_schema_extra=cli("--idle-exit"),
     )
     recovery_slack_s: float = Field(
         60.0,
@@ -295,9 +312,12 @@ class GenerateConfig(CommonConfig):
     )
 
     @model_validator(mode="after")
-    def _engine_needs(self) -> GenerateConfig:
+    def _cross_field(self) -> GenerateConfig:
         if self.engine in ("hf", "vllm") and not self.model:
             raise ConfigError(f"engine {self.engine} needs --model DIR (policy version 0)")
+        check_buckets(self, "buckets", self.buckets)
+        if self.migrate_to is not None:
+            check_buckets(self, "migrate_to", [self.migrate_to])
         return self
 
     @property
@@ -306,13 +326,18 @@ class GenerateConfig(CommonConfig):
 
     @property
     def trainer_group(self) -> str:
-        return self.backlog_group or f"srl-trainer-{self.run}"
+        return self.backlog_group or trainer_group(self.run)
 
     @property
     def worker_name(self) -> str:
         return self.worker_id or f"{socket.gethostname()}-{os.getpid()}-{self.pool}"
 
 
-def pool_group(prefix: str, pool: str) -> str:
-    """The consumer group of a generator pool on the prompt topics."""
-    return f"{prefix}.gen.{pool}"
+def check_buckets(cfg: TopicsConfig, key: str, buckets: Iterable[str]) -> None:
+    """ConfigError naming ``key`` unless every one of ``buckets`` is a bucket of the layout."""
+    layout = Layout.from_config(cfg)
+    for b in buckets:
+        try:
+            layout.bucket_index(b)
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e}") from None

@@ -53,7 +53,7 @@ import numpy as np
 import orjson
 
 from producers.backlog import GroupLag
-from producers.config import DispatchConfig, pool_group
+from producers.config import DispatchConfig
 from ranker.api import assign_buckets
 from schemas.records import PromptTask, SchemaError, WeightsAnnouncement, decode_as, encode
 from srl.errors import SrlError
@@ -65,7 +65,7 @@ from srl.kafka import (
     create_topics,
     reader,
 )
-from srl.topics import Layout
+from srl.topics import Layout, pool_group
 
 if TYPE_CHECKING:
     from producers.sources import PromptLike

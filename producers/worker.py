@@ -79,7 +79,7 @@ from schemas.records import (
     encode,
     unpack_tokens,
 )
-from srl.errors import ConfigError, SrlError, WeightsError
+from srl.errors import SrlError, WeightsError
 from srl.kafka import Message, Producer, create_topics, position_group
 from srl.metrics import Metrics, dead_letter
 from srl.stores import store_from_config
@@ -118,17 +118,7 @@ class GeneratorWorker:
         self.cfg = cfg
         self.layout = Layout.from_config(cfg)
         self.engine = engine
-        self.buckets = list(cfg.buckets) or self.layout.buckets
-        for b in self.buckets:
-            try:
-                self.layout.bucket_index(b)
-            except ValueError as e:
-                raise ConfigError(f"buckets: {e}") from None
-        if cfg.migrate_to is not None:
-            try:
-                self.layout.bucket_index(cfg.migrate_to)
-            except ValueError as e:
-                raise ConfigError(f"migrate_to: {e}") from None
+        self.buckets = list(cfg.buckets) or self.layout.buckets  # checked by GenerateConfig
         self.summary = GenSummary(cfg.worker_name, engine.name, engine.simulated)
         self.outlet = Outlet(cfg, self.layout, engine, self.summary, self._maybe_finished)
         topics = [t for b in self.buckets for t in (self.layout.prompts(b), self.layout.resumes(b))]

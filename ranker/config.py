@@ -1,7 +1,9 @@
-"""Settings of the ranker roles (``[ranker]`` table, ``SRL_*`` variables, CLI options).
+"""Settings of the ranker commands (``[ranker]`` table, ``SRL_*`` variables, CLI options).
 
-Owns the typed, validated configuration of ``srl ranker train|eval|simulate``; the common
-Kafka/store settings come from :class:`srl.config.CommonConfig`.
+Owns the typed, validated configuration of ``srl ranker train`` (:class:`RankerConfig`: the
+shared Kafka/store settings of :class:`srl.config.CommonConfig` plus the training knobs) and
+of ``srl ranker eval|plan`` (:class:`RankerStoreConfig`: only where the run's versions are).
+Both read the ``[ranker]`` table, so each ignores the other's keys there.
 """
 
 from __future__ import annotations
@@ -10,10 +12,18 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from srl.config import CommonConfig
+from srl.config import CommonConfig, RunStoreConfig
+
+
+class RankerStoreConfig(RunStoreConfig):
+    """``srl ranker eval|plan``: the run whose published versions are read, and the store."""
+
+    section: ClassVar[str] = "ranker"
 
 
 class RankerConfig(CommonConfig):
+    """``srl ranker train``: fit versions (from the demo task or online) and publish them."""
+
     section: ClassVar[str] = "ranker"
 
     model_dir: str | None = Field(
@@ -52,12 +62,6 @@ class RankerConfig(CommonConfig):
         ge=1,
         le=1 << 20,
         description="Hashed slots per n-gram family of the ranker's features (new models only).",
-    )
-    poll_s: float = Field(
-        10.0,
-        gt=0,
-        le=3600,
-        description="How often dispatchers look for a newer ranker version, seconds.",
     )
 
     def group_id(self) -> str:

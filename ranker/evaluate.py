@@ -37,6 +37,7 @@ from srl.workload import LengthHistogram, PtlModel
 if TYPE_CHECKING:
     from ranker.config import RankerConfig
     from ranker.model import LengthRanker
+    from srl.config import RunStoreConfig
 
 
 def train_on_pairs(
@@ -58,7 +59,7 @@ def train_on_pairs(
 
 
 def evaluate_on_pairs(
-    cfg: RankerConfig, version: int | None, texts: list[str], true: np.ndarray, seed: int
+    cfg: RunStoreConfig, version: int | None, texts: list[str], true: np.ndarray, seed: int
 ) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
     """(report, true, predicted) of a published version on held-out prompts and their lengths."""
 

@@ -1,11 +1,12 @@
 """Typed configuration, validated once, from a file, ``SRL_*`` variables and CLI options.
 
-Owns: how every role's settings are read and checked. Precedence, lowest first:
+Owns: the shared setting groups, and how every command's settings are read. Precedence,
+lowest first:
 
 1. defaults in the config class;
-2. a TOML file (``--config FILE``): top-level keys, then the role's own table
-   (``[generate]``, ``[train]``, ``[dispatch]`` …) which overrides them; tables of other roles
-   are ignored, so producers and consumers may share one file or keep their own;
+2. a TOML file (``--config FILE``): top-level keys, then the command's own table
+   (``[generate]``, ``[train]``, ``[dispatch]`` …) which overrides them; tables of other
+   commands are ignored, so producers and consumers may share one file or keep their own;
 3. environment variables ``SRL_<FIELD>`` (``SRL_BOOTSTRAP_SERVERS``, ``SRL_LINGER_MS`` …);
 4. CLI options, including ``-X key=value`` for any librdkafka setting.
 
@@ -13,9 +14,17 @@ librdkafka settings (``kafka``) merge instead of replacing: ``SRL_KAFKA`` adds t
 ``[kafka]`` table and ``-X`` adds to both, so a secret can come from the environment while the
 tuning stays in the file.
 
+Each command's config class holds exactly the settings that command reads: a few of the
+groups below (:class:`KafkaSettings`, :class:`LayoutSettings`, :class:`StoreSettings` …) plus
+its own fields; its CLI options are generated from it (``app/cli/options.py``). So that one
+file can serve every command, a file key that a command does not read is ignored when it is a
+shared setting (a field of :class:`CommonConfig`) or a key another command reads from the same
+table (``srl ranker train`` and ``srl ranker eval`` share ``[ranker]``); any other key is an
+error (a typo). Environment variables a command does not read are not looked at.
+
 A bad value anywhere is a :class:`~srl.errors.ConfigError` whose one-line message names the
-key and where it came from. Role configs subclass :class:`CommonConfig` and set ``section``.
-Called by every CLI command through :func:`load_config`.
+key and where it came from; cross-field rules are model validators that raise it. Called by
+every CLI command through :func:`load_config`.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+import types
 import typing
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
@@ -31,31 +41,127 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from srl.errors import ConfigError
 
-C = TypeVar("C", bound="CommonConfig")
+S = TypeVar("S", bound="Settings")
 
-_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
-class CommonConfig(BaseModel):
-    """Settings every role shares: where Kafka and the store are, and how topics are laid out."""
+def cli(*aliases: str, metavar: str | None = None) -> dict[str, Any]:
+    """A field's ``json_schema_extra``: command-line spellings besides ``--field-name``."""
+    return {"aliases": list(aliases), **({"metavar": metavar} if metavar else {})}
+
+
+class Settings(BaseModel):
+    """Base of every config class: frozen, no unknown keys, defaults validated too.
+
+    ``section`` names the file table the command reads over the top-level keys.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
     section: ClassVar[str] = ""
+    # table -> every key some command reads from it (filled as classes are defined)
+    table_keys: ClassVar[dict[str, set[str]]] = {}
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        if cls.section:
+            Settings.table_keys.setdefault(cls.section, set()).update(cls.model_fields)
+
+
+# -- the shared groups ---------------------------------------------------------------------
+# Composed by inheritance; where a class lists several groups it lists them in this file's
+# order, so that every composition has a consistent method resolution order.
+class ConnectSettings(Settings):
+    """How long to wait for a server (a Kafka broker, the S3 endpoint)."""
+
+    connect_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description=(
+            "How long to wait for a Kafka broker or the S3 endpoint before giving up with an error."
+        ),
+    )
+
+
+class KafkaSettings(ConnectSettings):
+    """Which Kafka cluster and topics, and any librdkafka setting: every Kafka client."""
 
     bootstrap_servers: str = Field(
-        "127.0.0.1:9092", description="Kafka bootstrap servers, host:port[,host:port…]."
+        "127.0.0.1:9092",
+        description="Kafka bootstrap servers, host:port[,host:port…].",
+        json_schema_extra=cli("--bootstrap", metavar="HOST:PORT"),
     )
     topic_prefix: str = Field(
-        "srl", pattern=_NAME, description="Prefix of every topic name: {prefix}.trajectories …"
+        "srl",
+        pattern=NAME_PATTERN,
+        description="Prefix of every topic name: {prefix}.trajectories …",
     )
+    kafka: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "librdkafka settings passed through verbatim (-X key=value), e.g. security.protocol."
+        ),
+        json_schema_extra=cli("-X", metavar="KEY=VALUE"),
+    )
+
+
+class ProducerSettings(KafkaSettings):
+    """Producer tuning, for the commands that write records."""
+
+    compression: Literal["lz4", "zstd", "gzip", "snappy", "none"] = Field(
+        "lz4", description="Producer compression; zstd for long links between datacenters."
+    )
+    linger_ms: float = Field(
+        5.0, ge=0, le=60_000, description="Producer linger (batching delay), ms."
+    )
+
+
+class LayoutSettings(Settings):
+    """How the topics are partitioned: length buckets and partition counts."""
+
+    bucket_bounds: tuple[int, ...] = Field(
+        (256, 1024, 4096),
+        description="Upper bounds (tokens) of the length buckets; one more bucket holds the rest.",
+    )
+    partitions_per_bucket: int = Field(
+        2, ge=1, le=256, description="Trajectories-topic partitions per length bucket."
+    )
+    prompt_partitions: int = Field(2, ge=1, le=256, description="Partitions of each prompts topic.")
+
+    @field_validator("bucket_bounds")
+    @classmethod
+    def _increasing(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if not v or any(b <= 0 for b in v) or any(b >= a for b, a in zip(v, v[1:], strict=False)):
+            raise ValueError("must be positive and strictly increasing, e.g. 256,1024,4096")
+        return v
+
+
+class TopicsConfig(KafkaSettings, LayoutSettings):
+    """A deployment's topics: the cluster and the layout (``srl topics create|describe``)."""
+
+
+class RunSettings(Settings):
+    """The run name."""
+
     run: str = Field(
         "default",
-        pattern=_NAME,
+        pattern=NAME_PATTERN,
         description="Run name: namespaces weights, checkpoints and groups.",
     )
+
+
+class StoreSettings(ConnectSettings):
+    """The object store, and how to reach it when it is S3 (``srl store init``)."""
+
     store: str = Field(
         "file://runs/store",
-        description="Object store URL: file://DIR (relative paths from the working directory) or s3://bucket/prefix.",
+        description=(
+            "Object store URL: file://DIR (relative paths from the working directory) or "
+            "s3://bucket/prefix."
+        ),
+        json_schema_extra=cli(metavar="URL"),
     )
     s3_endpoint_url: str | None = Field(
         None,
@@ -80,53 +186,41 @@ class CommonConfig(BaseModel):
             "(probe)."
         ),
     )
+
+
+class RunStoreConfig(RunSettings, StoreSettings):
+    """A run's objects in the store (published ranker versions, weights, checkpoints)."""
+
+
+class RegistrySettings(Settings):
+    """The record framing, for the commands that encode or decode records."""
+
     schema_registry_url: str | None = Field(
         None, description="Confluent Schema Registry URL; null: Avro single-object encoding."
     )
-    bucket_bounds: tuple[int, ...] = Field(
-        (256, 1024, 4096),
-        description="Upper bounds (tokens) of the length buckets; one more bucket holds the rest.",
-    )
-    partitions_per_bucket: int = Field(
-        2, ge=1, le=256, description="Trajectories-topic partitions per length bucket."
-    )
-    prompt_partitions: int = Field(2, ge=1, le=256, description="Partitions of each prompts topic.")
-    compression: Literal["lz4", "zstd", "gzip", "snappy", "none"] = Field(
-        "lz4", description="Producer compression; zstd for long links between datacenters."
-    )
-    linger_ms: float = Field(
-        5.0, ge=0, le=60_000, description="Producer linger (batching delay), ms."
-    )
-    connect_timeout_s: float = Field(
-        10.0,
-        gt=0,
-        le=600,
-        description="How long to wait for a broker before giving up with an error.",
-    )
-    kafka: dict[str, str] = Field(
-        default_factory=dict,
-        description=(
-            "librdkafka settings passed through verbatim (-X key=value), e.g. security.protocol."
-        ),
-    )
-
-    @field_validator("bucket_bounds")
-    @classmethod
-    def _increasing(cls, v: tuple[int, ...]) -> tuple[int, ...]:
-        if not v or any(b <= 0 for b in v) or any(b >= a for b, a in zip(v, v[1:], strict=False)):
-            raise ValueError("must be positive and strictly increasing, e.g. 256,1024,4096")
-        return v
 
 
-def _field_kind(annotation: Any) -> str:
-    """'seq', 'map' or 'scalar': how a string from the environment or CLI is parsed."""
+class CommonConfig(ProducerSettings, TopicsConfig, RunStoreConfig, RegistrySettings):
+    """Every shared setting: what a role that produces, consumes, stores and names a run reads
+    (the dispatcher, the generator, the trainer); the role configs subclass it."""
+
+
+# A file key that a command does not read is ignored, not refused, when it is one of these.
+SHARED_KEYS = frozenset(CommonConfig.model_fields)
+
+
+# -- reading ---------------------------------------------------------------------------------
+def field_kind(annotation: Any) -> str:
+    """'seq', 'map', 'flag' or 'scalar': how a string from the environment or CLI is parsed."""
     origin = typing.get_origin(annotation)
     if origin in (tuple, list):
         return "seq"
     if origin is dict:
         return "map"
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        kinds = {_field_kind(a) for a in typing.get_args(annotation) if a is not type(None)}
+    if annotation is bool:
+        return "flag"
+    if origin in (typing.Union, types.UnionType):
+        kinds = {field_kind(a) for a in typing.get_args(annotation) if a is not type(None)}
         return kinds.pop() if len(kinds) == 1 else "scalar"
     return "scalar"
 
@@ -144,10 +238,15 @@ def parse_kv(items: str | list[str] | tuple[str, ...], what: str = "-X") -> dict
     return out
 
 
-def _from_string(cls: type[CommonConfig], key: str, raw: str) -> Any:
-    kind = _field_kind(cls.model_fields[key].annotation)
+def parse_seq(raw: str) -> list[str]:
+    """``"a, b,,c"`` → ``["a", "b", "c"]``; ``""`` → ``[]`` (an empty list)."""
+    return [s.strip() for s in raw.split(",") if s.strip()]
+
+
+def _from_string(cls: type[Settings], key: str, raw: str) -> Any:
+    kind = field_kind(cls.model_fields[key].annotation)
     if kind == "seq":
-        return [s.strip() for s in raw.split(",") if s.strip()]
+        return parse_seq(raw)
     if kind == "map":
         return parse_kv(raw, f"SRL_{key.upper()}")
     if raw.lower() in ("null", "none") and not cls.model_fields[key].is_required():
@@ -155,50 +254,61 @@ def _from_string(cls: type[CommonConfig], key: str, raw: str) -> Any:
     return raw
 
 
-def read_file(path: str | Path, section: str, fields: set[str]) -> dict[str, Any]:
-    """Keys for one role from a TOML file: top-level keys, then the role's table over them."""
+def ignorable_keys(cls: type[Settings]) -> set[str]:
+    """File keys ``cls`` skips: shared settings, and keys other commands read from its table."""
+    return set(SHARED_KEYS | Settings.table_keys.get(cls.section, set())) - set(cls.model_fields)
+
+
+def read_file(
+    path: str | Path, section: str, fields: set[str], ignore: set[str] | None = None
+) -> dict[str, Any]:
+    """Keys for one command from a TOML file: top-level keys, then its table over them.
+
+    Keys in ``ignore`` (read by other commands) are skipped; any other key not in ``fields``
+    is an error."""
     try:
         data = tomllib.loads(Path(path).read_text())
     except OSError as e:
         raise ConfigError(f"config file {path}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path}: not valid TOML ({e})") from None
+    ignore = ignore or set()
     out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and key not in fields:
-            continue  # a role table; only ours is read, below
-        if key not in fields:
-            raise ConfigError(f"config file {path}: unknown key '{key}'")
-        out[key] = value
     table = data.get(section) if section else None
-    if isinstance(table, dict):
-        for key, value in table.items():
+    for where, items in (("", data), (f"{section}.", table if isinstance(table, dict) else {})):
+        for key, value in items.items():
+            if where == "" and isinstance(value, dict) and key not in fields | ignore:
+                continue  # a command's table; only ours is read (the second pass)
+            if key in ignore:
+                continue
             if key not in fields:
-                raise ConfigError(f"config file {path}: unknown key '{section}.{key}'")
+                raise ConfigError(f"config file {path}: unknown key '{where}{key}'")
             out[key] = value
     return out
 
 
 def load_config(
-    cls: type[C],
+    cls: type[S],
     file: str | Path | None = None,
     cli: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
-) -> C:
+) -> S:
     """Build ``cls`` from defaults < file < ``SRL_*`` env < CLI; one-line ConfigError on a bad
     value.
 
-    ``cli`` values that are None count as not given. ``env`` defaults to ``os.environ``.
+    ``cli`` values that are None count as not given. ``env`` defaults to ``os.environ``. The
+    keys given anywhere are ``cfg.model_fields_set`` (a command may ask whether e.g.
+    ``bootstrap_servers`` was given at all).
     """
     fields = set(cls.model_fields)
     values: dict[str, Any] = {}
     source: dict[str, str] = {}
-    if file is None and (env or os.environ).get("SRL_CONFIG"):
-        file = (env or os.environ)["SRL_CONFIG"]
-    if file is not None:
-        for key, value in read_file(file, cls.section, fields).items():
-            values[key], source[key] = value, f"config file {file}"
     environ = os.environ if env is None else env
+    if file is None and environ.get("SRL_CONFIG"):
+        file = environ["SRL_CONFIG"]
+    if file is not None:
+        for key, value in read_file(file, cls.section, fields, ignorable_keys(cls)).items():
+            values[key], source[key] = value, f"config file {file}"
     for key in fields:
         raw = environ.get(f"SRL_{key.upper()}")
         if raw is not None:
@@ -217,20 +327,41 @@ def load_config(
     try:
         return cls(**values)
     except ValidationError as e:
-        err = e.errors()[0]
-        key = ".".join(str(p) for p in err["loc"]) or "?"
-        top = str(err["loc"][0]) if err["loc"] else ""
-        where = source.get(top, "default")
-        got = err.get("input")
-        shown = "" if isinstance(got, dict) else f" (got {got!r}, from {where})"
-        msg = re.sub(r"\s+", " ", err["msg"])
-        raise ConfigError(f"config: {key}: {msg}{shown}") from None
+        raise ConfigError(_one_line(e, source)) from None
 
 
-def describe(cls: type[CommonConfig]) -> list[tuple[str, str, str]]:
+def _one_line(e: ValidationError, source: dict[str, str]) -> str:
+    err = e.errors()[0]
+    key = ".".join(str(p) for p in err["loc"]) or "?"
+    top = str(err["loc"][0]) if err["loc"] else ""
+    where = source.get(top, "default")
+    got = err.get("input")
+    shown = "" if isinstance(got, dict) else f" (got {got!r}, from {where})"
+    msg = re.sub(r"\s+", " ", err["msg"])
+    return f"config: {key}: {msg}{shown}"
+
+
+def default_of(cls: type[Settings], name: str) -> Any:
+    """The default value of field ``name`` (calling its factory if it has one)."""
+    f = cls.model_fields[name]
+    return f.default_factory() if f.default_factory is not None else f.default  # type: ignore[call-arg]
+
+
+def describe(cls: type[Settings]) -> list[tuple[str, str, str]]:
     """(key, default, description) for every field; docs/configuration.md is made from it."""
-    rows = []
-    for name, f in cls.model_fields.items():
-        default = f.default_factory() if f.default_factory is not None else f.default  # type: ignore[call-arg]
-        rows.append((name, repr(default), f.description or ""))
-    return rows
+    return [
+        (name, repr(default_of(cls, name)), f.description or "")
+        for name, f in cls.model_fields.items()
+    ]
+
+
+# The groups in the order commands list their options and docs/configuration.md its tables.
+GROUPS: tuple[type[Settings], ...] = (
+    KafkaSettings,
+    ProducerSettings,
+    LayoutSettings,
+    RunSettings,
+    StoreSettings,
+    ConnectSettings,
+    RegistrySettings,
+)

@@ -33,10 +33,13 @@ import os
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from srl.errors import ConfigError, StoreError
 from srl.store import ObjectExists, ObjectMissing, ObjectStore, check_key
+
+if TYPE_CHECKING:
+    from srl.config import StoreSettings
 
 log = logging.getLogger("srl.s3store")
 
@@ -58,7 +61,7 @@ class S3Settings:
     read_timeout_s: float = 60.0
 
     @classmethod
-    def from_config(cls, cfg: Any) -> S3Settings:
+    def from_config(cls, cfg: StoreSettings) -> S3Settings:
         return cls(
             endpoint_url=cfg.s3_endpoint_url,
             region=cfg.s3_region,

@@ -16,7 +16,7 @@ from srl.s3store import S3Settings, S3Store, parse_url
 from srl.store import LocalStore, ObjectStore
 
 if TYPE_CHECKING:
-    from srl.config import CommonConfig
+    from srl.config import StoreSettings
 
 
 def open_store(url: str, s3: S3Settings | None = None) -> ObjectStore:
@@ -31,7 +31,7 @@ def open_store(url: str, s3: S3Settings | None = None) -> ObjectStore:
     raise ConfigError(f"store: unsupported URL {url!r}; use file://DIR or s3://bucket/prefix")
 
 
-def store_from_config(cfg: CommonConfig) -> ObjectStore:
+def store_from_config(cfg: StoreSettings) -> ObjectStore:
     """``cfg.store``, with ``cfg``'s S3 settings."""
     return open_store(cfg.store, S3Settings.from_config(cfg))
 

@@ -15,7 +15,9 @@ Buckets are named by their upper bound in tokens (``le256``, ``le1024``, ``le409
 open bucket for the rest (``gt4096``). Bucket ``i`` owns trajectories partitions
 ``[i*P, (i+1)*P)`` with ``P = partitions_per_bucket``; inside its range a trajectory's
 partition is ``crc32(trajectory_id) mod P``, so all its chunks stay in order on one partition.
-Pure functions only; admin calls live in ``srl.kafka``.
+Consumer-group names are spelled here too (:func:`trainer_group`, :func:`pool_group`), so
+that the roles, the monitor and the demo agree on them. Pure functions only; admin calls live
+in ``srl.kafka``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from __future__ import annotations
 import bisect
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from srl.config import TopicsConfig
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class Layout:
     prompt_partitions: int = 2
 
     @classmethod
-    def from_config(cls, cfg: Any) -> Layout:
+    def from_config(cls, cfg: TopicsConfig) -> Layout:
         return cls(
             cfg.topic_prefix,
             tuple(cfg.bucket_bounds),
@@ -126,3 +131,14 @@ class Layout:
             TopicSpec(self.dlq, 1, {}),
         ]
         return specs
+
+
+# -- consumer groups ---------------------------------------------------------------------
+def trainer_group(run: str) -> str:
+    """The trainer's consumer group on the trajectories topic (unless ``group_id`` overrides)."""
+    return f"srl-trainer-{run}"
+
+
+def pool_group(prefix: str, pool: str) -> str:
+    """The consumer group of a generator pool on the prompt topics."""
+    return f"{prefix}.gen.{pool}"

@@ -6,26 +6,25 @@ Heavy modules (torch, the benchmarks themselves) are imported inside the command
 
 from __future__ import annotations
 
-import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from app.bench.pipemodel import DESIGNS, MODES
-from app.cli.common import common_options, config_from, echo_json
+from app.cli.common import echo_json
+from app.cli.options import ConfigGroup, with_config
+
+if TYPE_CHECKING:
+    from app.configs import StreamConfig
 
 
-def _external(kw: dict[str, Any]) -> bool:
-    return kw.get("bootstrap") is not None or "SRL_BOOTSTRAP_SERVERS" in os.environ
-
-
-@click.group()
+@click.group(cls=ConfigGroup)
 def bench() -> None:
     """Benchmarks (docs/benchmarks.md): data plane, weights, pipeline modes."""
 
 
 @bench.command("dataplane")
-@common_options
+@with_config("app.configs:StreamConfig")
 @click.option(
     "--trajectories",
     type=click.IntRange(1, 1_000_000),
@@ -70,6 +69,7 @@ def bench() -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def dataplane(
+    cfg: StreamConfig,
     trajectories: int,
     mean_tokens: int,
     chunk_tokens: int,
@@ -77,17 +77,16 @@ def dataplane(
     pace: float,
     repeats: int,
     as_json: bool,
-    **kw: Any,
 ) -> None:
     """Tokens/s through broker + codec + assembler, against the raw byte path; ready latency.
 
-    Starts an embedded broker on a free port unless --bootstrap is given.
+    Starts an embedded broker on a free port unless bootstrap_servers is given (--bootstrap,
+    the config file or SRL_BOOTSTRAP_SERVERS).
     """
     from app.bench.dataplane import run
-    from srl.config import CommonConfig
 
-    cfg = config_from(CommonConfig, kw)
-    r = run(cfg, _external(kw), trajectories, mean_tokens, chunk_tokens, batch, pace, repeats)
+    external = "bootstrap_servers" in cfg.model_fields_set
+    r = run(cfg, external, trajectories, mean_tokens, chunk_tokens, batch, pace, repeats)
     if as_json:
         echo_json(r)
         return
@@ -233,22 +232,7 @@ def weights(sizes: str, repeats: int, swaps: int, as_json: bool) -> None:
 )
 @click.option("--bootstrap", help="Use this Kafka instead of an embedded broker.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def pipeline(
-    lengths: str,
-    scale: float,
-    devices: int,
-    b_max: int,
-    groups: int,
-    group_size: int,
-    iterations: int,
-    compression: float,
-    max_staleness: int,
-    modes: str,
-    design: str,
-    plot: str,
-    bootstrap: str | None,
-    as_json: bool,
-) -> None:
+def pipeline(modes: str, plot: str, bootstrap: str | None, as_json: bool, **kw: Any) -> None:
     """colocated / sync / stream / async / async+skew side by side (SIMULATED engine and trainer).
 
     The broker, codec, dispatcher, generator workers, trainer loop, staleness gate and weights
@@ -260,22 +244,11 @@ def pipeline(
     from srl.workload import LengthHistogram
 
     # a bad file is a one-line error before anything starts
-    LengthHistogram.from_file(lengths, scale)
+    LengthHistogram.from_file(kw["lengths"], kw["scale"])
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     if not chosen or any(m not in MODES for m in chosen):
         raise ConfigError(f"--modes {modes!r}: choose from {', '.join(MODES)}")
-    w = p.Workload(
-        lengths=lengths,
-        scale=scale,
-        devices=devices,
-        b_max=b_max,
-        groups_per_step=groups,
-        group_size=group_size,
-        iterations=iterations,
-        compression=compression,
-        max_staleness=max_staleness,
-        design=design,
-    )
+    w = p.Workload(groups_per_step=kw.pop("groups"), **kw)
 
     def progress(mode: str, split: dict[str, Any]) -> None:
         click.echo(
@@ -289,13 +262,18 @@ def pipeline(
         echo_json(r)
         return
     p.plot(r, plot)
-    click.echo(f"SIMULATED engine and trainer, time compressed {compression:g}x; plot: {plot}")
+    click.echo(f"SIMULATED engine and trainer, time compressed {w.compression:g}x; plot: {plot}")
     for mode, m in r["modes"].items():
-        click.echo(
-            f"{mode:>10}: {m['trained_tokens_per_s']:,.0f} trained tokens/s  "
-            f"x{m['tokens_ratio_vs_colocated']} colocated  x{m['tokens_ratio_vs_sync']} sync  "
-            f"{m['dropped_token_fraction']:.1%} of tokens dropped  mean trained "
-            f"{m['mean_trained_tokens']:.0f} "
-            f"(generated {m['mean_generated_tokens']:.0f})  {m['fraction_of_bound']:.0%} of bound  "
-            f"gen idle {m['gen_idle']:.0%}  staleness max {m['staleness_max']}"
-        )
+        click.echo(_pipeline_line(mode, m))
+
+
+def _pipeline_line(mode: str, m: dict[str, Any]) -> str:
+    """One mode's figures on one line."""
+    return (
+        f"{mode:>10}: {m['trained_tokens_per_s']:,.0f} trained tokens/s  "
+        f"x{m['tokens_ratio_vs_colocated']} colocated  x{m['tokens_ratio_vs_sync']} sync  "
+        f"{m['dropped_token_fraction']:.1%} of tokens dropped  mean trained "
+        f"{m['mean_trained_tokens']:.0f} "
+        f"(generated {m['mean_generated_tokens']:.0f})  {m['fraction_of_bound']:.0%} of bound  "
+        f"gen idle {m['gen_idle']:.0%}  staleness max {m['staleness_max']}"
+    )

@@ -32,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from app.configs import StreamConfig
 from consumers.assembler import Assembler
 from producers.chunker import Chunker, TrajectoryStart
 from schemas.records import TrajectoryChunk, decode_as, encode, pack_tokens
 from srl.broker import EmbeddedBroker
-from srl.config import CommonConfig
 from srl.errors import SrlError
 from srl.kafka import Consumer, Producer, create_topics, make_consumer
 from srl.topics import Layout, TopicSpec
@@ -97,7 +97,7 @@ def interleave(trajs: list[list[TrajectoryChunk]], batch: int) -> Iterator[Traje
 
 
 def _produce(
-    cfg: CommonConfig, spec: dict[str, Any], go: Any, ready: Any, start_ns: Any, out: Any
+    cfg: StreamConfig, spec: dict[str, Any], go: Any, ready: Any, start_ns: Any, out: Any
 ) -> None:
     """Child: make the chunks, wait for ``go``, produce them; send back last-chunk times."""
     layout = Layout.from_config(cfg)
@@ -139,11 +139,11 @@ def _produce(
     out.put(last_ns)
 
 
-def warmup_topic(cfg: CommonConfig) -> str:
+def warmup_topic(cfg: StreamConfig) -> str:
     return f"{cfg.topic_prefix}.bench-warmup"
 
 
-def run_phase(cfg: CommonConfig, spec: dict[str, Any]) -> dict[str, Any]:
+def run_phase(cfg: StreamConfig, spec: dict[str, Any]) -> dict[str, Any]:
     """One phase (``spec['mode']`` raw or codec, ``spec['rate']`` tokens/s or 0 for flat out)."""
     cfg = cfg.model_copy(update={"topic_prefix": f"{cfg.topic_prefix}.bench{uuid.uuid4().hex[:6]}"})
     layout = Layout.from_config(cfg)
@@ -257,7 +257,7 @@ def latency_figures(ready_ns: dict[str, int], last_ns: dict[str, int]) -> dict[s
 
 
 def run(
-    cfg: CommonConfig,
+    cfg: StreamConfig,
     external: bool,
     trajectories: int = 2000,
     mean_tokens: int = 600,

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from app.configs import EngineBenchConfig
 from producers.chunker import Chunker, TrajectoryStart
 from producers.engines import make_engine
 from producers.engines.base import Engine, Request, generate
@@ -67,7 +68,7 @@ def _run(
 
 
 def run_bench(
-    cfg: Any, requests_n: int = 32, max_new_tokens: int = 64, repeats: int = 2
+    cfg: EngineBenchConfig, requests_n: int = 32, max_new_tokens: int = 64, repeats: int = 2
 ) -> dict[str, Any]:
     """Tokens/s of ``cfg``'s engine at batch 1, at ``cfg.max_batch``, and publishing at it."""
 

@@ -1,11 +1,9 @@
-"""What every srl CLI shares: the common options, config loading and error translation.
+"""What every srl CLI shares besides its options: logging, error translation, JSON output.
 
-* ``common_options`` adds ``--config``, ``--bootstrap``, ``--topic-prefix``, ``--run``,
-  ``--store`` and ``-X key=value`` once, for every command that talks to Kafka.
-* ``config_from(cls, kwargs)`` turns those options (plus the command's own) into a validated
-  config: defaults < file < ``SRL_*`` < options.
 * ``run_main(group)`` runs a click group and turns user errors into one line on stderr and a
   non-zero exit; anything else is a bug and keeps its traceback.
+* The options themselves are generated from each command's config class
+  (``app/cli/options.py``).
 
 Nothing heavy is imported here, so ``--help`` answers at once.
 """
@@ -17,91 +15,9 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 import click
-
-if TYPE_CHECKING:
-    from srl.config import CommonConfig
-
-F = TypeVar("F", bound=Callable[..., Any])
-C = TypeVar("C", bound="CommonConfig")
-
-# option name -> config key
-COMMON_KEYS = {
-    "config": None,
-    "bootstrap": "bootstrap_servers",
-    "topic_prefix": "topic_prefix",
-    "run": "run",
-    "store": "store",
-    "kafka_setting": "kafka",
-}
-
-
-def common_options(f: F) -> F:
-    """The options every Kafka-facing command takes, defined once."""
-    options = [
-        click.option(
-            "--config",
-            "config",
-            type=click.Path(dir_okay=False),
-            default=None,
-            help="TOML config file (top-level keys, plus this command's table). Env: SRL_CONFIG.",
-        ),
-        click.option(
-            "--bootstrap",
-            "bootstrap",
-            default=None,
-            metavar="HOST:PORT",
-            help="Kafka bootstrap servers. Env: SRL_BOOTSTRAP_SERVERS. Default 127.0.0.1:9092.",
-        ),
-        click.option(
-            "--topic-prefix",
-            "topic_prefix",
-            default=None,
-            help="Topic name prefix. Env: SRL_TOPIC_PREFIX. Default srl.",
-        ),
-        click.option(
-            "--run", "run", default=None, help="Run name (weights namespace). Env: SRL_RUN."
-        ),
-        click.option(
-            "--store",
-            "store",
-            default=None,
-            metavar="URL",
-            help="Object store: file://DIR or s3://bucket/prefix. Env: SRL_STORE.",
-        ),
-        click.option(
-            "-X",
-            "kafka_setting",
-            multiple=True,
-            metavar="KEY=VALUE",
-            help="Any librdkafka setting, passed through (repeatable), as in kcat.",
-        ),
-    ]
-    for option in reversed(options):
-        f = option(f)
-    return f
-
-
-def config_from(cls: type[C], kwargs: dict[str, Any], **extra: Any) -> C:
-    """Build ``cls`` from the common options in ``kwargs`` plus ``extra`` CLI values."""
-    from srl.config import load_config, parse_kv
-
-    cli: dict[str, Any] = {}
-    for opt, key in COMMON_KEYS.items():
-        if key is None or kwargs.get(opt) in (None, ()):
-            continue
-        cli[key] = parse_kv(list(kwargs[opt])) if key == "kafka" else kwargs[opt]
-    cli.update({k: v for k, v in extra.items() if v is not None})
-    cfg = load_config(cls, file=kwargs.get("config"), cli=cli)
-    if cfg.schema_registry_url:  # records use Confluent framing from here on
-        from schemas.codec import Codec
-        from schemas.records import set_default_codec
-        from schemas.registry import HttpRegistry
-
-        set_default_codec(Codec(registry=HttpRegistry(cfg.schema_registry_url)))
-    return cfg
 
 
 def setup_logging(verbose: int = 0) -> None:

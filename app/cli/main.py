@@ -7,14 +7,23 @@ imported inside the command so that ``srl --help`` answers at once.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from app.cli.common import common_options, config_from, echo_json, run_main, setup_logging
+from app.cli.common import echo_json, run_main, setup_logging
+from app.cli.options import ConfigGroup, with_config
+
+if TYPE_CHECKING:
+    from app.configs import StreamConfig, TopConfig
+    from app.demoplan import DemoConfig
+    from srl.config import StoreSettings, TopicsConfig
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(
+    cls=ConfigGroup,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 @click.version_option(package_name="srl")
 def cli(verbose: int) -> None:
@@ -95,14 +104,12 @@ def topics() -> None:
 
 
 @topics.command("create")
-@common_options
-def topics_create(**kw: Any) -> None:
+@with_config("srl.config:TopicsConfig")
+def topics_create(cfg: TopicsConfig) -> None:
     """Create every missing srl topic for the configured prefix and buckets."""
-    from srl.config import CommonConfig
     from srl.kafka import create_topics
     from srl.topics import Layout
 
-    cfg = config_from(CommonConfig, kw)
     created = set(create_topics(cfg))
     for spec in Layout.from_config(cfg).specs():
         state = "created" if spec.name in created else "exists"
@@ -110,15 +117,13 @@ def topics_create(**kw: Any) -> None:
 
 
 @topics.command("describe")
-@common_options
+@with_config("srl.config:TopicsConfig")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def topics_describe(as_json: bool, **kw: Any) -> None:
+def topics_describe(cfg: TopicsConfig, as_json: bool) -> None:
     """Partitions with their low and high watermarks (and bucket, for trajectories)."""
-    from srl.config import CommonConfig
     from srl.kafka import wait_for_broker, watermarks
     from srl.topics import Layout
 
-    cfg = config_from(CommonConfig, kw)
     layout = Layout.from_config(cfg)
     md = wait_for_broker(cfg)
     names = sorted(t for t in md.topics if t.startswith(f"{layout.prefix}."))
@@ -167,16 +172,14 @@ def store() -> None:
 
 
 @store.command("init")
-@common_options
-def store_init(**kw: Any) -> None:
+@with_config("srl.config:StoreSettings")
+def store_init(cfg: StoreSettings) -> None:
     """Create the store (the S3 bucket, or the directory) if missing; say how writes stay
     create-only."""
-    from srl.config import CommonConfig
+    from srl.s3store import S3Store
     from srl.stores import store_from_config
 
-    cfg = config_from(CommonConfig, kw)
     st = store_from_config(cfg)
-    from srl.s3store import S3Store
 
     if isinstance(st, S3Store):
         created = st.ensure_bucket()
@@ -190,7 +193,7 @@ def store_init(**kw: Any) -> None:
 
 # -- top ----------------------------------------------------------------------------------
 @cli.command()
-@common_options
+@with_config("app.configs:TopConfig")
 @click.option("--once", is_flag=True, help="Print one snapshot and exit.")
 @click.option(
     "--json",
@@ -234,6 +237,7 @@ def store_init(**kw: Any) -> None:
     help="Flag a partition with lag whose committed offset has not moved for this long.",
 )
 def top(
+    cfg: TopConfig,
     once: bool,
     as_json: bool,
     prometheus: int | None,
@@ -241,7 +245,6 @@ def top(
     interval: float,
     window: float,
     stall_after: float,
-    **kw: Any,
 ) -> None:
     """Live view of every srl topic and consumer group.
 
@@ -252,9 +255,7 @@ def top(
     stalled partitions. Reads only: joins no group, commits nothing.
     """
     from app.top import run_top
-    from srl.config import CommonConfig
 
-    cfg = config_from(CommonConfig, kw)
     run_top(
         cfg,
         once=once,
@@ -305,7 +306,7 @@ def init_model(out: str | None, seed: int, steps: int | None, force: bool) -> No
 
 # -- smoke and demo ------------------------------------------------------------------------
 @cli.command()
-@common_options
+@with_config("app.configs:StreamConfig")
 @click.option(
     "--trajectories",
     type=click.IntRange(1, 100_000),
@@ -313,75 +314,35 @@ def init_model(out: str | None, seed: int, steps: int | None, force: bool) -> No
     show_default=True,
     help="Synthetic trajectories to stream through the broker.",
 )
-def smoke(trajectories: int, **kw: Any) -> None:
+def smoke(cfg: StreamConfig, trajectories: int) -> None:
     """Data-plane smoke test: synthetic trajectories through the broker, codec and topics.
 
-    Starts a broker on a free port unless --bootstrap is given, streams synthetic trajectories
-    chunk by chunk through the real codec and topics, consumes them in a group, reassembles
-    them, and checks that none is lost or duplicated. Nothing is trained.
+    Starts a broker on a free port unless bootstrap_servers is given (--bootstrap, the config
+    file or SRL_BOOTSTRAP_SERVERS), streams synthetic trajectories chunk by chunk through the
+    real codec and topics, consumes them in a group, reassembles them, and checks that none is
+    lost or duplicated. Nothing is trained.
     """
     from app.smoke import run_smoke
-    from srl.config import CommonConfig
 
-    cfg = config_from(CommonConfig, kw)
-    external = (
-        kw.get("bootstrap") is not None or "SRL_BOOTSTRAP_SERVERS" in __import__("os").environ
-    )
+    external = "bootstrap_servers" in cfg.model_fields_set
     run_smoke(cfg, trajectories, external=external)
 
 
 @cli.command()
-@click.option("--steps", type=click.IntRange(1, 100_000), help="Optimizer steps. Default 60.")
-@click.option(
-    "--out", type=click.Path(file_okay=False), help="Report directory. Default runs/demo."
-)
-@click.option(
-    "--mode", type=click.Choice(["sync", "stream", "async"]), help="Pipeline mode. Default async."
-)
-@click.option(
-    "--max-staleness",
-    type=click.IntRange(0, 1000),
-    metavar="K",
-    help="k of --mode async. Default 1.",
-)
-@click.option(
-    "--bootstrap",
-    metavar="HOST:PORT",
-    help="Use this broker instead of the embedded one (its topics stay).",
-)
-@click.option(
-    "--topic-prefix", help="Topic prefix. Default srl (embedded) or a fresh srl-demo-XXXXXX."
-)
-@click.option(
-    "--reward",
-    metavar="MODULE:FUNCTION",
-    help="Reward fn(prompt, completion, metadata). Default app.task:demo_reward.",
-)
-@click.option("--seed", type=int, help="Seed of prompts, sampling and training. Default 0.")
-@click.option(
-    "--model",
-    type=click.Path(file_okay=False),
-    help="HF model directory (policy v0). Default: srl init-model's.",
-)
-@click.option("--config", type=click.Path(dir_okay=False), help="TOML file with a [demo] table.")
+@with_config("app.demoplan:DemoConfig")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json at the end.")
-def demo(as_json: bool, config: str | None, bootstrap: str | None, **kw: Any) -> None:
+def demo(cfg: DemoConfig, as_json: bool) -> None:
     """A real RL run on one machine: dispatcher, two generator pools and the trainer as
     separate processes joined only by Kafka and the object store.
 
     Warm-starts (or reuses) the tiny demo model, measures held-out accuracy, trains for
     --steps steps with live progress, stops every process it started, and writes
-    OUT/report.json and OUT/report.png. See docs/demo.md.
+    OUT/report.json and OUT/report.png. With --bootstrap it uses that broker instead of the
+    embedded one (its topics stay; a fresh topic prefix unless --topic-prefix is given).
+    See docs/demo.md.
     """
-    from app.demo import DemoConfig, run_demo
-    from srl.config import load_config
+    from app.demo import run_demo
 
-    cli_values = {k: v for k, v in kw.items() if v is not None}
-    if bootstrap is not None:
-        cli_values["bootstrap_servers"] = bootstrap
-    if bootstrap is not None or __import__("os").environ.get("SRL_BOOTSTRAP_SERVERS"):
-        cli_values.setdefault("embedded", False)
-    cfg = load_config(DemoConfig, file=config, cli=cli_values)
     report = run_demo(cfg)
     if as_json:
         echo_json({k: v for k, v in report.items() if k != "series"})

@@ -1,70 +1,34 @@
 """``srl ranker``: train, evaluate and simulate the output-length ranker.
 
-Each command turns its options into a :class:`~ranker.config.RankerConfig` and calls one
-function; numpy, torch and the Kafka client are imported inside the commands so
-``srl ranker --help`` answers at once. Registered on the umbrella CLI by ``app/cli/main.py``.
+``train`` reads a :class:`~ranker.config.RankerConfig`, ``eval`` and ``plan`` only where the
+run's versions are (:class:`~ranker.config.RankerStoreConfig`); each calls one function.
+numpy, torch and the Kafka client are imported inside the commands, so ``srl ranker --help``
+answers at once. Registered on the umbrella CLI by ``app/cli/main.py``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from app.cli.common import common_options, config_from, echo_json
+from app.cli.common import echo_json
+from app.cli.options import ConfigGroup, with_config
+
+if TYPE_CHECKING:
+    from ranker.config import RankerConfig, RankerStoreConfig
 
 DEFAULT_LENGTHS = Path("../shared/data/streamrl_output_length_hist.csv")
 
 
-@click.group()
+@click.group(cls=ConfigGroup)
 def ranker() -> None:
     """The output-length ranker: train it, evaluate it, simulate the dispatch it drives."""
 
 
-def _ranker_options(f: Any) -> Any:
-    options = [
-        click.option(
-            "--model-dir",
-            default=None,
-            metavar="DIR",
-            help="Policy model directory (its tokenizer turns prompt tokens into text).",
-        ),
-        click.option(
-            "--window", type=int, default=None, help="Most recent pairs a version trains on."
-        ),
-        click.option("--retrain-every", type=int, default=None, help="New pairs between versions."),
-        click.option(
-            "--min-pairs", type=int, default=None, help="Pairs needed before the first version."
-        ),
-        click.option("--epochs", type=int, default=None, help="Training epochs per version."),
-        click.option(
-            "--hidden",
-            default=None,
-            metavar="N,N",
-            help="MLP hidden sizes, e.g. 64,32 (empty: linear). Default 64,32.",
-        ),
-        click.option(
-            "--buckets", type=int, default=None, help="Hashed slots per n-gram family (default 16)."
-        ),
-    ]
-    for option in reversed(options):
-        f = option(f)
-    return f
-
-
-def _config(kw: dict[str, Any]) -> Any:
-    from ranker.config import RankerConfig
-
-    keys = ("model_dir", "window", "retrain_every", "min_pairs", "epochs", "hidden", "buckets")
-    if kw.get("hidden") is not None:
-        kw["hidden"] = [h for h in kw["hidden"].split(",") if h.strip()]
-    return config_from(RankerConfig, kw, **{k: kw.pop(k, None) for k in keys})
-
-
 @ranker.command("train")
-@common_options
-@_ranker_options
+@with_config("ranker.config:RankerConfig")
 @click.option(
     "--demo",
     "demo_n",
@@ -94,12 +58,12 @@ def _config(kw: dict[str, Any]) -> Any:
     "--seed", type=int, default=0, show_default=True, help="Seed for demo prompts and init."
 )
 def train(
+    cfg: RankerConfig,
     demo_n: int | None,
     online: bool,
     max_versions: int | None,
     idle_timeout: float | None,
     seed: int,
-    **kw: Any,
 ) -> None:
     """Train the ranker and publish versions to the object store (ranker/{run}/v…/).
 
@@ -109,7 +73,6 @@ def train(
     """
     from srl.errors import ConfigError
 
-    cfg = _config(kw)
     if (demo_n is None) == (not online):
         raise ConfigError("srl ranker train: give exactly one of --demo N or --online")
     if demo_n is not None:
@@ -133,8 +96,7 @@ def train(
 
 
 @ranker.command("eval")
-@common_options
-@_ranker_options
+@with_config("ranker.config:RankerStoreConfig")
 @click.option(
     "--version",
     "version",
@@ -161,13 +123,17 @@ def train(
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def eval_(
-    version: int | None, demo_n: int, seed: int, pairs_out: Path | None, as_json: bool, **kw: Any
+    cfg: RankerStoreConfig,
+    version: int | None,
+    demo_n: int,
+    seed: int,
+    pairs_out: Path | None,
+    as_json: bool,
 ) -> None:
     """Recall of the truly longest 20/10/5 % and Spearman's rho on held-out prompts."""
     from app.task import demo_pairs
     from ranker.evaluate import evaluate_on_pairs, write_pairs
 
-    cfg = _config(kw)
     texts, lengths = demo_pairs(demo_n, "eval", seed)
     report, true, pred = evaluate_on_pairs(cfg, version, texts, lengths, seed)
     if pairs_out is not None:
@@ -183,7 +149,7 @@ def eval_(
 
 
 @ranker.command("plan")
-@common_options
+@with_config("ranker.config:RankerStoreConfig")
 @click.option(
     "--instances", type=click.IntRange(1, 4096), required=True, help="Generator instances N."
 )
@@ -206,26 +172,24 @@ def eval_(
 @click.option("--always-split", is_flag=True, help="Never keep one shared pool.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def plan(
+    cfg: RankerStoreConfig,
     instances: int,
     b_max: int,
     batch: int,
     alpha: float,
     always_split: bool,
     as_json: bool,
-    **kw: Any,
 ) -> None:
     """Algorithm 2's pool split for the next launch: long-tail and regular instances and batch
     caps, from the recent actual lengths published with the latest ranker version."""
     import math
 
-    from ranker.config import RankerConfig
     from ranker.publish import load_version
     from ranker.schedule import history_lengths, plan_pools
     from srl.errors import ConfigError
     from srl.stores import store_from_config
     from srl.workload import PtlModel
 
-    cfg = config_from(RankerConfig, kw)
     ranker = load_version(store_from_config(cfg), cfg.run)
     quantiles = ranker.info.get("length_quantiles")
     if not quantiles:

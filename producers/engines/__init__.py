@@ -22,7 +22,7 @@ from producers.engines.vllm import VLLMEngine
 from srl.workload import LengthHistogram
 
 if TYPE_CHECKING:
-    from producers.config import GenerateConfig
+    from producers.config import EngineSettings
 
 __all__ = [
     "Completion",
@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 
-def make_engine(cfg: GenerateConfig) -> Engine:
+def make_engine(cfg: EngineSettings) -> Engine:
     if cfg.threads is not None:
         import torch
 

@@ -24,7 +24,7 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
-from srl.config import CommonConfig
+from srl.config import KafkaSettings, TopicsConfig
 from srl.errors import SrlError
 from srl.kafka.consumer import Consumer, reader
 from srl.kafka.settings import base_settings, describe, wait_for_broker
@@ -33,11 +33,11 @@ from srl.topics import Layout, TopicSpec
 log = logging.getLogger("srl.kafka")
 
 
-def admin(cfg: CommonConfig) -> AdminClient:
+def admin(cfg: KafkaSettings) -> AdminClient:
     return AdminClient(base_settings(cfg, "admin") | cfg.kafka)
 
 
-def create_topics(cfg: CommonConfig, specs: Iterable[TopicSpec] | None = None) -> list[str]:
+def create_topics(cfg: TopicsConfig, specs: Iterable[TopicSpec] | None = None) -> list[str]:
     """Create missing topics (all of the layout's by default); returns the names created."""
     wait_for_broker(cfg)
     specs = list(specs) if specs is not None else Layout.from_config(cfg).specs()
@@ -81,7 +81,7 @@ def _wait_for_leaders(client: AdminClient, names: list[str], timeout_s: float) -
 
 
 def watermarks(
-    cfg: CommonConfig, topics: Iterable[str], timeout_s: float = 10.0
+    cfg: KafkaSettings, topics: Iterable[str], timeout_s: float = 10.0
 ) -> dict[tuple[str, int], tuple[int, int]]:
     """``{(topic, partition): (low, high)}`` for every partition of ``topics``."""
     with reader(cfg, "watermarks") as c:
@@ -92,7 +92,10 @@ def watermarks(
 
 
 def committed_offsets(
-    cfg: CommonConfig, group_id: str, partitions: Iterable[tuple[str, int]], timeout_s: float = 10.0
+    cfg: KafkaSettings,
+    group_id: str,
+    partitions: Iterable[tuple[str, int]],
+    timeout_s: float = 10.0,
 ) -> dict[tuple[str, int], int | None]:
     """Committed offset of ``group_id`` per partition; None where nothing is committed."""
     with Consumer(base_settings(cfg, "offsets") | {"group.id": group_id} | cfg.kafka) as c:
@@ -119,7 +122,7 @@ class PartitionLag:
 class Lag:
     """The lag of consumer groups on topics, measured by one client that never joins them."""
 
-    def __init__(self, cfg: CommonConfig, timeout_s: float = 10.0) -> None:
+    def __init__(self, cfg: KafkaSettings, timeout_s: float = 10.0) -> None:
         self.cfg, self.timeout_s = cfg, timeout_s
         self._reader = reader(cfg, "lag")
         self._groups: dict[str, Consumer] = {}
@@ -165,7 +168,7 @@ class Lag:
         self.close()
 
 
-def lag(cfg: CommonConfig, groups: Sequence[str], topics: Sequence[str]) -> int:
+def lag(cfg: KafkaSettings, groups: Sequence[str], topics: Sequence[str]) -> int:
     """One-shot ``Lag(cfg).total(groups, topics)``."""
     with Lag(cfg) as measure:
         return measure.total(groups, topics)
@@ -238,7 +241,7 @@ def describe_groups(client: AdminClient, timeout_s: float = 10.0) -> list[GroupS
     return out
 
 
-def topic_config(cfg: CommonConfig, topic: str) -> dict[str, str]:
+def topic_config(cfg: KafkaSettings, topic: str) -> dict[str, str]:
     """The broker's configuration of ``topic`` (``cleanup.policy``, ``retention.ms`` …)."""
     client = admin(cfg)  # held until the result is in: a dropped client cancels the request
     res = client.describe_configs([ConfigResource("topic", topic)])

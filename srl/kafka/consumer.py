@@ -22,7 +22,7 @@ from typing import Any
 import confluent_kafka
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 
-from srl.config import CommonConfig
+from srl.config import KafkaSettings
 from srl.kafka.settings import base_settings, consumer_settings
 
 Rebalance = Callable[["Consumer", list[TopicPartition]], None]
@@ -147,13 +147,13 @@ class Consumer:
 
 
 def make_consumer(
-    cfg: CommonConfig, group_id: str, role: str = "consumer", **overrides: Any
+    cfg: KafkaSettings, group_id: str, role: str = "consumer", **overrides: Any
 ) -> Consumer:
     """A member of ``group_id`` with manual offset storage (``srl.kafka.settings``)."""
     return Consumer(consumer_settings(cfg, group_id, role, **overrides))
 
 
-def reader(cfg: CommonConfig, role: str) -> Consumer:
+def reader(cfg: KafkaSettings, role: str) -> Consumer:
     """A client that is only assigned partitions (reads, watermarks, offsets of other groups);
     it never joins a group and never commits."""
     settings = base_settings(cfg, role) | {

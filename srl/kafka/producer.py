@@ -14,7 +14,7 @@ from typing import Any
 import confluent_kafka
 from confluent_kafka import KafkaError
 
-from srl.config import CommonConfig
+from srl.config import ProducerSettings
 from srl.errors import SrlError
 from srl.kafka.settings import producer_settings, wait_for_broker
 
@@ -32,7 +32,7 @@ class Producer:
     """
 
     def __init__(
-        self, cfg: CommonConfig, role: str = "producer", check: bool = True, **overrides: Any
+        self, cfg: ProducerSettings, role: str = "producer", check: bool = True, **overrides: Any
     ) -> None:
         if check:
             wait_for_broker(cfg)

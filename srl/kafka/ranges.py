@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 
 from confluent_kafka import Message, TopicPartition
 
-from srl.config import CommonConfig
+from srl.config import KafkaSettings
 from srl.errors import SrlError
 from srl.kafka.consumer import Consumer, reader
 
@@ -29,7 +29,7 @@ log = logging.getLogger("srl.kafka")
 
 
 def read_range(
-    cfg: CommonConfig,
+    cfg: KafkaSettings,
     topic: str,
     partitions: Sequence[int] | None = None,
     since_ms: int | None = None,

@@ -18,7 +18,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 
-from srl.config import CommonConfig
+from srl.config import KafkaSettings, ProducerSettings
 from srl.errors import BrokerUnavailable
 
 # librdkafka's own log lines (connection refused, retries) go here, not to stderr.
@@ -30,7 +30,7 @@ def client_id(role: str) -> str:
     return f"srl-{role}-{socket.gethostname()}-{os.getpid()}"
 
 
-def base_settings(cfg: CommonConfig, role: str = "client") -> dict[str, Any]:
+def base_settings(cfg: KafkaSettings, role: str = "client") -> dict[str, Any]:
     return {
         "bootstrap.servers": cfg.bootstrap_servers,
         "client.id": client_id(role),
@@ -40,7 +40,7 @@ def base_settings(cfg: CommonConfig, role: str = "client") -> dict[str, Any]:
 
 
 def producer_settings(
-    cfg: CommonConfig, role: str = "producer", **overrides: Any
+    cfg: ProducerSettings, role: str = "producer", **overrides: Any
 ) -> dict[str, Any]:
     settings = base_settings(cfg, role)
     settings.update(
@@ -60,7 +60,7 @@ def producer_settings(
 
 
 def consumer_settings(
-    cfg: CommonConfig, group_id: str, role: str = "consumer", **overrides: Any
+    cfg: KafkaSettings, group_id: str, role: str = "consumer", **overrides: Any
 ) -> dict[str, Any]:
     settings = base_settings(cfg, role)
     settings.update(
@@ -80,7 +80,7 @@ def consumer_settings(
     return settings
 
 
-def wait_for_broker(cfg: CommonConfig, timeout_s: float | None = None) -> Any:
+def wait_for_broker(cfg: KafkaSettings, timeout_s: float | None = None) -> Any:
     """Cluster metadata once a broker answers; BrokerUnavailable after ``timeout_s``."""
     timeout_s = cfg.connect_timeout_s if timeout_s is None else timeout_s
     admin = AdminClient({k: v for k, v in base_settings(cfg, "admin").items()} | cfg.kafka)

@@ -97,26 +97,26 @@ def test_broker_start_status_stop(tmp_path: Path) -> None:
 def test_bad_config_value_is_one_line_and_nonzero(tmp_path: Path) -> None:
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("SRL_")},
-        "SRL_LINGER_MS": "-3",
+        "SRL_PARTITIONS_PER_BUCKET": "0",
     }
     out = run("srl", "topics", "describe", env=env)
     assert out.returncode == 2
     assert (
         out.stderr.strip().count("\n") == 0
-        and "linger_ms" in out.stderr
-        and "SRL_LINGER_MS" in out.stderr
+        and "partitions_per_bucket" in out.stderr
+        and "SRL_PARTITIONS_PER_BUCKET" in out.stderr
     )
     bad = tmp_path / "bad.toml"
-    bad.write_text("compression = 'brotli'\n")
+    bad.write_text("bucket_bounds = [512, 256]\n")
     out = run(
         "srl",
         "topics",
         "create",
         "--config",
         str(bad),
-        env={k: v for k, v in env.items() if k != "SRL_LINGER_MS"},
+        env={k: v for k, v in env.items() if k != "SRL_PARTITIONS_PER_BUCKET"},
     )
-    assert out.returncode == 2 and "compression" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "bucket_bounds" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_unreachable_broker_is_one_line_and_bounded() -> None:

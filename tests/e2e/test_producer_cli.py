@@ -17,7 +17,7 @@ import pytest
 
 from srl.config import CommonConfig, load_config
 from srl.kafka import committed_offsets
-from srl.topics import Layout
+from srl.topics import Layout, pool_group
 from tests.conftest import bin_path, embedded_broker_in_use
 from tests.integration.test_generation import Trajectories, check_exactly_once
 
@@ -234,7 +234,7 @@ def test_sigkill_then_a_replacement_under_a_new_group_resumes_the_dead_workers_t
         assert out.returncode == 0, out.stderr
     t = Trajectories(cfg)
     logs = {w: tmp_path / f"{w}.log" for w in ("wa", "wc")}
-    old_group = f"{cfg.topic_prefix}.gen.regular"
+    old_group = pool_group(cfg.topic_prefix, "regular")
     layout = Layout.from_config(cfg)
     parts = [(layout.prompts("le1024"), p) for p in range(cfg.prompt_partitions)]
 
