@@ -32,7 +32,7 @@ import orjson
 from app.smoke import synthetic_chunks
 from schemas.records import TrajectoryChunk, decode_as, encode
 from srl.config import CommonConfig, load_config
-from srl.kafka import Producer, make_consumer
+from srl.kafka import Producer, TopicPartition, make_consumer
 from srl.stores import store_from_config
 from srl.topics import Layout
 from srl.weights import announce, fetch_tensors, latest_announcement, load_manifest, publish
@@ -77,6 +77,7 @@ def consume(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
     last_seq: dict[str, int] = {}
     done: set[str] = set()
     duplicates = tokens = 0
+    ends: dict[tuple[str, int], int] = {}
     t0 = first = time.monotonic()
     try:
         consumer.subscribe([layout.trajectories])
@@ -97,9 +98,9 @@ def consume(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
                     if all((tid, s) in seen for s in range(last + 1)):
                         done.add(tid)
                         del last_seq[tid]
-                consumer.store_offsets(msg)
+                ends[(msg.topic() or "", msg.partition() or 0)] = (msg.offset() or 0) + 1
             if batch:
-                consumer.commit(asynchronous=False)
+                consumer.commit_sync([TopicPartition(t, p, o) for (t, p), o in ends.items()])
         stream_s = time.monotonic() - first
     finally:
         consumer.close()
