@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from app.bench.pipemodel import DESIGNS, MODES
+from app.bench.modes import DESIGNS, MODES
 from app.cli.common import echo_json
 from app.cli.options import ConfigGroup, with_config
 
