@@ -39,9 +39,6 @@ def run_main(group: click.Group, prog: str) -> Callable[[], None]:
 
     @functools.wraps(group)
     def main() -> None:
-        from srl.errors import SchemaError, SrlError
-        from srl.kafka import KafkaException, describe
-
         try:
             rc = group.main(prog_name=prog, standalone_mode=False)
             sys.exit(rc if isinstance(rc, int) else 0)  # click returns Exit codes here
@@ -53,16 +50,28 @@ def run_main(group: click.Group, prog: str) -> Callable[[], None]:
         except (click.exceptions.Abort, KeyboardInterrupt):
             click.echo(f"{prog}: interrupted", err=True)
             sys.exit(130)
-        except (SrlError, SchemaError) as e:
-            click.echo(f"{prog}: error: {e}", err=True)
-            sys.exit(e.exit_code)
-        except KafkaException as e:  # e.g. a bad -X setting, refused by librdkafka
-            click.echo(f"{prog}: error: kafka: {describe(e)}", err=True)
-            sys.exit(1)
         except BrokenPipeError:
             sys.exit(1)
+        except Exception as e:
+            sys.exit(user_error(prog, e))
 
     return main
+
+
+def user_error(prog: str, e: Exception) -> int:
+    """Print a user's error (an ``SrlError``, a ``SchemaError``, a Kafka client's error such
+    as a bad ``-X`` setting) as one line and return the exit code; re-raise anything else, a
+    bug, with its traceback. Imported here, not at start-up, so ``--help`` stays light."""
+    from srl.errors import SchemaError, SrlError
+    from srl.kafka import KafkaException, describe
+
+    if isinstance(e, SrlError | SchemaError):
+        click.echo(f"{prog}: error: {e}", err=True)
+        return e.exit_code
+    if isinstance(e, KafkaException):
+        click.echo(f"{prog}: error: kafka: {describe(e)}", err=True)
+        return 1
+    raise e
 
 
 def echo_json(obj: Any) -> None:
