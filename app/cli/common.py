@@ -34,6 +34,10 @@ def setup_logging(verbose: int = 0) -> None:
     logging.getLogger("srl").setLevel(min(level, logging.INFO))
 
 
+# every command group: -h as well as --help, help text up to 100 columns
+GROUP_SETTINGS: dict[str, Any] = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
 def run_main(group: click.Group, prog: str) -> Callable[[], None]:
     """A console-script entry point for ``group`` with srl's error translation."""
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from app.cli.common import echo_json, run_main, setup_logging
+from app.cli.common import GROUP_SETTINGS, echo_json, run_main, setup_logging
 from app.cli.options import ConfigGroup, with_config
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 @click.group(
     cls=ConfigGroup,
-    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+    context_settings=GROUP_SETTINGS,
 )
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 def cli(verbose: int) -> None:
