@@ -52,6 +52,7 @@ from consumers.outcomes import Event, Ledger, Outcomes, step_values
 from consumers.rewards import Scorer, load_reward
 from consumers.steps import StepPlanner
 from consumers.train_engine import StepStats, TrainEngine, make_micro_batch
+from srl.codecs import use_schema_registry
 from srl.errors import ConfigError
 from srl.kafka import (
     Consumer,
@@ -86,6 +87,7 @@ class TrainResult:
 
 def run_trainer(cfg: TrainConfig) -> TrainResult:
     """Train until ``max_steps``, ``idle_exit_s`` without records, or SIGTERM/SIGINT."""
+    use_schema_registry(cfg)
 
     if not cfg.model or not (Path(cfg.model) / "config.json").is_file():
         raise ConfigError(

@@ -56,6 +56,7 @@ from producers.backlog import GroupLag
 from producers.config import DispatchConfig
 from ranker.api import assign_buckets
 from schemas.records import PromptTask, SchemaError, WeightsAnnouncement, decode_as, encode
+from srl.codecs import use_schema_registry
 from srl.errors import SrlError
 from srl.kafka import (
     OFFSET_BEGINNING,
@@ -202,6 +203,7 @@ def run_dispatcher(
 ) -> DispatchSummary:
     """Publish ``source``'s prompts as tasks, paced by the trainer's steps (``max_staleness``
     set) or by the pools' backlog, until the source ends (``epochs`` times) or ``stop``."""
+    use_schema_registry(cfg)
     stop = stop or threading.Event()
     layout = Layout.from_config(cfg)
     create_topics(cfg)

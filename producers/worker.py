@@ -79,6 +79,7 @@ from schemas.records import (
     encode,
     unpack_tokens,
 )
+from srl.codecs import use_schema_registry
 from srl.errors import SrlError, WeightsError
 from srl.kafka import Message, Producer, create_topics, position_group
 from srl.metrics import Metrics, dead_letter
@@ -357,6 +358,7 @@ def run_generator(
     cfg: GenerateConfig, stop: threading.Event | None = None, engine: Engine | None = None
 ) -> GenSummary:
     """Build the engine (unless given) and run one worker until ``stop`` is set or it goes idle."""
+    use_schema_registry(cfg)
 
     engine = engine or make_engine(cfg)
     return GeneratorWorker(cfg, engine).run(stop or threading.Event())

@@ -38,6 +38,7 @@ from ranker.model import LengthRanker
 from ranker.publish import RankerFollower, publish
 from schemas.codec import SchemaError
 from schemas.records import TrajectoryChunk, decode_as, unpack_tokens
+from srl.codecs import use_schema_registry
 from srl.kafka import (
     Consumer,
     Message,
@@ -182,6 +183,7 @@ def run_online(
     """Consume trajectories and publish versions until ``max_versions`` or ``idle_timeout_s``
     without a new pair; returns the number of versions published. A version is trained the
     moment the ``retrain_every``-th new pair arrives, so versions hold exactly those pairs."""
+    use_schema_registry(cfg)
     wait_for_broker(cfg)
     layout = Layout.from_config(cfg)
     with (

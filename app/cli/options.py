@@ -164,13 +164,10 @@ def load(cls: type[Settings], file: str | None, given: dict[str, Any]) -> Any:
     from srl.config import RegistrySettings, load_config
 
     cfg = load_config(cls, file=file, cli=cli_values(cls, given))
-    if isinstance(cfg, RegistrySettings) and cfg.schema_registry_url:
-        # records use Confluent framing from here on
-        from schemas.codec import Codec
-        from schemas.records import set_default_codec
-        from schemas.registry import HttpRegistry
+    if isinstance(cfg, RegistrySettings):
+        from srl.codecs import use_schema_registry
 
-        set_default_codec(Codec(registry=HttpRegistry(cfg.schema_registry_url)))
+        use_schema_registry(cfg)  # records use Confluent framing from here on, if configured
     return cfg
 
 

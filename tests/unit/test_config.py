@@ -268,3 +268,17 @@ def test_describe_lists_every_field_with_its_default() -> None:
     rows = {key: (default, text) for key, default, text in describe(TopicsConfig)}
     assert set(rows) == set(TopicsConfig.model_fields)
     assert rows["bucket_bounds"][0] == "(256, 1024, 4096)" and rows["kafka"][0] == "{}"
+
+
+def test_a_role_frames_records_as_its_own_config_says(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``use_schema_registry`` (called by every role at start) installs the registry its
+    config names; a config without one changes nothing."""
+    from schemas import records
+    from srl.codecs import use_schema_registry
+    from srl.config import RegistrySettings
+
+    monkeypatch.setattr(records, "_default_codec", None)
+    use_schema_registry(RegistrySettings())
+    assert records.default_codec().registry is None
+    use_schema_registry(RegistrySettings(schema_registry_url="http://127.0.0.1:1"))
+    assert records.default_codec().registry is not None
