@@ -365,7 +365,14 @@ def _add_bench() -> None:
     cli.add_command(bench)
 
 
+def _add_serve() -> None:
+    from app.cli.serve import serve
+
+    cli.add_command(serve)
+
+
 _add_ranker()
 _add_bench()
+_add_serve()
 
 main = run_main(cli, "srl")
