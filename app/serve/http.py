@@ -1,8 +1,9 @@
 """The HTTP side of ``srl serve``: a FastAPI app speaking the OpenAI API.
 
 Owns the routes ``POST /v1/completions``, ``POST /v1/chat/completions`` (whole bodies, or
-server-sent events with ``stream: true``), ``GET /v1/models``, ``GET /v1/models/{id}`` and
-``GET /health``, and the bridge to the engine thread (``app.serve.core``). What must hold:
+server-sent events with ``stream: true``), ``GET /v1/models``, ``GET /v1/models/{id}``,
+``GET /health`` and srl's ``POST /v1/feedback`` (``app.serve.feedback``), and the bridge to the
+engine thread (``app.serve.core``). What must hold:
 
 * every request becomes one :class:`~app.serve.jobs.Job`; the handler waits for the engine
   thread's first event (``Accepted`` or ``Rejected``) before it answers, so a request the
@@ -37,15 +38,18 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.serve.core import Busy, ServeEngine, Sink, Stopped
+from app.serve.feedback import FeedbackOut
 from app.serve.jobs import Accepted, Delta, Event, Failed, Finished, Job, Rejected
 from app.serve.protocol import (
     SSE_DONE,
     ApiError,
     ChatRequest,
     CompletionRequest,
+    FeedbackRequest,
     Kind,
     Reply,
     chat_messages,
+    check_feedback,
     error_body,
     new_completion_id,
     prompt_of,
@@ -54,6 +58,7 @@ from app.serve.protocol import (
     sse,
     usage,
 )
+from srl.topics import Layout
 
 log = logging.getLogger("srl.serve")
 
@@ -69,9 +74,13 @@ class ServeInfo:
 
 
 def create_app(
-    core: ServeEngine, info: ServeInfo, on_start: Callable[[], None] | None = None
+    core: ServeEngine,
+    info: ServeInfo,
+    on_start: Callable[[], None] | None = None,
+    feedback: FeedbackOut | None = None,
 ) -> FastAPI:
-    """The app; its lifespan starts the engine thread (then ``on_start``) and stops it."""
+    """The app; its lifespan starts the engine thread (then ``on_start``) and stops it.
+    ``feedback``: where ``POST /v1/feedback`` goes (None: refused, as with publishing off)."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -87,8 +96,9 @@ def create_app(
         title="srl serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     _install_errors(app)
-    _model_routes(app, core, info)
+    _model_routes(app, core, info, feedback)
     _completion_routes(app, core, info)
+    _feedback_route(app, info, feedback or FeedbackOut(None, Layout(), ""))
     return app
 
 
@@ -147,10 +157,12 @@ def _check_model(model: str, info: ServeInfo) -> None:
         )
 
 
-def _model_routes(app: FastAPI, core: ServeEngine, info: ServeInfo) -> None:
+def _model_routes(
+    app: FastAPI, core: ServeEngine, info: ServeInfo, feedback: FeedbackOut | None
+) -> None:
     @app.get("/health")
     async def health() -> Response:
-        h = core.health() | {"model": info.model}
+        h = core.health() | {"model": info.model} | (feedback.stats() if feedback else {})
         return _json(h, 200 if h["status"] == "ok" else 503)
 
     @app.get("/v1/models")
@@ -178,6 +190,22 @@ def _completion_routes(app: FastAPI, core: ServeEngine, info: ServeInfo) -> None
         except Exception as e:  # a template that refuses the conversation (jinja raises)
             raise ApiError(400, f"chat template: {e}", "messages") from None
         return await _answer(core, info, "chat", body, prompt)
+
+
+def _feedback_route(app: FastAPI, info: ServeInfo, out: FeedbackOut) -> None:
+    @app.post("/v1/feedback")
+    async def feedback(body: FeedbackRequest) -> Response:
+        check_feedback(body, info.max_n)
+        rec = await out.send(body)
+        return _json(
+            {
+                "object": "feedback",
+                "id": rec.completion_id,
+                "index": rec.choice_index,
+                "trajectory_id": rec.trajectory_id,
+                "reward": rec.reward,
+            }
+        )
 
 
 async def _answer(

@@ -2,7 +2,8 @@
 
 Owns the wire format of ``POST /v1/completions`` and ``POST /v1/chat/completions``: what a
 request may hold, how it becomes a :class:`Sampling`, and the exact JSON of responses,
-streamed chunks (server-sent events) and errors. What must hold:
+streamed chunks (server-sent events) and errors; and of srl's own ``POST /v1/feedback``
+(:class:`FeedbackRequest`). What must hold:
 
 * a request is checked once, here; anything the engine cannot honour (penalties, logprobs,
   tools, several prompts in one request) is refused with a 400 naming the parameter, never
@@ -17,6 +18,7 @@ Pure functions and pydantic models; ``app.serve.http`` calls them.
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -30,6 +32,7 @@ MAX_STOPS = 4  # OpenAI's bound on stop sequences
 MAX_METADATA = 16  # OpenAI's bounds on request metadata: pairs, key and value lengths
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
+COMPLETION_ID = re.compile(r"^(cmpl|chatcmpl)-[0-9a-f]{32}$")  # what new_completion_id makes
 
 
 class ApiError(Exception):
@@ -241,6 +244,26 @@ def request_record(req: CompletionRequest | ChatRequest, kind: Kind, s: Sampling
         "user": req.user,
         "metadata": req.metadata,
     }
+
+
+class FeedbackRequest(BaseModel):
+    """``POST /v1/feedback``: an application's reward for one served choice."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str  # the completion's id, as the API returned it
+    reward: float = Field(allow_inf_nan=False)
+    index: int = Field(0, ge=0)  # the choice (0 for n = 1)
+    metadata: dict[str, str] | None = None
+
+
+def check_feedback(req: FeedbackRequest, max_n: int) -> None:
+    """ApiError 400 naming the parameter unless the feedback can belong to a served choice."""
+    if not COMPLETION_ID.match(req.id):
+        raise ApiError(400, f"id: {req.id[:80]!r} is not a completion id of srl serve", "id")
+    if req.index >= max_n:
+        raise ApiError(400, f"index is {req.index}; this server allows n <= {max_n}", "index")
+    check_metadata(req.metadata)
 
 
 # -- responses -----------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from typing import Any
 
 from app.configs import ServeConfig
 from app.serve.core import ServeEngine
+from app.serve.feedback import FeedbackOut
 from app.serve.http import ServeInfo, create_app
 from app.serve.publish import Publisher
 from app.serve.text import codec_for
@@ -119,7 +120,10 @@ def run_serve(
             f"srl serve: {url} (model {info.model}, engine {engine.name}"
             f"{' SIMULATED' if engine.simulated else ''}, publishing to {where})"
         )
-        app = create_app(core, info, on_start=lambda: announce(line))
+        out = FeedbackOut(
+            producer if cfg.publish else None, layout, cfg.worker_name, cfg.connect_timeout_s
+        )
+        app = create_app(core, info, on_start=lambda: announce(line), feedback=out)
         server = uvicorn.Server(_uvicorn_config(app, cfg))
         core.on_failure = lambda: setattr(server, "should_exit", True)
         server.should_exit = stop is not None and stop.is_set()

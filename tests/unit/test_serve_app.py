@@ -35,9 +35,19 @@ class FakeProducer:
         self.records: list[tuple[str, bytes, Any, int | None]] = []
         self.failed = 0
         self.errors: list[str] = []
+        self.refuse: str | None = None  # the error a delivery callback gets (None: delivered)
 
-    def produce(self, topic: str, value: bytes, key: Any = None, partition: Any = None) -> None:
+    def produce(
+        self,
+        topic: str,
+        value: bytes,
+        key: Any = None,
+        partition: Any = None,
+        on_delivery: Any = None,
+    ) -> None:
         self.records.append((topic, value, key, partition))
+        if on_delivery is not None:
+            on_delivery(self.refuse, None)
 
     def poll(self, timeout: float = 0) -> int:
         return 0
