@@ -18,6 +18,7 @@ from pydantic import Field, model_validator
 
 from producers.config import EngineSettings
 from srl.config import (
+    NAME_PATTERN,
     CommonConfig,
     ProducerSettings,
     RegistrySettings,
@@ -67,6 +68,12 @@ class ServeConfig(CommonConfig, EngineSettings):
         description="Model id clients send and /v1/models lists; null: the model directory's name "
         "(sim: 'sim').",
     )
+    follow_run: str | None = Field(
+        None,
+        pattern=NAME_PATTERN,
+        description="The run whose weights are served (the lead, when several trainers learn "
+        "from the served traffic); null: run.",
+    )
     publish: bool = Field(
         True,
         description="Publish every served completion, chunk by chunk, to {prefix}.trajectories "
@@ -106,6 +113,11 @@ class ServeConfig(CommonConfig, EngineSettings):
         if self.model_name:
             return self.model_name
         return Path(self.model).name if self.model else self.engine
+
+    @property
+    def weights_run(self) -> str:
+        """The run whose weights are served."""
+        return self.follow_run or self.run
 
     @property
     def worker_name(self) -> str:

@@ -4,10 +4,10 @@ Each record is a frozen dataclass mirroring its ``.avsc`` file field for field; 
 comments there say what each value and each null means. Conversion is explicit:
 ``rec.to_dict()`` / ``Cls.from_dict(d)``, and ``encode(rec)`` / ``decode(data)`` go through
 the process-wide :class:`~schemas.codec.Codec` (or one you pass). For a flat schema (every
-field primitive: ``TrajectoryChunk``, ``WeightsAnnouncement``, ``Feedback``) they skip the dict: ``encode``
-hands the record itself to the compiled writer, and ``decode_as`` has the compiled reader
-fill a new record's slots directly: no dict and no ``__init__`` per record, the cost that
-dominates a small chunk (figures in docs/benchmarks.md, "Data plane").
+field primitive: ``TrajectoryChunk``, ``WeightsAnnouncement``, ``Feedback``) they skip the
+dict: ``encode`` hands the record itself to the compiled writer, and ``decode_as`` has the
+compiled reader fill a new record's slots directly: no dict and no ``__init__`` per record,
+the cost that dominates a small chunk (figures in docs/benchmarks.md, "Data plane").
 
 Token ids travel as packed little-endian int32 and log-probs as little-endian float32
 (``pack_tokens`` / ``unpack_tokens`` / ``pack_logprobs`` / ``unpack_logprobs``).

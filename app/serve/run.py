@@ -95,7 +95,8 @@ def run_serve(
         producer = stack.enter_context(Producer(cfg, "serve"))
         if cfg.publish:
             producer.warm([layout.trajectories])
-        follower = WeightFollower(cfg, layout, store_from_config(cfg)).start()
+        store = store_from_config(cfg)
+        follower = WeightFollower(cfg, layout, store, run=cfg.weights_run).start()
         stack.callback(follower.stop)
         publisher = Publisher(
             producer if cfg.publish else None, layout, cfg.chunk_tokens, cfg.worker_name

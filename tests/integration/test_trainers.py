@@ -13,9 +13,13 @@ from typing import Any
 
 from consumers.config import TrainConfig
 from consumers.trainer import run_trainer
+from producers.follower import WeightFollower
 from schemas.records import TrajectoryChunk, now_ms
-from srl.kafka import committed_offsets, create_topics, watermarks
+from srl.kafka import Producer, committed_offsets, create_topics, watermarks
+from srl.stores import store_from_config
+from srl.tinymodel import load_model
 from srl.topics import Layout
+from srl.weights import announce, publish
 from tests.chunks import metric_events, produce
 from tests.integration.test_trainer import make_groups
 
@@ -99,3 +103,34 @@ def test_a_trainer_of_another_lineage_is_not_gated_by_its_own_versions(
     assert len(trained) == 16 and not any("staleness" in e.values for e in trained)
     steps = [e for e in metric_events(other, "train_step") if e.run == "other"]
     assert [e.values["policy_version"] for e in steps] == [1, 2, 3, 4]
+
+
+def test_followers_load_only_the_run_they_follow(make_cfg: Any, tiny_model: Path) -> None:
+    """Generators and srl serve follow the lead (--follow-run); the other runs' announcements
+    on the same weights topic are not theirs."""
+    cfg = make_cfg(run="serving")
+    layout = Layout.from_config(cfg)
+    create_topics(cfg)
+    store = store_from_config(cfg)
+    base = load_model(tiny_model).state_dict()
+    with Producer(cfg, "test-trainers") as p:
+        for run, version, scale in (("lead", 1, 2.0), ("other", 1, 3.0), ("other", 2, 4.0)):
+            tensors = {k: v * scale for k, v in base.items()}
+            pub = publish(store, run, version, tensors, trainer_step=version, parent_version=0)
+            announce(p, layout, pub)
+    lead = WeightFollower(cfg, layout, store, run="lead").start()
+    own = WeightFollower(cfg, layout, store).start()  # default: the config's own run
+    try:
+        lead.sync()
+        own.sync()
+        deadline = time.monotonic() + 30
+        while (ready := lead.take()) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        name = next(iter(base))
+        assert ready.version == 1 and lead.latest == 1
+        assert (ready.tensors[name] == base[name] * 2.0).all()
+        assert own.take() is None and own.latest == 0
+    finally:
+        lead.stop()
+        own.stop()
