@@ -44,6 +44,7 @@ from srl.stores import store_from_config
 from srl.topics import Layout
 
 log = logging.getLogger("srl.serve")
+KEEP_ALIVE_S = 65  # idle keep-alive connections are closed after this long
 
 
 @dataclass
@@ -151,5 +152,8 @@ def _uvicorn_config(app: Any, cfg: ServeConfig) -> Any:
         log_config=None,  # srl's logging (app.cli.common.setup_logging) stays in charge
         access_log=verbose,
         timeout_graceful_shutdown=math.ceil(cfg.drain_timeout_s),  # uvicorn takes whole seconds
+        # longer than clients keep idle connections (httpx, so the openai client: 5 s), so a
+        # client never sends a request on a connection the server is closing at that moment
+        timeout_keep_alive=KEEP_ALIVE_S,
         lifespan="on",
     )
