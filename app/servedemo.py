@@ -206,6 +206,8 @@ def _serve_and_learn(
         runner = threading.Thread(target=lambda: asyncio.run(client.run()), daemon=True)
         runner.start()
         status = _supervise(plan, fleet, trainer, watcher, runner, progress)
+        client.stop.set()  # requests in flight finish before the server stops
+        runner.join(120)
         served = _served_version(plan.port)
     except KeyboardInterrupt:
         status = "interrupted"
