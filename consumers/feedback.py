@@ -48,6 +48,7 @@ from typing import Any, Literal
 import orjson
 
 from consumers.assembler import Trajectory
+from consumers.config import TrainConfig
 from consumers.groups import Group, GroupBuffer, Sample
 from consumers.offsets import OffsetTracker
 from consumers.outcomes import Outcomes, sample_values
@@ -141,7 +142,7 @@ class FeedbackPath:
 
     def __init__(
         self,
-        cfg: Any,  # consumers.config.TrainConfig
+        cfg: TrainConfig,
         producer: Producer,
         metrics: Metrics,
         outcomes: Outcomes,
