@@ -33,8 +33,11 @@ stream. Refused with one line: stage 3 (parameters partitioned) and 16-bit dtype
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from consumers.config import TrainConfig
@@ -42,6 +45,13 @@ from consumers.engine import Engine
 from consumers.train_engine import MicroBatch, StepStats
 from srl.broker import free_port
 from srl.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# DeepSpeed's CPU accelerator JIT-builds its shared-memory collective op on first use (about a
+# minute). torch guards the build with a lock file holding no process id: a build killed
+# mid-way leaves it, and every later start waits on it forever (CI hung 300 s per test on one).
+STALE_BUILD_LOCK_S = 600.0
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +70,25 @@ def check_supported(cfg: TrainConfig) -> None:
         raise ConfigError(
             "backend: deepspeed is not installed; pip install -e '.[deepspeed]' or --backend torch"
         ) from None
+
+
+def clear_stale_build_locks(max_age_s: float = STALE_BUILD_LOCK_S) -> list[Path]:
+    """Remove DeepSpeed op-build locks older than any real build (see ``STALE_BUILD_LOCK_S``);
+    returns the removed paths. A live build's lock is younger and is left alone."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    # torch builds in $TORCH_EXTENSIONS_DIR/<op>, else in <cache>/py311_cpu/<op>
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    pattern = "deepspeed_*/lock" if root else "*/deepspeed_*/lock"
+    removed = []
+    for lock in Path(root or get_default_build_root()).glob(pattern):
+        with contextlib.suppress(FileNotFoundError):
+            age = time.time() - lock.stat().st_mtime
+            if age > max_age_s:
+                lock.unlink()
+                log.warning("removed a stale build lock left by a killed build: %s", lock)
+                removed.append(lock)
+    return removed
 
 
 class DeepSpeedEngine(Engine):
@@ -82,6 +111,7 @@ class DeepSpeedEngine(Engine):
             )
             atexit.register(tdist.destroy_process_group)
         os.environ.setdefault("LOCAL_RANK", "0")
+        clear_stale_build_locks()
         import deepspeed
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)

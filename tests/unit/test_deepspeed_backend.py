@@ -6,12 +6,15 @@ Runs where ``deepspeed`` is installed (``make test`` installs it, as does
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from consumers import engine_deepspeed
 from consumers.backends import make_engine
 from consumers.batcher import Row
 from consumers.config import TrainConfig
@@ -129,3 +132,19 @@ def test_stage_3_and_16_bit_are_refused_in_one_line(tiny_model: Path) -> None:
         make_engine(config(tiny_model, backend="deepspeed", zero_stage=3))
     with pytest.raises(ConfigError, match="float32 only"):
         make_engine(config(tiny_model, backend="deepspeed", dtype="bfloat16"))
+
+
+def test_a_killed_builds_lock_is_cleared_and_a_live_one_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lock older than any build (its builder was killed) no longer hangs the next start."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    stale = tmp_path / "deepspeed_shm_comm" / "lock"
+    live = tmp_path / "deepspeed_cpu_adam" / "lock"
+    for lock in (stale, live):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    old = time.time() - engine_deepspeed.STALE_BUILD_LOCK_S - 60
+    os.utime(stale, (old, old))
+    assert engine_deepspeed.clear_stale_build_locks() == [stale]
+    assert not stale.exists() and live.exists()
