@@ -9,6 +9,8 @@ back), ``producers.admission`` (pure: who starts when), ``producers.outlet`` (tr
 in the engine: chunker, deliveries, hand-offs, migration), ``producers.follower`` (weights)
 and ``producers.backlog`` (the trainer's backlog). Each iteration, in this order:
 
+0. follow the pool's orders (``Intake.follow_pool``, pool epochs): release or take
+   partitions when the pool's members changed; a fenced worker drops its work unpublished;
 1. re-raise a failure of the follower thread or of a chunk delivery (a failed chunk is fatal:
    the worker stops without committing that task, so it is redelivered);
 2. **swap weights** if the follower has a verified version: publish every open partial chunk
@@ -123,7 +125,7 @@ class GeneratorWorker:
         self.summary = GenSummary(cfg.worker_name, engine.name, engine.simulated)
         self.outlet = Outlet(cfg, self.layout, engine, self.summary, self._maybe_finished)
         topics = [t for b in self.buckets for t in (self.layout.prompts(b), self.layout.resumes(b))]
-        self.intake = Intake(cfg, topics, self._release)
+        self.intake = Intake(cfg, topics, self._release, self._drop)
         self.pending: list[TaskState] = []  # tasks with samples not yet in the engine
         self.backlog = TrainerBacklog(cfg.max_backlog_chunks, cfg.backlog_stall_s)
         self.stopping = False
@@ -163,7 +165,8 @@ class GeneratorWorker:
         self.intake.join()
 
     def _iterate(self) -> None:
-        """One pass of the module docstring's steps 1-7."""
+        """One pass of the module docstring's steps 0-7."""
+        self.intake.follow_pool()  # 0.
         self.follower.check()  # 1.
         self.outlet.check()
         self._swap()  # 2.
@@ -325,6 +328,14 @@ class GeneratorWorker:
             log.warning("handing off %s: %s", sorted(tps), e)
             return False
         return True
+
+    def _drop(self, states: list[TaskState]) -> None:
+        """The intake's drop of a fenced worker's tasks: their trajectories stop here, nothing
+        more of them is published (their new owners resume them from the published prefix)."""
+        for st in states:
+            self.outlet.kill(st)
+            st.todo.clear()
+        self.pending.clear()
 
     def _stats(self, force: bool = False) -> None:
         now = time.monotonic()
