@@ -30,7 +30,8 @@ touches it:
   acknowledged) or dead-lettered, in offset order per partition;
 * **commits**: every ``commit_interval_s`` asynchronously, forced ones synchronously
   (``Consumer.commit_sync``, which fails if any partition failed); every owned position is
-  sent each time, so one lost in a rebalance is sent again;
+  sent each time, so one lost in a rebalance is sent again; under pool epochs only while
+  the worker's lease holds (a zombie's commit could move its successor's position back);
 * **revocation** (``on_revoke``, ``on_lost``): the worker's ``hand_off`` callback publishes the
   open chunks of the partitions' unfinished tasks and flushes the producer (it touches the
   engine and the chunker, so it is the worker's); then finished tasks are committed unless
@@ -76,6 +77,8 @@ class Membership(Protocol):
 
     def tick(self) -> Release | Take | None: ...
 
+    def holds(self) -> bool: ...
+
     def released(self, order: Release) -> None: ...
 
     def taken(self, order: Take) -> None: ...
@@ -112,6 +115,7 @@ class Intake:
         self.paused: PauseMode = "none"
         self._hand_off, self._drop = hand_off, drop
         self.pool: Membership | None = None
+        self.epoch: int | None = None  # the pool epoch whose partitions it holds
         self._resume_prefix = f"{cfg.topic_prefix}.resume."
         self._last_commit = time.monotonic()
         self._consumer: Consumer | None = None
@@ -166,8 +170,10 @@ class Intake:
             self.consumer.assign(parts)
             self.consumer.resume(parts)  # a partition paused before it was released stays so
             self._on_assign(self.consumer, parts)
+            self.epoch = order.epoch
             self.pool.taken(order)
             return
+        self.epoch = None
         if order.fenced:
             log.warning("the pool went on without this worker: dropping its work unpublished")
             self._drop(self.in_flight())
@@ -213,8 +219,15 @@ class Intake:
             out.append((tp, offset, msg))
         return out
 
+    @property
+    def writer(self) -> tuple[str, int] | None:
+        """(pool, epoch) that chunks of tasks taken now carry (``srl.lineage``); None outside
+        pool epochs."""
+        return None if self.epoch is None else (self.cfg.consumer_group, self.epoch)
+
     def hold(self, st: TaskState) -> None:
-        """Keep a planned task until it is finished."""
+        """Keep a planned task until it is finished; its chunks carry the current writer."""
+        st.writer = self.writer
         self.live[(st.tp, st.offset)] = st
 
     def maybe_started(self, st: TaskState) -> bool:
@@ -246,6 +259,8 @@ class Intake:
         """Commit finished tasks' positions; False when a synchronous (forced) commit failed."""
         if not force and time.monotonic() - self._last_commit < self.cfg.commit_interval_s:
             return True
+        if self.pool is not None and not self.pool.holds():
+            return False  # a zombie's commit could move a successor's position back
         self._last_commit = time.monotonic()
         moved = self.tracker.committable()
         if not moved and not force:

@@ -115,6 +115,8 @@ def trajectory_start(
         plan.started_ms or started_ms or now_ms(),
         t.step,
         t.step_groups,
+        pool=st.writer[0] if st.writer else None,
+        pool_epoch=st.writer[1] if st.writer else None,
     )
 
 

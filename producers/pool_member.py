@@ -31,6 +31,7 @@ from producers.pool import PoolView, Release, State, Take, TopicPart
 from srl.config import KafkaSettings, TopicsConfig
 from srl.errors import SrlError
 from srl.kafka import (
+    KafkaError,
     KafkaException,
     Message,
     Producer,
@@ -84,6 +85,11 @@ class PoolMember:
         self._stop = threading.Event()
         self._caught_up = threading.Event()
         self._error: BaseException | None = None
+        # the lease: a member whose beats have not reached the broker for session_s counts as
+        # dead to the others, so it fences itself (monotonic clocks run on while stopped)
+        self._lease_from = time.monotonic()  # sent time of the newest acknowledged beat
+        self._fenced_at: float | None = None  # fenced itself: takes again once resynced
+        self._synced_at = 0.0  # the last time both tails were read to their end
         self._thread = threading.Thread(target=self._run, name="pool-member", daemon=True)
 
     # -- the worker's calls ------------------------------------------------------------------
@@ -105,10 +111,34 @@ class PoolMember:
         return self
 
     def tick(self) -> Release | Take | None:
+        """The worker's order now. A member whose lease ran out (no beat of its own reached the
+        broker for ``session_s``: it was stopped or cut off, so the pool may have gone on
+        without it) fences itself before the pool's verdict can reach it, and takes nothing
+        again until a newer beat has been acknowledged and the pool topics read since."""
         if self._error is not None:
             raise SrlError(f"pool membership failed: {self._error}") from self._error
+        now = time.monotonic()
         with self._cond:
+            if self.state == "member" and now - self._lease_from > self.session_s:
+                log.warning(
+                    "pool %s: no beat of this worker reached the broker for %.1fs: fenced",
+                    self.view.pool,
+                    now - self._lease_from,
+                )
+                self._fenced_at = now
+                return Release(self.epoch, fenced=True)
+            if self._fenced_at is not None:
+                if not self._fenced_at < self._lease_from < self._synced_at:
+                    return None
+                self._fenced_at = None
             return self.view.order(self.key, self.epoch, self.state)
+
+    def holds(self) -> bool:
+        """Whether this worker may still act on its partitions (commit): it is a member and
+        its lease has not run out."""
+        with self._cond:
+            live = time.monotonic() - self._lease_from <= self.session_s
+            return self.state == "member" and live
 
     def released(self, order: Release) -> None:
         """Every partition is released (handed off and committed, or dropped)."""
@@ -159,11 +189,15 @@ class PoolMember:
                 return
 
     def _read(self) -> None:
+        started = time.monotonic()
         for tail, timeout in zip(self._tails, (0.0, 0.1), strict=True):
             while (msg := tail.poll(timeout)) is not None:
                 self._apply(msg)
                 timeout = 0.0
-        if not self._caught_up.is_set() and all(t.paused for t in self._tails):
+        self._producer.poll(0)  # beats' delivery reports: the lease
+        if all(t.paused for t in self._tails):
+            with self._cond:
+                self._synced_at = started  # every record appended before this is read
             self._caught_up.set()
 
     def _apply(self, msg: Message) -> None:
@@ -187,8 +221,17 @@ class PoolMember:
                 max(self.epoch, self.view.current.epoch) if self.state == "ready" else self.epoch
             )
             rec = {"pool": self.view.pool, "key": self.key, "epoch": epoch, "state": self.state}
-            self.view.on_beat(rec, time.monotonic())  # our own state needs no round trip
-        self._producer.produce(self.layout.pool_beats, orjson.dumps(rec), key=self.view.pool)
+            sent = time.monotonic()
+            self.view.on_beat(rec, sent)  # our own state needs no round trip
+
+        def renewed(err: KafkaError | None, _msg: object) -> None:
+            if err is None:
+                with self._cond:
+                    self._lease_from = max(self._lease_from, sent)
+
+        self._producer.produce(
+            self.layout.pool_beats, orjson.dumps(rec), key=self.view.pool, on_delivery=renewed
+        )
 
     def _lead(self, now: float) -> None:
         """The leader's duties: open what this member announced once its barrier is done;

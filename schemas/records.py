@@ -177,6 +177,8 @@ class TrajectoryChunk(Record):
     metadata: str | None = None
     step: int | None = None  # seq 0 only: the task's trainer step
     step_groups: int | None = None  # seq 0 only: groups released for that step
+    pool: str | None = None  # the writer's pool under pool epochs (null: unfenced)
+    pool_epoch: int | None = None  # the epoch it held the task's partition in
 
     @property
     def n_tokens(self) -> int:

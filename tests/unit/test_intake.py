@@ -132,6 +132,12 @@ def test_a_plan_becomes_a_request_and_a_trajectory_start() -> None:
     )
     start = trajectory_start(st, resumed, 555)
     assert (start.next_seq, start.token_offset, start.started_ms) == (2, 2, 777)
+    assert (start.pool, start.pool_epoch) == (None, None)  # outside pool epochs: unfenced
+    st.writer = ("t.gen.regular", 5)  # taken in epoch 5: every chunk says so (srl.lineage)
+    chunker = Chunker(1, "w")
+    chunker.open(trajectory_start(st, resumed))
+    chunks = chunker.add("b", [1, 2], [-0.1, -0.2], 0, "stop")
+    assert [(c.pool, c.pool_epoch) for c in chunks] == [("t.gen.regular", 5)] * 2
 
 
 # -- recovery -----------------------------------------------------------------------------------
@@ -525,9 +531,13 @@ class FakePool:
 
     def __init__(self, orders: list[Release | Take | None]) -> None:
         self.orders, self.reports = orders, list[tuple[str, int]]()
+        self.lease = True
 
     def tick(self) -> Release | Take | None:
         return self.orders.pop(0) if self.orders else None
+
+    def holds(self) -> bool:
+        return self.lease
 
     def released(self, order: Release) -> None:
         self.reports.append(("released", order.epoch))
@@ -612,3 +622,17 @@ def test_a_fenced_worker_drops_its_work_and_commits_nothing() -> None:
     assert fake.calls == [("unassign", None)]  # no hand-off, no commit
     assert not intake.live and intake.tracker.positions() == {} and not intake.assigned_high
     assert pool.reports == [("taken", 1), ("released", 2)]
+
+
+def test_no_commit_once_the_lease_ran_out_and_chunks_carry_the_epoch() -> None:
+    intake, fake, pool, _ = pool_intake([Take(3, (P0,))])
+    intake.follow_pool()
+    (s5,) = held_tasks(intake, P0, [5])
+    assert s5.writer == ("t.gen.regular", 3) and intake.writer == ("t.gen.regular", 3)
+    s5.generating.clear()
+    intake.finished(s5)
+    pool.lease = False  # stopped past the session timeout: the pool may have gone on
+    fake.calls.clear()
+    assert not intake.commit(force=True) and fake.commits() == []
+    pool.lease = True
+    assert intake.commit(force=True) and fake.commits() == [("sync", [(*P0, 6)])]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
+from producers.config import GenerateConfig
 from producers.pool import PoolView, Release, Take, TopicPart, assign
+from producers.pool_member import PoolMember
 
 POOL = "p.gen.regular"
 PARTS: list[TopicPart] = [("p.prompts.le256", 0), ("p.prompts.le256", 1), ("p.resume.le256", 0)]
@@ -166,3 +169,23 @@ def test_a_member_left_out_of_the_assignment_waits_for_the_next_epoch() -> None:
     v.on_epoch(announce(1, "b/1", {"b/1": [["t", 0]]}, []))
     v.on_epoch(opened(1, "b/1"))
     assert v.order("new/1", 0, "ready") is None
+
+
+def test_a_member_whose_lease_ran_out_fences_itself_and_waits_to_resync() -> None:
+    cfg = GenerateConfig(engine="sim", topic_prefix="p", kafka={"session.timeout.ms": "6000"})
+    m = PoolMember(cfg, ["p.prompts.le256"])  # not started: no Kafka here
+    m.view.on_epoch(announce(2, m.key, {m.key: [["t", 0]]}, []))
+    m.view.on_epoch(opened(2, m.key))
+    m.state, m.epoch = "member", 2
+    now = time.monotonic()
+    m._lease_from = now - 1.0  # a beat acknowledged a second ago
+    assert m.holds() and m.tick() is None
+    m._lease_from = now - 7.0  # stopped for longer than the session: others may have taken over
+    assert not m.holds()
+    assert m.tick() == Release(2, fenced=True)
+    m.state = "ready"  # released (what the intake reports back)
+    assert m.tick() is None  # no share again before a newer beat and a read since
+    m._lease_from = time.monotonic()
+    assert m.tick() is None
+    m._synced_at = time.monotonic() + 1.0
+    assert m.tick() == Take(2, (("t", 0),))  # nobody went on without it: the same epoch
