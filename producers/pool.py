@@ -27,10 +27,13 @@ What must hold:
   member sees the same first one); an epoch is opened only by its announcer, only after
   every member it waits for is ready: no partition is ever worked on by two members;
   a member it waits for that goes silent instead makes the leader announce again without it;
-* a member that an announcement did not wait for, but that still holds partitions of an
-  older epoch (it was silent: SIGSTOPped, cut off), is *fenced*: it drops its work without
-  publishing (the new owners already resume it from the published prefix) and waits to be
-  given partitions again;
+* an announcement waits only for the members of the newest *opened* epoch; a member that
+  still holds partitions of an older one (it was silent: SIGSTOPped, cut off, and the pool
+  went on without it), or that an announcement did not wait for, is *fenced*: it drops its
+  work without publishing or committing (the new owners already resume it from the
+  published prefix) and waits to be given partitions again. What it had queued before it
+  learnt that still reaches the log; its chunks carry its epoch and every reader drops them
+  (``srl.lineage``);
 * a member is dead after ``session_s`` without a beat (Kafka's ``session.timeout.ms``
   contract); its partitions' unfinished tasks are redelivered from the committed positions
   and resumed from their published prefixes (``producers.recovery``).
@@ -95,6 +98,7 @@ class PoolView:
     session_s: float
     current: Epoch = field(default_factory=lambda: Epoch(0, {}, (), "", opened=True))
     beats: dict[str, Beat] = field(default_factory=dict)
+    last_opened: int = 0  # the newest opened epoch: the only one whose members hold partitions
 
     # -- records ---------------------------------------------------------------------------
     def on_epoch(self, rec: dict[str, Any]) -> bool:
@@ -116,6 +120,7 @@ class PoolView:
             and not self.current.opened
         ):
             self.current = replace(self.current, opened=True)
+            self.last_opened = n
             return True
         return False
 
@@ -147,8 +152,11 @@ class PoolView:
 
     def announcement(self, me: str, now: float, partitions: list[TopicPart]) -> dict[str, Any]:
         """The record of the next epoch: every partition to the live members; it waits for
-        the live members that hold partitions now."""
+        the live members that hold partitions of the newest opened epoch (one that says it
+        holds an older epoch's is a zombie: its partitions went on without it, it is fenced)."""
         live = self.live(now)
+        opened = self.last_opened
+        holders = (k for k, b in live.items() if b.state == "member" and b.epoch == opened)
         return {
             "pool": self.pool,
             "phase": "announce",
@@ -156,7 +164,7 @@ class PoolView:
             "assignment": {
                 k: [list(tp) for tp in v] for k, v in assign([*live], partitions).items()
             },
-            "waits": sorted(k for k, b in live.items() if b.state == "member"),
+            "waits": sorted(holders),
             "by": me,
         }
 

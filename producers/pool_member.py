@@ -89,6 +89,7 @@ class PoolMember:
         # dead to the others, so it fences itself (monotonic clocks run on while stopped)
         self._lease_from = time.monotonic()  # sent time of the newest acknowledged beat
         self._fenced_at: float | None = None  # fenced itself: takes again once resynced
+        self._lapsed = False  # the lease ran out (its holder must fence itself first)
         self._synced_at = 0.0  # the last time both tails were read to their end
         self._thread = threading.Thread(target=self._run, name="pool-member", daemon=True)
 
@@ -119,13 +120,13 @@ class PoolMember:
             raise SrlError(f"pool membership failed: {self._error}") from self._error
         now = time.monotonic()
         with self._cond:
-            if self.state == "member" and now - self._lease_from > self.session_s:
+            if self.state == "member" and not self._leased(now):
                 log.warning(
                     "pool %s: no beat of this worker reached the broker for %.1fs: fenced",
                     self.view.pool,
                     now - self._lease_from,
                 )
-                self._fenced_at = now
+                self._fenced_at, self._lapsed, self._lease_from = now, False, now
                 return Release(self.epoch, fenced=True)
             if self._fenced_at is not None:
                 if not self._fenced_at < self._lease_from < self._synced_at:
@@ -137,8 +138,10 @@ class PoolMember:
         """Whether this worker may still act on its partitions (commit): it is a member and
         its lease has not run out."""
         with self._cond:
-            live = time.monotonic() - self._lease_from <= self.session_s
-            return self.state == "member" and live
+            return self.state == "member" and self._leased(time.monotonic())
+
+    def _leased(self, now: float) -> bool:
+        return not self._lapsed and now - self._lease_from <= self.session_s
 
     def released(self, order: Release) -> None:
         """Every partition is released (handed off and committed, or dropped)."""
@@ -226,8 +229,11 @@ class PoolMember:
 
         def renewed(err: KafkaError | None, _msg: object) -> None:
             if err is None:
-                with self._cond:
-                    self._lease_from = max(self._lease_from, sent)
+                with self._cond:  # a beat after a silence as long as a session renews nothing
+                    if sent - self._lease_from > self.session_s:
+                        self._lapsed = True
+                    if not self._lapsed:
+                        self._lease_from = max(self._lease_from, sent)
 
         self._producer.produce(
             self.layout.pool_beats, orjson.dumps(rec), key=self.view.pool, on_delivery=renewed

@@ -113,12 +113,15 @@ def test_a_join_a_leave_and_a_death_each_change_the_pool() -> None:
 
 def test_announcement_assigns_everything_to_the_live_and_waits_for_the_holders() -> None:
     v = view()
+    v.on_epoch(announce(1, "a/1", {"a/1": [], "y/1": [], "z/1": []}, []))
+    v.on_epoch(opened(1, "a/1"))
     v.on_beat(beat("a/1", 1, "member"), seen=9.0)
     v.on_beat(beat("b/1", 0, "ready"), seen=9.0)  # a newcomer holds nothing
     v.on_beat(beat("z/1", 1, "member"), seen=0.0)  # dead: neither assigned nor waited for
+    v.on_beat(beat("y/1", 0, "member"), seen=9.0)  # a zombie of epoch 0: not waited for
     rec = v.announcement("a/1", now=10.0, partitions=PARTS)
-    assert rec["epoch"] == 1 and rec["waits"] == ["a/1"] and rec["by"] == "a/1"
-    assert sorted(rec["assignment"]) == ["a/1", "b/1"]
+    assert rec["epoch"] == 2 and rec["waits"] == ["a/1"] and rec["by"] == "a/1"
+    assert sorted(rec["assignment"]) == ["a/1", "b/1", "y/1"]
     assert sorted(tuple(tp) for parts in rec["assignment"].values() for tp in parts) == PARTS
 
 
@@ -189,3 +192,16 @@ def test_a_member_whose_lease_ran_out_fences_itself_and_waits_to_resync() -> Non
     assert m.tick() is None
     m._synced_at = time.monotonic() + 1.0
     assert m.tick() == Take(2, (("t", 0),))  # nobody went on without it: the same epoch
+
+
+def test_a_beat_after_a_silence_as_long_as_a_session_renews_no_lease() -> None:
+    cfg = GenerateConfig(engine="sim", topic_prefix="p", kafka={"session.timeout.ms": "6000"})
+    m = PoolMember(cfg, ["p.prompts.le256"])
+    m.state, m.epoch = "member", 2
+    sent: list[Any] = []
+    m._producer = type("P", (), {"produce": lambda *a, **kw: sent.append(kw["on_delivery"])})()
+    m._lease_from = time.monotonic() - 7.0  # SIGCONT after 7 s: the thread beats at once
+    m._beat()
+    sent[-1](None, None)  # acknowledged
+    assert not m.holds()  # a zombie's commit waits for its fence, not for the next beat
+    assert m.tick() == Release(2, fenced=True)
