@@ -175,7 +175,7 @@ class Intake:
             return
         self.epoch = None
         if order.fenced:
-            log.warning("the pool went on without this worker: dropping its work unpublished")
+            log.warning("fenced (the pool went on without this worker): its work is dropped")
             self._drop(self.in_flight())
             self.live.clear()
             self.tracker = OffsetTracker()
