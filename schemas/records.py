@@ -134,6 +134,7 @@ class PromptTask(Record):
     step: int | None = None  # trainer step that trains this group (null: unscheduled)
     step_groups: int | None = None  # groups released for that step
     min_version: int | None = None  # oldest policy version a worker may start it with
+    run: str | None = None  # the run whose dispatcher published it
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PromptTask:
