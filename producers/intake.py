@@ -18,8 +18,9 @@ touches it:
   assignment;
 * **assignment** (``on_assign``): the high watermark of every assigned partition is noted
   (a task below it may have been started by the previous owner: :meth:`Intake.maybe_started`,
-  so the worker reads it back first), positions kept from a failed commit are dropped for
-  partitions not owned again, and the current pause mode is applied to the new partitions;
+  so the worker reads it back first; when the broker does not tell, every task is read
+  back), positions kept from a failed commit are dropped for partitions not owned again,
+  and the current pause mode is applied to the new partitions;
 * **pausing** (:func:`pause_mode`, :func:`held`, pure): ``all`` while stopping or while
   ``max_batch`` samples wait for the engine (the membership stays alive: paused partitions
   are not fetched); ``fresh`` (the prompt topics only) while the trainer's backlog is over
@@ -61,12 +62,14 @@ from srl.kafka import (
     KafkaException,
     Message,
     TopicPartition,
+    describe,
     make_consumer,
 )
 
 log = logging.getLogger("srl.generate")
 
 PauseMode = Literal["none", "fresh", "all"]  # which task partitions are paused
+UNKNOWN_HIGH = 2**63 - 1  # a high watermark not known: any task may have been started
 Taken = tuple[TopicPart, int, Message]  # a task record consumed: partition, offset, record
 HandOff = Callable[[set[TopicPart], list[TaskState]], bool]  # True: all reached the broker
 Drop = Callable[[list[TaskState]], None]  # stop these tasks' trajectories, publish nothing
@@ -295,9 +298,13 @@ class Intake:
     # -- rebalance callbacks ----------------------------------------------------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
-            _low, high = consumer.get_watermark_offsets(
-                tp, timeout=self.cfg.connect_timeout_s, cached=False
-            )
+            try:
+                _low, high = consumer.get_watermark_offsets(
+                    tp, timeout=self.cfg.connect_timeout_s, cached=False
+                )
+            except KafkaException as e:  # the broker is slow to come back: read every task back
+                log.warning("%s/%d: no high watermark (%s)", tp.topic, tp.partition, describe(e))
+                high = UNKNOWN_HIGH
             self.assigned_high[(tp.topic, tp.partition)] = high
         self.tracker.retain({(tp.topic, tp.partition) for tp in partitions})
         if hold := [tp for tp in partitions if held(tp.topic, self.paused, self._resume_prefix)]:

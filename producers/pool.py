@@ -99,6 +99,7 @@ class PoolView:
     current: Epoch = field(default_factory=lambda: Epoch(0, {}, (), "", opened=True))
     beats: dict[str, Beat] = field(default_factory=dict)
     last_opened: int = 0  # the newest opened epoch: the only one whose members hold partitions
+    holders: frozenset[str] = frozenset()  # its members: they hold, or may take, its partitions
 
     # -- records ---------------------------------------------------------------------------
     def on_epoch(self, rec: dict[str, Any]) -> bool:
@@ -120,7 +121,7 @@ class PoolView:
             and not self.current.opened
         ):
             self.current = replace(self.current, opened=True)
-            self.last_opened = n
+            self.last_opened, self.holders = n, frozenset(self.current.assignment)
             return True
         return False
 
@@ -152,11 +153,16 @@ class PoolView:
 
     def announcement(self, me: str, now: float, partitions: list[TopicPart]) -> dict[str, Any]:
         """The record of the next epoch: every partition to the live members; it waits for
-        the live members that hold partitions of the newest opened epoch (one that says it
-        holds an older epoch's is a zombie: its partitions went on without it, it is fenced)."""
+        the live members of the newest opened epoch, whether they say they hold its
+        partitions yet or not (one may be taking them as this is announced); one that says it
+        holds an older epoch's is a zombie: its partitions went on without it, it is fenced."""
         live = self.live(now)
         opened = self.last_opened
-        holders = (k for k, b in live.items() if b.state == "member" and b.epoch == opened)
+        holders = [
+            k
+            for k, b in live.items()
+            if k in self.holders and not (b.state == "member" and b.epoch < opened)
+        ]
         return {
             "pool": self.pool,
             "phase": "announce",

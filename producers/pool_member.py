@@ -10,9 +10,18 @@ a ``Release`` (release every partition as on a revocation: hand off, commit; whe
 drop the work unpublished; then call ``released()``) or a ``Take`` (assign those partitions,
 then call ``taken()``). The worker's consumer never joins a group: it is assigned, and it
 commits to the pool's group as a group without members. ``close()`` at exit says it left.
-A failure of the thread is raised by the next ``tick``. Every worker of a pool must run one
-(``pool_liveness``, on by default): one that joins the group instead makes the broker refuse
-the others' commits.
+A failure of the thread is raised by the next ``tick``; the broker being away is not one
+(the thread tries again). Every worker of a pool must run one (``pool_liveness``, on by
+default): one that joins the group instead makes the broker refuse the others' commits.
+
+The lease: the others count a worker dead once its newest beat is ``session_s`` old, so a
+worker counts its own beats too (their delivery reports; clocks are monotonic, so they run on
+while a process is stopped). A member whose newest acknowledged beat was sent more than
+``session_s`` ago, or whose next one comes after such a silence, has lost its lease: ``tick``
+fences it before the pool's verdict can reach it, ``holds()`` (asked before every commit)
+is false, and it takes nothing again until a beat sent after the fence is acknowledged and
+the pool topics have been read since. A worker without a recent acknowledged beat does not
+lead either: cut off, its view is stale and its records would land late.
 """
 
 from __future__ import annotations
@@ -89,7 +98,7 @@ class PoolMember:
         # dead to the others, so it fences itself (monotonic clocks run on while stopped)
         self._lease_from = time.monotonic()  # sent time of the newest acknowledged beat
         self._fenced_at: float | None = None  # fenced itself: takes again once resynced
-        self._lapsed = False  # the lease ran out (its holder must fence itself first)
+        self._lapsed = False  # a member's lease ran out (it must fence itself first)
         self._synced_at = 0.0  # the last time both tails were read to their end
         self._thread = threading.Thread(target=self._run, name="pool-member", daemon=True)
 
@@ -126,7 +135,7 @@ class PoolMember:
                     self.view.pool,
                     now - self._lease_from,
                 )
-                self._fenced_at, self._lapsed, self._lease_from = now, False, now
+                self._fenced_at, self._lapsed = now, False
                 return Release(self.epoch, fenced=True)
             if self._fenced_at is not None:
                 if not self._fenced_at < self._lease_from < self._synced_at:
@@ -229,11 +238,10 @@ class PoolMember:
 
         def renewed(err: KafkaError | None, _msg: object) -> None:
             if err is None:
-                with self._cond:  # a beat after a silence as long as a session renews nothing
-                    if sent - self._lease_from > self.session_s:
+                with self._cond:  # a member's beat after a silence of a session renews nothing
+                    if self.state == "member" and sent - self._lease_from > self.session_s:
                         self._lapsed = True
-                    if not self._lapsed:
-                        self._lease_from = max(self._lease_from, sent)
+                    self._lease_from = max(self._lease_from, sent)
 
         self._producer.produce(
             self.layout.pool_beats, orjson.dumps(rec), key=self.view.pool, on_delivery=renewed
@@ -244,6 +252,8 @@ class PoolMember:
         announce the next epoch when the live members changed, or the current one cannot
         open (its announcer or a member it waits for went silent)."""
         with self._cond:
+            if now - self._lease_from > self.session_s:
+                return  # cut off: its view of the pool is stale, its records would land late
             cur = self.view.current
             if cur.by == self.key and not cur.opened:
                 barrier = self.view.barrier(now)
@@ -267,13 +277,24 @@ class PoolMember:
             log.warning("pool %s: epoch %d: %s", self.view.pool, rec["epoch"], why)
 
     def _send(self, epoch: int, phase: str, rec: dict[str, object]) -> bool:
-        """Publish an epochs record once per (phase, epoch); True if it was sent now."""
+        """Publish an epochs record once per (phase, epoch), unless it fails to arrive (the
+        broker is cut off: it may be sent again); True if it was sent now. Never waits for
+        the broker: the thread's beats must go on."""
         if self._sent.get(phase, -1) >= epoch:
             return False
         self._sent[phase] = epoch
         rec = {"pool": self.view.pool, "phase": phase, "by": self.key, **rec}
-        self._producer.produce(self.layout.pool_epochs, orjson.dumps(rec), key=self.view.pool)
-        self._producer.flush()
+
+        def lost(err: KafkaError | None, _msg: object) -> None:
+            if err is not None:
+                with self._cond:
+                    if self._sent.get(phase) == epoch:
+                        del self._sent[phase]
+
+        self._producer.produce(
+            self.layout.pool_epochs, orjson.dumps(rec), key=self.view.pool, on_delivery=lost
+        )
+        self._producer.poll(0)
         return True
 
     # -- helpers -------------------------------------------------------------------------------

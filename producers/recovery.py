@@ -59,17 +59,28 @@ class Found:
     def contiguous(self, first_seq: int) -> list[TrajectoryChunk]:
         return self.lineage.contiguous(first_seq)
 
-    def state(self, first_seq: int) -> str:
+    def state(self, first_seq: int, writer: tuple[str, int] | None = None) -> str:
         """'none', 'prefix', 'complete', 'migrated' (handed to another pool: not ours to
-        continue) or 'gap'."""
+        continue) or 'gap'. Chunks after a gap that ``writer`` (the resumer's pool and epoch)
+        fences, an older epoch's of its pool, are a dropped writer's that failed to deliver
+        some of its queue (cut off past its delivery timeout): resuming after the contiguous
+        run fences them for every reader (``srl.lineage``), so that is no gap."""
         run = self.contiguous(first_seq)
         if run and run[-1].is_last:
             return "complete"
         if any(c.finish_reason == MIGRATED for c in run):
             return "migrated"
-        if len(run) < len([s for s in self.chunks if s >= first_seq]):
+        end = run[-1].seq if run else first_seq - 1
+        beyond = [c for s, c in self.chunks.items() if s > end]
+        if beyond and not (writer is not None and all(fences(writer, c) for c in beyond)):
             return "gap"
         return "prefix" if run else "none"
+
+
+def fences(writer: tuple[str, int], chunk: TrajectoryChunk) -> bool:
+    """Whether a chunk of ``writer`` (pool, epoch) fences ``chunk`` (srl.lineage's rule)."""
+    pool, epoch = writer
+    return chunk.pool == pool and chunk.pool_epoch is not None and chunk.pool_epoch < epoch
 
 
 def read_prefixes(

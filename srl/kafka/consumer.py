@@ -205,8 +205,12 @@ class QuietTail:
         return pos if pos >= 0 else -1
 
     def _wake(self) -> None:
-        """Paused: resume if the partition grew past our position."""
-        _low, high = self.consumer.get_watermark_offsets(self.tp, timeout=10, cached=False)
+        """Paused: resume if the partition grew past our position. A probe that fails (the
+        broker is away) finds nothing new; the next one tries again."""
+        try:
+            _low, high = self.consumer.get_watermark_offsets(self.tp, timeout=10, cached=False)
+        except KafkaException:
+            return
         self.end = max(self.end, high)
         pos = self._position()
         if self.end > pos:

@@ -113,15 +113,16 @@ def test_a_join_a_leave_and_a_death_each_change_the_pool() -> None:
 
 def test_announcement_assigns_everything_to_the_live_and_waits_for_the_holders() -> None:
     v = view()
-    v.on_epoch(announce(1, "a/1", {"a/1": [], "y/1": [], "z/1": []}, []))
+    v.on_epoch(announce(1, "a/1", {"a/1": [], "m/1": [], "y/1": [], "z/1": []}, []))
     v.on_epoch(opened(1, "a/1"))
     v.on_beat(beat("a/1", 1, "member"), seen=9.0)
     v.on_beat(beat("b/1", 0, "ready"), seen=9.0)  # a newcomer holds nothing
+    v.on_beat(beat("m/1", 1, "ready"), seen=9.0)  # of epoch 1, taking its share right now
     v.on_beat(beat("z/1", 1, "member"), seen=0.0)  # dead: neither assigned nor waited for
     v.on_beat(beat("y/1", 0, "member"), seen=9.0)  # a zombie of epoch 0: not waited for
     rec = v.announcement("a/1", now=10.0, partitions=PARTS)
-    assert rec["epoch"] == 2 and rec["waits"] == ["a/1"] and rec["by"] == "a/1"
-    assert sorted(rec["assignment"]) == ["a/1", "b/1", "y/1"]
+    assert rec["epoch"] == 2 and rec["waits"] == ["a/1", "m/1"] and rec["by"] == "a/1"
+    assert sorted(rec["assignment"]) == ["a/1", "b/1", "m/1", "y/1"]
     assert sorted(tuple(tp) for parts in rec["assignment"].values() for tp in parts) == PARTS
 
 
