@@ -148,8 +148,14 @@ class PoolView:
 
     # -- the leader's decisions ------------------------------------------------------------
     def changed(self, now: float) -> bool:
-        """The open epoch's members are not the live ones (a join, a leave, a death)."""
-        return self.current.opened and set(self.live(now)) != set(self.current.assignment)
+        """The open epoch's members are not the live ones (a join, a leave, a death), or one
+        of them dropped its share and waits for a newer epoch (it fenced itself: the chunks
+        it left must be fenced by a newer epoch than theirs)."""
+        if not self.current.opened:
+            return False
+        live = self.live(now)
+        newer = any(b.state == "ready" and b.epoch > self.current.epoch for b in live.values())
+        return newer or set(live) != set(self.current.assignment)
 
     def announcement(self, me: str, now: float, partitions: list[TopicPart]) -> dict[str, Any]:
         """The record of the next epoch: every partition to the live members; it waits for

@@ -84,6 +84,7 @@ def test_pipeline_across_datacenters_trains_every_sample_once() -> None:
     assert audit["outcomes"].get("trained", 0) > 0 and audit["steps"] >= 1
 
 
+@pytest.mark.timeout(900)  # about 3 minutes idle: 30 s cut, trajectories of ~20 s each
 def test_generators_cut_off_for_30s_rejoin_and_lose_nothing() -> None:
     """Issue 18: a 30 s partition of the generators' datacenter mid-run (both workers of the
     pool cut off from the broker, their leases run out, they fence themselves): once joined

@@ -186,13 +186,18 @@ def test_a_member_whose_lease_ran_out_fences_itself_and_waits_to_resync() -> Non
     assert m.holds() and m.tick() is None
     m._lease_from = now - 7.0  # stopped for longer than the session: others may have taken over
     assert not m.holds()
-    assert m.tick() == Release(2, fenced=True)
-    m.state = "ready"  # released (what the intake reports back)
+    assert m.tick() == Release(3, fenced=True)  # it asks for a newer epoch than its own
+    m.state, m.epoch = "ready", 3  # released (what the intake reports back)
     assert m.tick() is None  # no share again before a newer beat and a read since
     m._lease_from = time.monotonic()
     assert m.tick() is None
     m._synced_at = time.monotonic() + 1.0
-    assert m.tick() == Take(2, (("t", 0),))  # nobody went on without it: the same epoch
+    assert m.tick() is None  # nor of epoch 2 ever again: what it left there is fenced by 3
+    m.view.on_beat({"pool": m.view.pool, "key": m.key, "epoch": 3, "state": "ready"}, now)
+    assert m.view.changed(now)  # the leader announces epoch 3
+    m.view.on_epoch(announce(3, m.key, {m.key: [["t", 0]]}, [m.key]))
+    m.view.on_epoch(opened(3, m.key))
+    assert m.tick() == Take(3, (("t", 0),))
 
 
 def test_a_beat_after_a_silence_as_long_as_a_session_renews_no_lease() -> None:
@@ -205,4 +210,4 @@ def test_a_beat_after_a_silence_as_long_as_a_session_renews_no_lease() -> None:
     m._beat()
     sent[-1](None, None)  # acknowledged
     assert not m.holds()  # a zombie's commit waits for its fence, not for the next beat
-    assert m.tick() == Release(2, fenced=True)
+    assert m.tick() == Release(3, fenced=True)
