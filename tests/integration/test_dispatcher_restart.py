@@ -158,4 +158,5 @@ def test_a_sigkilled_dispatcher_restarted_resumes_after_what_it_published(
     restarted = subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=120)
     assert restarted.returncode == 0, restarted.stderr
     assert "8 tasks already published (newest step 2)" in restarted.stderr
+    assert "dispatched 8 tasks" in restarted.stdout and "8 published before" in restarted.stdout
     check_steps(tasks_of(cfg), 16, 4)
