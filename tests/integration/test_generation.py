@@ -430,8 +430,12 @@ def test_async_dispatch_keeps_the_backlog_bounded(make_cfg: Any) -> None:
     )
 
 
-def test_unusable_tasks_are_dead_lettered_and_committed(make_cfg: Any, tiny_model: Path) -> None:
-    cfg = gen_cfg(make_cfg, tiny_model, idle_exit_s=3.0)
+@pytest.mark.parametrize("pool_liveness", [True, False], ids=["pool-epochs", "consumer-group"])
+def test_unusable_tasks_are_dead_lettered_and_committed(
+    make_cfg: Any, tiny_model: Path, pool_liveness: bool
+) -> None:
+    # both intakes: the pool's epochs (the default) and the classic consumer group
+    cfg = gen_cfg(make_cfg, tiny_model, idle_exit_s=3.0, pool_liveness=pool_liveness)
     layout = Layout.from_config(cfg)
     create_topics(cfg)
     topic = layout.prompts("le256")
