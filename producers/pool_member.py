@@ -136,7 +136,7 @@ class PoolMember:
                     now - self._lease_from,
                 )
                 self._fenced_at, self._lapsed = now, False
-                return Release(self.epoch + 1, fenced=True)  # it may hold none of epoch's again
+                return Release(self.epoch + 1, fenced=True)  # never its old epoch again
             if self._fenced_at is not None:
                 if not self._fenced_at < self._lease_from < self._synced_at:
                     return None
