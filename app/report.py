@@ -37,6 +37,7 @@ from app import warmstart
 from schemas.records import MetricEvent, SchemaError, TrajectoryChunk, decode_as
 from srl.errors import SrlError
 from srl.kafka import committed_offsets, read_range, watermarks
+from srl.lineage import Lineage
 from srl.stores import store_from_config
 from srl.topics import Layout, trainer_group
 from srl.weights import load_manifest, materialize, read_announcements
@@ -68,9 +69,7 @@ def read_all(
 class TrajSeen:
     partition: int
     first_offset: int
-    seqs: set[int] = field(default_factory=set)
-    last_seq: int | None = None
-    tokens: int = 0
+    lineage: Lineage = field(default_factory=Lineage)  # the chunks that count, as trained
     first_ms: int = 0
     last_ms: int = 0
     versions: set[int] = field(default_factory=set)
@@ -78,7 +77,11 @@ class TrajSeen:
 
     @property
     def complete(self) -> bool:
-        return self.last_seq is not None and self.seqs == set(range(self.last_seq + 1))
+        return self.lineage.complete()
+
+    @property
+    def tokens(self) -> int:
+        return sum(c.n_tokens for c in self.lineage.chunks.values())
 
 
 @dataclass
@@ -121,18 +124,14 @@ def audit_trajectories(cfg: CommonConfig, group: str, samples: list[Any]) -> Aud
         s = seen.get(ch.trajectory_id)
         if s is None:
             s = seen[ch.trajectory_id] = TrajSeen(p, o, first_ms=ch.created_ms)
-        if ch.seq in s.seqs:
+        if s.lineage.add(ch) != "kept":  # a copy, or a fenced (zombie) writer's chunk
             dup += 1
             continue
-        s.seqs.add(ch.seq)
         s.first_offset = min(s.first_offset, o)
-        s.tokens += ch.n_tokens
         s.first_ms = min(s.first_ms, ch.created_ms)
         s.last_ms = max(s.last_ms, ch.created_ms)
         s.versions.add(ch.policy_version)
         s.workers.add(ch.worker_id)
-        if ch.is_last:
-            s.last_seq = ch.seq
     decided: dict[str, set[tuple[str, int]]] = defaultdict(set)
     for e in samples:
         decided[e.labels.get("trajectory_id", "")].add(

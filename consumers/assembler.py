@@ -4,12 +4,15 @@ Owns the reassembly of ``TrajectoryChunk`` records into whole trajectories. What
 
 * ``(trajectory_id, seq)`` is the identity of a chunk; the first copy wins and every later
   copy (producer retries, a resumed trajectory re-publishing part of its prefix, a replay
-  after a trainer restart) is dropped and counted in ``duplicates``;
+  after a trainer restart) is dropped and counted in ``duplicates``; except that a fenced
+  writer's chunks (a zombie generator's, superseded by a newer pool epoch: ``srl.lineage``)
+  are dropped, or removed, and counted in ``fenced``, whatever arrived first;
 * a trajectory is complete when its ``is_last`` chunk and every seq below it have arrived, in
   any order, from any partition and any worker (a resumed trajectory continues the seq
   numbering of its prefix on another worker, possibly in another bucket's partitions);
 * a completed trajectory's chunks are consistent: ``token_offset`` is the sum of the earlier
-  chunks' token counts, and no seq lies beyond the last; otherwise :class:`BadTrajectory`;
+  chunks' token counts, and its last chunk's writer wrote no seq beyond it; otherwise
+  :class:`BadTrajectory`;
 * the behaviour version ``b`` is the minimum ``policy_version`` over its chunks;
 * chunks of a trajectory already assembled (this session) or finalized (the durable ledger
   restored from a checkpoint) are duplicates;
@@ -29,6 +32,7 @@ import numpy as np
 import orjson
 
 from schemas.records import MIGRATED, TrajectoryChunk, now_ms, unpack_logprobs, unpack_tokens
+from srl.lineage import Lineage
 
 
 class BadChunk(ValueError):
@@ -91,8 +95,15 @@ class Partial:
     group_size: int
     bucket: str
     chunks: dict[int, TrajectoryChunk] = field(default_factory=dict)
-    last_seq: int | None = None
     last_arrival: float = 0.0
+    lineage: Lineage = field(init=False)  # decides which chunks count (shares ``chunks``)
+
+    def __post_init__(self) -> None:
+        self.lineage = Lineage(self.chunks)
+
+    @property
+    def last_seq(self) -> int | None:
+        return self.lineage.last_seq
 
     @property
     def step(self) -> tuple[int | None, int | None]:
@@ -146,6 +157,7 @@ class Assembler:
         self.open: dict[str, Partial] = {}
         self.assembled: set[str] = set()  # complete this session, outcome maybe not durable yet
         self.duplicates = 0
+        self.fenced = 0  # chunks of fenced writers dropped (srl.lineage)
 
     def add(self, chunk: TrajectoryChunk, now: float | None = None) -> Trajectory | None:
         """The trajectory ``chunk`` completes, or None. BadChunk / BadTrajectory on bad input."""
@@ -159,21 +171,18 @@ class Assembler:
             part = self.open[tid] = Partial(
                 tid, chunk.prompt_id, chunk.sample_index, chunk.group_size, chunk.bucket
             )
-        if chunk.seq in part.chunks:
+        fenced = part.lineage.fenced
+        verdict = part.lineage.add(chunk)
+        self.fenced += part.lineage.fenced - fenced
+        if verdict == "duplicate":
             self.duplicates += 1
+        if verdict != "kept":
             return None
-        part.chunks[chunk.seq] = chunk
         part.last_arrival = time.monotonic() if now is None else now
-        if chunk.is_last:
-            part.last_seq = chunk.seq
-        if part.last_seq is None or len(part.chunks) < part.last_seq + 1:
-            if part.last_seq is not None and max(part.chunks) > part.last_seq:
-                return self._fail(
-                    tid, f"seq {max(part.chunks)} beyond the last seq {part.last_seq}"
-                )
+        if beyond := part.lineage.beyond_last():
+            self._fail(tid, f"seq {beyond[-1]} beyond the last seq {part.last_seq}")
+        if not part.lineage.complete():
             return None
-        if max(part.chunks) != part.last_seq:
-            self._fail(tid, f"seq {max(part.chunks)} beyond the last seq {part.last_seq}")
         return self._stitch(part)
 
     def _fail(self, tid: str, reason: str) -> NoReturn:
@@ -182,7 +191,7 @@ class Assembler:
         raise BadTrajectory(tid, reason)
 
     def _stitch(self, part: Partial) -> Trajectory:
-        chunks = [part.chunks[s] for s in range(part.last_seq + 1)]  # type: ignore[operator]
+        chunks = part.lineage.contiguous(0)  # complete: seq 0 through the last
         offset = 0
         for c in chunks:
             if c.token_offset != offset:

@@ -9,9 +9,9 @@ contract of ``schemas/trajectory_chunk.avsc``):
   of a single policy version: tokens of a new version close the open chunk first (so does
   ``flush_all`` before a weight swap);
 * ``prompt_tokens``, ``metadata``, ``step`` and ``step_groups`` ride on seq 0 only;
-``finish_reason`` and ``is_last``
-  on the last chunk only; the last chunk may be empty only when it carries nothing but the
-  end (an abort);
+  ``finish_reason`` and ``is_last`` on the last chunk only; the last chunk may be empty only
+  when it carries nothing but the end (an abort); ``pool`` and ``pool_epoch`` (the writer's,
+  under pool epochs: ``srl.lineage``) on every chunk;
 * the one exception: :meth:`Chunker.hand_off` closes a trajectory this worker gives to another
   pool with a non-last chunk whose ``finish_reason`` is ``MIGRATED`` (possibly empty), so
   whoever reads the topic back knows the prefix has a new owner.
@@ -45,6 +45,8 @@ class TrajectoryStart:
     started_ms: int = field(default_factory=now_ms)
     step: int | None = None  # the task's trainer step; sent on seq 0 only
     step_groups: int | None = None  # groups released for that step; seq 0 only
+    pool: str | None = None  # the writer's pool and epoch (pool epochs), on every chunk
+    pool_epoch: int | None = None
 
 
 @dataclass
@@ -154,6 +156,8 @@ class Chunker:
             metadata=s.metadata if first else None,
             step=s.step if first else None,
             step_groups=s.step_groups if first else None,
+            pool=s.pool,
+            pool_epoch=s.pool_epoch,
         )
         t.seq += 1
         t.offset += n

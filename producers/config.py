@@ -235,6 +235,15 @@ class GenerateConfig(CommonConfig, EngineSettings):
             "none (replacing a pool whose group a dead member wedges on the embedded broker)."
         ),
     )
+    pool_liveness: bool = Field(
+        True,
+        description=(
+            "Assign the pool's partitions among its workers (pool epochs, producers.pool): a "
+            "worker silent for session.timeout.ms loses its share on any broker (the embedded "
+            "one never evicts a group member). false: subscribe to the pool's consumer group. "
+            "Every worker of a pool must agree."
+        ),
+    )
     worker_id: str | None = Field(
         None, description="Id on chunks and metrics; null: host-pid-pool."
     )

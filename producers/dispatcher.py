@@ -13,7 +13,8 @@ Owns ``srl-producer dispatch``. In order, for each window of prompts from the so
    prompt's metadata (JSON);
 3. wait for permission to publish:
    * **by trainer step** (``max_staleness`` = k, the default): a window is one trainer step's
-     ``groups_per_step`` prompts, numbered from the step after the newest announced one. Step
+     ``groups_per_step`` prompts, numbered from the step after the newest announced (or
+     published: a restart) one. Step
      t is released once the trainer has announced step ``t-1-k``; its tasks carry ``step``,
      ``step_groups`` and ``min_version`` (the newest announced version: no worker starts
      them with older weights), and the trainer's step t trains exactly them
@@ -31,9 +32,13 @@ Owns ``srl-producer dispatch``. In order, for each window of prompts from the so
    pool gets an even share of the predicted tokens), otherwise by key hash (random).
 
 Windows keep order local: sorting a whole dataset longest-first would hand the trainer all
-long prompts first. ``run_dispatcher`` opens the clients and picks the loop: ``Windows.paced``
-(step 3, by trainer step) or ``Windows.unpaced`` (by the pools' backlog, ``Room``). The
-prompt source is an argument (any iterable of ``PromptLike``).
+long prompts first. A dispatcher starts by reading back what its run's dispatchers already
+published (``producers.dispatch_log``): after a SIGKILL, a restart skips what went out,
+completes a window published in part in its own step, and numbers new windows after the
+newest step, so no prompt is lost or dispatched twice. ``run_dispatcher`` opens the clients
+and picks the loop: ``Windows.paced`` (step 3, by trainer step) or ``Windows.unpaced`` (by
+the pools' backlog, ``Room``). The prompt source is an argument (any iterable of
+``PromptLike``).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ import orjson
 
 from producers.backlog import GroupLag
 from producers.config import DispatchConfig
+from producers.dispatch_log import Published, Stamp, read_published
 from ranker.api import assign_buckets
 from schemas.records import PromptTask, SchemaError, WeightsAnnouncement, decode_as, encode
 from srl.codecs import use_schema_registry
@@ -118,6 +124,7 @@ def plan_window(
                     ranker_version=ranker_version,
                     metadata=orjson.dumps(p.metadata).decode() if p.metadata else None,
                     sample_indices=indices,
+                    run=cfg.run,
                 )
             )
     return sorted(tasks, key=lambda t: -(t.predicted_length or 0))
@@ -152,7 +159,8 @@ class DispatchSummary:
     by_bucket: dict[str, int] = field(default_factory=dict)
     waited_s: float = 0.0  # time spent waiting for the trainer or the backlog bound
     versions_seen: list[int] = field(default_factory=list)  # paced: min_version of each step
-    first_step: int | None = None  # paced: the step number of the first window
+    first_step: int | None = None  # paced: the step number of the first new window
+    skipped: int = 0  # tasks a previous dispatcher of the run had published (not again)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -207,12 +215,13 @@ def run_dispatcher(
     stop = stop or threading.Event()
     layout = Layout.from_config(cfg)
     create_topics(cfg)
+    published = read_published(cfg, layout, cfg.run)  # a restart resumes after them
     with contextlib.ExitStack() as stack:
         producer = stack.enter_context(Producer(cfg, "dispatcher"))
         if cfg.max_staleness is not None:
             anns = Announcements(cfg, layout)
             stack.callback(anns.close)
-            out = Windows(cfg, layout, producer, predictor, stop)
+            out = Windows(cfg, layout, producer, predictor, stop, published=published)
             return out.paced(source, anns, cfg.max_staleness)
         room = None
         if cfg.max_pending is not None:
@@ -223,7 +232,7 @@ def run_dispatcher(
             )
             stack.callback(lag.close)
             room = Room(lag, cfg.max_pending)
-        return Windows(cfg, layout, producer, predictor, stop, room).unpaced(source)
+        return Windows(cfg, layout, producer, predictor, stop, room, published).unpaced(source)
 
 
 class Windows:
@@ -237,21 +246,29 @@ class Windows:
         predictor: LengthPredictor,
         stop: threading.Event,
         room: Room | None = None,
+        published: Published | None = None,
     ) -> None:
         self.cfg, self.layout, self.producer, self.predictor = cfg, layout, producer, predictor
         self.stop, self.room = stop, room
+        self.published = published or Published()
         self.balancer = (
             Balancer(layout.prompt_partitions) if cfg.partitioning == "balanced" else None
         )
         self.summary, self.by_bucket = DispatchSummary(), Counter[str]()
 
     def paced(self, source: Iterable[PromptLike], anns: Announcements, k: int) -> DispatchSummary:
-        """A window per trainer step, from the step after the newest announced one, each
-        released by ``release`` and stamped with its step and ``min_version``."""
-        step = anns.step + 1  # the trainer's next step
+        """A window per trainer step, from the step after the newest announced or published
+        one, each released by ``release`` and stamped with its step and ``min_version``; the
+        rest of a window a previous dispatcher published in part goes out in its step."""
+        step = max(anns.step, self.published.last_step) + 1  # the trainer's next new step
         self.summary.first_step = step
         for window, tasks in self._planned(source, self.cfg.groups_per_step):
             t0 = time.monotonic()
+            if (stamp := self._resumed(tasks)) is not None:
+                self._publish(window, [dataclasses.replace(t, **asdict(stamp)) for t in tasks], t0)
+                continue
+            if not tasks:
+                continue
             min_version = release(anns, step, k, self.cfg.barrier_timeout_s, self.stop)
             self.summary.versions_seen.append(min_version)
             stamped = [
@@ -265,8 +282,18 @@ class Windows:
     def unpaced(self, source: Iterable[PromptLike]) -> DispatchSummary:
         """Windows of ``window`` prompts, each task published when the pools have room."""
         for window, tasks in self._planned(source, self.cfg.window):
-            self._publish(window, tasks, time.monotonic())
+            self._resumed(tasks)
+            if tasks:
+                self._publish(window, tasks, time.monotonic())
         return self.summary
+
+    def _resumed(self, tasks: list[PromptTask]) -> Stamp | None:
+        """Drop from ``tasks`` (in place) what a previous dispatcher of the run published;
+        the stamp of its step when it published part of this window (the rest goes there)."""
+        todo, stamp = self.published.rest(tasks)
+        self.summary.skipped += len(tasks) - len(todo)
+        tasks[:] = todo
+        return stamp if todo else None
 
     def _planned(
         self, source: Iterable[PromptLike], size: int

@@ -1,14 +1,26 @@
-"""The generator's intake: its membership of the pool's group, pausing, and task commits.
+"""The generator's intake: its membership of the pool, pausing, and task commits.
 
-Owns, for one worker, the consumer of the pool's group over the prompt and resume topics of
-its buckets (``{prefix}.gen.{pool}``, or ``--group-id``), and everything that touches it:
+Owns, for one worker, the consumer of the prompt and resume topics of its buckets, which
+commits to the pool's group (``{prefix}.gen.{pool}``, or ``--group-id``), and everything that
+touches it:
 
 * **joining**: with ``take_over_from`` set, the old group's committed positions are first
-  copied where ours has none (``producers.recovery.take_over_offsets``); then subscribe;
+  copied where ours has none (``producers.recovery.take_over_offsets``); then, with
+  ``pool_liveness`` (the default), the worker joins its pool's epochs
+  (``producers.pool_member``: the pool assigns its partitions itself, so a broker that never
+  evicts a dead member cannot wedge it, docs/reliability.md) and is *assigned* its share;
+  otherwise it subscribes to the pool's consumer group and the broker assigns;
+* **the pool's orders** (:meth:`Intake.follow_pool`, every iteration): release every
+  partition as on a revocation (below) when the pool's members changed, or, *fenced* (the
+  pool went on without this worker: it was silent for the session timeout, so others already
+  resume its trajectories), drop every task unpublished and commit nothing (the worker's
+  ``drop`` callback stops its trajectories); take the partitions of a new epoch as on an
+  assignment;
 * **assignment** (``on_assign``): the high watermark of every assigned partition is noted
   (a task below it may have been started by the previous owner: :meth:`Intake.maybe_started`,
-  so the worker reads it back first), positions kept from a failed commit are dropped for
-  partitions not owned again, and the current pause mode is applied to the new partitions;
+  so the worker reads it back first; when the broker does not tell, every task is read
+  back), positions kept from a failed commit are dropped for partitions not owned again,
+  and the current pause mode is applied to the new partitions;
 * **pausing** (:func:`pause_mode`, :func:`held`, pure): ``all`` while stopping or while
   ``max_batch`` samples wait for the engine (the membership stays alive: paused partitions
   are not fetched); ``fresh`` (the prompt topics only) while the trainer's backlog is over
@@ -19,7 +31,8 @@ its buckets (``{prefix}.gen.{pool}``, or ``--group-id``), and everything that to
   acknowledged) or dead-lettered, in offset order per partition;
 * **commits**: every ``commit_interval_s`` asynchronously, forced ones synchronously
   (``Consumer.commit_sync``, which fails if any partition failed); every owned position is
-  sent each time, so one lost in a rebalance is sent again;
+  sent each time, so one lost in a rebalance is sent again; under pool epochs only while
+  the worker's lease holds (a zombie's commit could move its successor's position back);
 * **revocation** (``on_revoke``, ``on_lost``): the worker's ``hand_off`` callback publishes the
   open chunks of the partitions' unfinished tasks and flushes the producer (it touches the
   engine and the chunker, so it is the worker's); then finished tasks are committed unless
@@ -27,7 +40,8 @@ its buckets (``{prefix}.gen.{pool}``, or ``--group-id``), and everything that to
   (the next owner resumes them from their prefix).
 
 Not thread-safe: the rebalance callbacks run inside :meth:`Intake.take`/:meth:`Intake.serve`,
-on the worker's thread. Called by ``producers.worker``.
+and the pool's orders in :meth:`Intake.follow_pool`, on the worker's thread. Called by
+``producers.worker``.
 """
 
 from __future__ import annotations
@@ -35,9 +49,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Literal, Protocol
 
 from producers.config import GenerateConfig
+from producers.pool import Release, Take
+from producers.pool_member import PoolMember
 from producers.recovery import take_over_offsets
 from producers.tasks import OffsetTracker, TaskState, TopicPart
 from srl.kafka import (
@@ -46,14 +62,31 @@ from srl.kafka import (
     KafkaException,
     Message,
     TopicPartition,
+    describe,
     make_consumer,
 )
 
 log = logging.getLogger("srl.generate")
 
 PauseMode = Literal["none", "fresh", "all"]  # which task partitions are paused
+UNKNOWN_HIGH = 2**63 - 1  # a high watermark not known: any task may have been started
 Taken = tuple[TopicPart, int, Message]  # a task record consumed: partition, offset, record
 HandOff = Callable[[set[TopicPart], list[TaskState]], bool]  # True: all reached the broker
+Drop = Callable[[list[TaskState]], None]  # stop these tasks' trajectories, publish nothing
+
+
+class Membership(Protocol):
+    """A worker's part in its pool's epochs (``producers.pool_member.PoolMember``)."""
+
+    def tick(self) -> Release | Take | None: ...
+
+    def holds(self) -> bool: ...
+
+    def released(self, order: Release) -> None: ...
+
+    def taken(self, order: Take) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def pause_mode(stopping: bool, waiting: int, max_batch: int, backlog_exceeded: bool) -> PauseMode:
@@ -74,22 +107,27 @@ def held(topic: str, mode: PauseMode, resume_prefix: str) -> bool:
 class Intake:
     """One worker's consumer of its pool's group, the tasks it holds and their commits."""
 
-    def __init__(self, cfg: GenerateConfig, topics: Sequence[str], hand_off: HandOff) -> None:
+    def __init__(
+        self, cfg: GenerateConfig, topics: Sequence[str], hand_off: HandOff, drop: Drop
+    ) -> None:
         self.cfg = cfg
         self.topics = list(topics)
         self.tracker = OffsetTracker()
         self.live: dict[tuple[TopicPart, int], TaskState] = {}  # consumed, not finished
         self.assigned_high: dict[TopicPart, int] = {}
         self.paused: PauseMode = "none"
-        self._hand_off = hand_off
+        self._hand_off, self._drop = hand_off, drop
+        self.pool: Membership | None = None
+        self.epoch: int | None = None  # the pool epoch whose partitions it holds
         self._resume_prefix = f"{cfg.topic_prefix}.resume."
         self._last_commit = time.monotonic()
         self._consumer: Consumer | None = None
 
     # -- membership -------------------------------------------------------------------------------
-    def join(self, consumer: Consumer | None = None) -> Intake:
-        """Take over the old group's positions (if asked), then subscribe ``consumer``
-        (default: a new member of ``consumer_group``; tests pass a fake)."""
+    def join(self, consumer: Consumer | None = None, pool: Membership | None = None) -> Intake:
+        """Take over the old group's positions (if asked), then join the pool's epochs
+        (``pool_liveness``: ``pool``, default a started ``PoolMember``) or subscribe
+        ``consumer`` (default: a client of ``consumer_group``; tests pass fakes)."""
         cfg = self.cfg
         if cfg.take_over_from:
             try:
@@ -102,9 +140,15 @@ class Intake:
         if consumer is None:
             consumer = make_consumer(cfg, cfg.consumer_group, "generator")
         self._consumer = consumer
-        self._consumer.subscribe(
-            self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
-        )
+        if cfg.pool_liveness:  # assigned by the pool's epochs, never a group member
+            self.pool = pool if pool is not None else PoolMember(cfg, self.topics).start()
+        else:
+            self._consumer.subscribe(
+                self.topics,
+                on_assign=self._on_assign,
+                on_revoke=self._on_revoke,
+                on_lost=self._on_lost,
+            )
         return self
 
     @property
@@ -115,6 +159,34 @@ class Intake:
     def close(self) -> None:
         if self._consumer is not None:
             self._consumer.close()
+        if self.pool is not None:
+            self.pool.close()  # after the final commit: the pool hands our share on
+
+    def follow_pool(self) -> None:
+        """Do what the pool says (``producers.pool``): release every partition as on a
+        revocation, or, fenced, drop every task unpublished and commit nothing; or take this
+        worker's share of a new epoch as on an assignment."""
+        if self.pool is None or (order := self.pool.tick()) is None:
+            return
+        if isinstance(order, Take):
+            parts = [TopicPartition(t, p) for t, p in order.partitions]
+            self.consumer.assign(parts)
+            self.consumer.resume(parts)  # a partition paused before it was released stays so
+            self._on_assign(self.consumer, parts)
+            self.epoch = order.epoch
+            self.pool.taken(order)
+            return
+        self.epoch = None
+        if order.fenced:
+            log.warning("fenced (the pool went on without this worker): its work is dropped")
+            self._drop(self.in_flight())
+            self.live.clear()
+            self.tracker = OffsetTracker()
+            self.assigned_high.clear()
+        else:
+            self._on_revoke(self.consumer, self.consumer.assignment())
+        self.consumer.unassign()
+        self.pool.released(order)
 
     # -- the worker's loop ------------------------------------------------------------------------
     def pause(self, mode: PauseMode) -> None:
@@ -150,8 +222,15 @@ class Intake:
             out.append((tp, offset, msg))
         return out
 
+    @property
+    def writer(self) -> tuple[str, int] | None:
+        """(pool, epoch) that chunks of tasks taken now carry (``srl.lineage``); None outside
+        pool epochs."""
+        return None if self.epoch is None else (self.cfg.consumer_group, self.epoch)
+
     def hold(self, st: TaskState) -> None:
-        """Keep a planned task until it is finished."""
+        """Keep a planned task until it is finished; its chunks carry the current writer."""
+        st.writer = self.writer
         self.live[(st.tp, st.offset)] = st
 
     def maybe_started(self, st: TaskState) -> bool:
@@ -183,6 +262,8 @@ class Intake:
         """Commit finished tasks' positions; False when a synchronous (forced) commit failed."""
         if not force and time.monotonic() - self._last_commit < self.cfg.commit_interval_s:
             return True
+        if self.pool is not None and not self.pool.holds():
+            return False  # a zombie's commit could move a successor's position back
         self._last_commit = time.monotonic()
         moved = self.tracker.committable()
         if not moved and not force:
@@ -217,9 +298,13 @@ class Intake:
     # -- rebalance callbacks ----------------------------------------------------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
-            _low, high = consumer.get_watermark_offsets(
-                tp, timeout=self.cfg.connect_timeout_s, cached=False
-            )
+            try:
+                _low, high = consumer.get_watermark_offsets(
+                    tp, timeout=self.cfg.connect_timeout_s, cached=False
+                )
+            except KafkaException as e:  # the broker is slow to come back: read every task back
+                log.warning("%s/%d: no high watermark (%s)", tp.topic, tp.partition, describe(e))
+                high = UNKNOWN_HIGH
             self.assigned_high[(tp.topic, tp.partition)] = high
         self.tracker.retain({(tp.topic, tp.partition) for tp in partitions})
         if hold := [tp for tp in partitions if held(tp.topic, self.paused, self._resume_prefix)]:

@@ -7,7 +7,7 @@ accounting of every chunk. What must hold:
 * every chunk is produced with key = trajectory id to ``Layout.partition_for(bucket,
   trajectory_id)``, counted in its task's ``unacked`` until its delivery report; a failed
   delivery marks the task failed (it is never committed) and is fatal to the worker
-  (:meth:`Outlet.check`);
+  (:meth:`Outlet.check`), unless the task was abandoned meanwhile (:meth:`Outlet.kill`);
 * a task is reported back (the ``done`` callback: the worker asks the intake whether it is
   finished) whenever one of its trajectories ends, a chunk of it is acknowledged, or one of
   its trajectories migrates;
@@ -119,7 +119,7 @@ class Outlet:
 
         def delivered(err: KafkaError | None, _msg: Any) -> None:
             st.unacked -= 1
-            if err is not None:
+            if err is not None and not st.abandoned:
                 st.failed = st.failed or err.str()
                 self.delivery_error = self.delivery_error or err.str()
             self._done(st)
@@ -161,7 +161,9 @@ class Outlet:
             st.todo.clear()
 
     def kill(self, st: TaskState) -> None:
-        """Stop every trajectory of a task that goes to the DLQ, publishing nothing more."""
+        """Stop every trajectory of a task that goes to the DLQ or is dropped (a fenced worker),
+        publishing nothing more; its chunks still in flight no longer matter."""
+        st.abandoned = True
         for tid in list(st.generating):
             self.engine.abort(tid)
             self.chunker.drop(tid)

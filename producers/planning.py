@@ -115,6 +115,8 @@ def trajectory_start(
         plan.started_ms or started_ms or now_ms(),
         t.step,
         t.step_groups,
+        pool=st.writer[0] if st.writer else None,
+        pool_epoch=st.writer[1] if st.writer else None,
     )
 
 
@@ -143,8 +145,14 @@ class Recovered:
     gap: str | None = None  # a trajectory with a gap in its seqs: the task goes to the DLQ
 
 
-def recovered(plans: Sequence[SamplePlan], found: Mapping[str, Found]) -> Recovered:
-    """Per plan, by ``found[trajectory_id].state(next_seq)``: skip, resume or start over.
+def recovered(
+    plans: Sequence[SamplePlan],
+    found: Mapping[str, Found],
+    writer: tuple[str, int] | None = None,
+) -> Recovered:
+    """Per plan, by ``found[trajectory_id].state(next_seq, writer)``: skip, resume or start
+    over (``writer``: the resumer's pool and epoch, which fences what a dropped writer left
+    after a gap).
 
     At the first gap the task is killed: ``todo`` is empty, and what was counted for the plans
     before it (skipped, resumed) stays counted, as it always was.
@@ -152,7 +160,7 @@ def recovered(plans: Sequence[SamplePlan], found: Mapping[str, Found]) -> Recove
     out = Recovered()
     for p in plans:
         f = found[p.trajectory_id]
-        state = f.state(p.next_seq)
+        state = f.state(p.next_seq, writer)
         if state == "gap":
             out.todo, out.gap = [], p.trajectory_id
             return out

@@ -7,7 +7,8 @@ Owns how a worker finds out what already exists of a trajectory before it genera
   trajectory, continuing the same seq numbering instead of starting a second copy.
 * :func:`read_prefixes` reads the partitions those trajectories live on, from the task's
   creation time (minus a clock-skew slack, located with ``offsets_for_times``) to the high
-  watermark, and returns for each trajectory the chunks found from its first expected seq:
+  watermark, and returns for each trajectory the chunks that count from its first expected
+  seq (as the trainer's assembler counts them, ``srl.lineage``: a zombie writer's are not):
   *complete* (contiguous through ``is_last``: nothing to do), a *prefix* to resume (prefill and
   continue at the next seq), *migrated* (a ``MIGRATED`` chunk: the previous owner handed the
   trajectory to the long-tail pool, which continues it), or nothing (generate from the
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from schemas.records import MIGRATED, SchemaError, TrajectoryChunk, decode_as
 from srl.config import CommonConfig
 from srl.kafka import TopicPartition, committed_offsets, make_consumer, read_range
+from srl.lineage import Lineage
 from srl.topics import Layout
 
 _NAMESPACE = uuid.UUID("6f1d2a8e-3c1b-4f7a-9d8e-5a4b3c2d1e0f")
@@ -42,30 +44,43 @@ def trajectory_id_for(task_id: str, sample_index: int) -> str:
 
 @dataclass
 class Found:
-    """What the topic holds of one trajectory from its first expected seq on."""
+    """What the topic holds of one trajectory from its first expected seq on: the chunks that
+    count, as the trainer will see them (``srl.lineage``: first copy, fenced writers out)."""
 
-    chunks: dict[int, TrajectoryChunk] = field(default_factory=dict)  # seq -> first copy
+    chunks: dict[int, TrajectoryChunk] = field(default_factory=dict)  # seq -> chunk that counts
+    lineage: Lineage = field(init=False)  # shares ``chunks``
+
+    def __post_init__(self) -> None:
+        self.lineage = Lineage(self.chunks)
+
+    def add(self, chunk: TrajectoryChunk) -> None:
+        self.lineage.add(chunk)
 
     def contiguous(self, first_seq: int) -> list[TrajectoryChunk]:
-        out, seq = [], first_seq
-        while seq in self.chunks:
-            out.append(self.chunks[seq])
-            if self.chunks[seq].is_last:
-                break
-            seq += 1
-        return out
+        return self.lineage.contiguous(first_seq)
 
-    def state(self, first_seq: int) -> str:
+    def state(self, first_seq: int, writer: tuple[str, int] | None = None) -> str:
         """'none', 'prefix', 'complete', 'migrated' (handed to another pool: not ours to
-        continue) or 'gap'."""
+        continue) or 'gap'. Chunks after a gap that ``writer`` (the resumer's pool and epoch)
+        fences, an older epoch's of its pool, are a dropped writer's that failed to deliver
+        some of its queue (cut off past its delivery timeout): resuming after the contiguous
+        run fences them for every reader (``srl.lineage``), so that is no gap."""
         run = self.contiguous(first_seq)
         if run and run[-1].is_last:
             return "complete"
         if any(c.finish_reason == MIGRATED for c in run):
             return "migrated"
-        if len(run) < len([s for s in self.chunks if s >= first_seq]):
+        end = run[-1].seq if run else first_seq - 1
+        beyond = [c for s, c in self.chunks.items() if s > end]
+        if beyond and not (writer is not None and all(fences(writer, c) for c in beyond)):
             return "gap"
         return "prefix" if run else "none"
+
+
+def fences(writer: tuple[str, int], chunk: TrajectoryChunk) -> bool:
+    """Whether a chunk of ``writer`` (pool, epoch) fences ``chunk`` (srl.lineage's rule)."""
+    pool, epoch = writer
+    return chunk.pool == pool and chunk.pool_epoch is not None and chunk.pool_epoch < epoch
 
 
 def read_prefixes(
@@ -96,7 +111,7 @@ def read_prefixes(
         with contextlib.suppress(SchemaError):  # the trainer dead-letters bad chunks; skip here
             chunk = decode_as(msg.value() or b"", TrajectoryChunk)
             if chunk.seq >= wanted[key][1]:
-                found[key].chunks.setdefault(chunk.seq, chunk)
+                found[key].add(chunk)
     return found
 
 

@@ -45,6 +45,8 @@ class TaskState:
     generating: set[str] = field(default_factory=set)  # trajectory ids not yet finished
     unacked: int = 0  # chunks produced, delivery not yet reported
     failed: str | None = None  # first delivery error, if any
+    writer: tuple[str, int] | None = None  # (pool, epoch) it was taken in (pool epochs)
+    abandoned: bool = False  # dropped unfinished (dead-lettered, fenced): deliveries moot
 
     @property
     def finished(self) -> bool:

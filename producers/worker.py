@@ -9,6 +9,8 @@ back), ``producers.admission`` (pure: who starts when), ``producers.outlet`` (tr
 in the engine: chunker, deliveries, hand-offs, migration), ``producers.follower`` (weights)
 and ``producers.backlog`` (the trainer's backlog). Each iteration, in this order:
 
+0. follow the pool's orders (``Intake.follow_pool``, pool epochs): release or take
+   partitions when the pool's members changed; a fenced worker drops its work unpublished;
 1. re-raise a failure of the follower thread or of a chunk delivery (a failed chunk is fatal:
    the worker stops without committing that task, so it is redelivered);
 2. **swap weights** if the follower has a verified version: publish every open partial chunk
@@ -27,7 +29,8 @@ and ``producers.backlog`` (the trainer's backlog). Each iteration, in this order
 4. **admit** waiting samples into the engine's free slots, resumed ones first, then by trainer
    step and longest-predicted first, each only with weights no older than ``latest - k`` and
    its task's ``min_version`` (``producers.admission``), after reading every weights
-   announcement made before the task arrived (``WeightFollower.sync``);
+   announcement made before the task arrived (``WeightFollower.sync``; while the broker does
+   not answer, nothing is admitted and the sync is tried again next iteration);
 5. **one decode step**; its outputs go through the chunker into the producer, key =
    trajectory id, partition = ``Layout.partition_for(bucket, trajectory_id)``; with
    ``migrate_to`` set, stragglers (past ``migrate_factor`` × their prediction) are then handed
@@ -51,6 +54,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -81,7 +85,7 @@ from schemas.records import (
 )
 from srl.codecs import use_schema_registry
 from srl.errors import SrlError, WeightsError
-from srl.kafka import Message, Producer, create_topics, position_group
+from srl.kafka import KafkaException, Message, Producer, create_topics, describe, position_group
 from srl.metrics import Metrics, dead_letter
 from srl.stores import store_from_config
 from srl.topics import Layout
@@ -123,10 +127,11 @@ class GeneratorWorker:
         self.summary = GenSummary(cfg.worker_name, engine.name, engine.simulated)
         self.outlet = Outlet(cfg, self.layout, engine, self.summary, self._maybe_finished)
         topics = [t for b in self.buckets for t in (self.layout.prompts(b), self.layout.resumes(b))]
-        self.intake = Intake(cfg, topics, self._release)
+        self.intake = Intake(cfg, topics, self._release, self._drop)
         self.pending: list[TaskState] = []  # tasks with samples not yet in the engine
         self.backlog = TrainerBacklog(cfg.max_backlog_chunks, cfg.backlog_stall_s)
         self.stopping = False
+        self._unsynced = False  # tasks accepted since the last weights sync: admit none yet
         self._last_stats = time.monotonic()
         self._stats_base = (0, 0)
 
@@ -150,7 +155,9 @@ class GeneratorWorker:
         """The producer, the weight follower, the trainer's lag and the group membership;
         ``stack`` closes them in reverse order."""
         self.producer = stack.enter_context(Producer(self.cfg, "generator"))
-        self.metrics = Metrics(self.producer, self.layout, self.cfg.run, self.summary.worker_id)
+        self.metrics = Metrics(
+            self.producer, self.layout, self.cfg.run, self.summary.worker_id, best_effort=True
+        )
         self.outlet.open(self.producer, self.metrics)
         store = store_from_config(self.cfg)
         self.follower = WeightFollower(self.cfg, self.layout, store, run=self.cfg.weights_run)
@@ -165,13 +172,16 @@ class GeneratorWorker:
         self.intake.join()
 
     def _iterate(self) -> None:
-        """One pass of the module docstring's steps 1-7."""
+        """One pass of the module docstring's steps 0-7."""
+        self.intake.follow_pool()  # 0.
         self.follower.check()  # 1.
         self.outlet.check()
         self._swap()  # 2.
-        self.backlog.check(self.lag)  # 3.
+        self._measured(self.backlog.check)  # 3.
         if self._intake():
-            self.follower.sync()  # 4.
+            self._unsynced = True
+        if self._unsynced:  # 4.
+            self._unsynced = not self._sync()
         self._admit()
         self.outlet.publish(self.engine.step())  # 5.
         if not self.stopping:
@@ -273,7 +283,7 @@ class GeneratorWorker:
         wanted, since = prefix_query(states, self.layout.partition_for, slack_s)
         found = read_prefixes(self.cfg, self.layout, wanted, since)
         for st in states:
-            r = recovered(st.todo, found)
+            r = recovered(st.todo, found, st.writer)
             st.todo = r.todo
             st.generating.difference_update(r.skipped)
             self.summary.skipped_complete += len(r.skipped)
@@ -281,8 +291,18 @@ class GeneratorWorker:
             if r.gap is not None:
                 self._kill_task(st, f"trajectory {r.gap} has a gap in its seq numbers")
 
+    def _sync(self) -> bool:
+        """Read every weights announcement made so far (``WeightFollower.sync``); False while
+        the broker does not answer (nothing is admitted meanwhile)."""
+        try:
+            self.follower.sync()
+        except (KafkaException, SrlError) as e:
+            log.warning("reading the weights topic: %s", describe(e))
+            return False
+        return True
+
     def _admit(self) -> None:
-        if not self.pending or self.stopping:
+        if not self.pending or self.stopping or self._unsynced:
             return
         room = self.cfg.max_batch - self.engine.running - len(self.engine.waiting)
         if room <= 0:
@@ -328,6 +348,23 @@ class GeneratorWorker:
             return False
         return True
 
+    def _drop(self, states: list[TaskState]) -> None:
+        """The intake's drop of a fenced worker's tasks: their trajectories stop here, nothing
+        more of them is published (their new owners resume them from the published prefix)."""
+        for st in states:
+            self.outlet.kill(st)
+            st.todo.clear()
+        self.pending.clear()
+
+    def _measured(self, measure: Callable[[GroupLag], int | None]) -> int | None:
+        """The trainer's backlog, or None while the broker does not answer (cut off: the
+        worker goes on with its last measurement)."""
+        try:
+            return measure(self.lag)
+        except KafkaException as e:
+            log.warning("measuring the trainer's backlog: %s", describe(e))
+            return None
+
     def _stats(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last_stats < self.cfg.stats_interval_s:
@@ -343,7 +380,7 @@ class GeneratorWorker:
             "running": self.engine.running,
             "policy_version": self.engine.version,
             "paused": float(self.intake.paused != "none"),
-            "backlog": float(self.backlog.report(self.lag) or 0),
+            "backlog": float(self._measured(self.backlog.report) or 0),
         }
         labels = {
             "pool": self.cfg.pool,

@@ -134,6 +134,7 @@ class PromptTask(Record):
     step: int | None = None  # trainer step that trains this group (null: unscheduled)
     step_groups: int | None = None  # groups released for that step
     min_version: int | None = None  # oldest policy version a worker may start it with
+    run: str | None = None  # the run whose dispatcher published it
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PromptTask:
@@ -177,6 +178,8 @@ class TrajectoryChunk(Record):
     metadata: str | None = None
     step: int | None = None  # seq 0 only: the task's trainer step
     step_groups: int | None = None  # seq 0 only: groups released for that step
+    pool: str | None = None  # the writer's pool under pool epochs (null: unfenced)
+    pool_epoch: int | None = None  # the epoch it held the task's partition in
 
     @property
     def n_tokens(self) -> int:

@@ -13,19 +13,30 @@ import logging
 from collections import Counter
 
 from schemas.records import MetricEvent, encode
-from srl.kafka import Producer
+from srl.kafka import KafkaError, Producer
 from srl.topics import Layout
 
 log = logging.getLogger("srl.metrics")
 
 
 class Metrics:
-    def __init__(self, producer: Producer | None, layout: Layout, run: str, source: str) -> None:
+    def __init__(
+        self,
+        producer: Producer | None,
+        layout: Layout,
+        run: str,
+        source: str,
+        best_effort: bool = False,
+    ) -> None:
         self.producer = producer
         self.layout = layout
         self.run = run
         self.source = source
         self.counters: Counter[str] = Counter()
+        # best effort (a generator's stats): an event that cannot be delivered (the broker was
+        # away longer than the delivery timeout) is counted in ``lost``, not raised by flush
+        self.best_effort = best_effort
+        self.lost = 0
 
     def emit(
         self,
@@ -43,8 +54,16 @@ class Metrics:
             labels=dict(labels or {}),
         )
         if self.producer is not None:
-            self.producer.produce(self.layout.metrics, encode(event), key=self.source)
+            cb = self._lost if self.best_effort else None
+            self.producer.produce(
+                self.layout.metrics, encode(event), key=self.source, on_delivery=cb
+            )
         return event
+
+    def _lost(self, err: KafkaError | None, _msg: object) -> None:
+        if err is not None:
+            self.lost += 1
+            log.debug("metric event not delivered: %s", err.str())
 
     def incr(self, name: str, n: int = 1) -> None:
         self.counters[name] += n

@@ -12,6 +12,8 @@ Owns the naming every role and every monitoring tool relies on:
   trajectory id; trainers join them to the served trajectories
 * ``{prefix}.metrics``: metric events from every role
 * ``{prefix}.dlq``: records that could not be decoded or used, with the reason in headers
+* ``{prefix}.pool.epochs`` / ``{prefix}.pool.beats``: generator pools' epochs (never deleted)
+  and their members' heartbeats (kept an hour): ``producers.pool``
 
 Buckets are named by their upper bound in tokens (``le256``, ``le1024``, ``le4096``) and one
 open bucket for the rest (``gt4096``). Bucket ``i`` owns trajectories partitions
@@ -106,6 +108,14 @@ class Layout:
     def dlq(self) -> str:
         return f"{self.prefix}.dlq"
 
+    @property
+    def pool_epochs(self) -> str:
+        return f"{self.prefix}.pool.epochs"
+
+    @property
+    def pool_beats(self) -> str:
+        return f"{self.prefix}.pool.beats"
+
     # -- trajectories partitions -------------------------------------------------------
     @property
     def trajectory_partition_count(self) -> int:
@@ -136,6 +146,8 @@ class Layout:
             TopicSpec(self.feedback, 1, {}),
             TopicSpec(self.metrics, 1, {}),
             TopicSpec(self.dlq, 1, {}),
+            TopicSpec(self.pool_epochs, 1, {"retention.ms": "-1"}),
+            TopicSpec(self.pool_beats, 1, {"retention.ms": "3600000"}),
         ]
         return specs
 

@@ -20,6 +20,7 @@ import os
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -303,3 +304,114 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+class WatchLog:
+    """The JSON lines ``tests.genwatch`` writes to its log, read as they come."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def lines(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        out = []
+        for raw in self.path.read_text().splitlines():
+            if raw.startswith("{"):
+                out.append(orjson.loads(raw))
+        return out
+
+    def until(self, what: Any, timeout_s: float) -> dict[str, Any]:
+        """The first line (of those written from now on) for which ``what`` holds."""
+        seen = len(self.lines())
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            lines = self.lines()
+            for line in lines[seen:]:
+                if what(line):
+                    return line
+            seen = len(lines)
+            time.sleep(0.5)
+        last = self.lines()[-1:]
+        raise RuntimeError(f"watcher: condition not met in {timeout_s:g}s; last {last}")
+
+
+def run_partition(cut_s: float = 30.0, prompts: int = 4, length: int = 2400) -> dict[str, Any]:
+    """Two ``srl-producer generate --engine sim`` workers of one pool in the generators'
+    datacenter (default settings: 10 s sessions), cut off from the broker for ``cut_s`` while
+    every trajectory is in flight; when (seconds after the heal) every unfinished trajectory
+    had moved on again (``resumed_s``) and all were complete, and the audit of every sample
+    (``tests.genwatch``)."""
+    bins = Path(sys.executable).parent
+    with (
+        tempfile.TemporaryDirectory(prefix="srl-partition-") as tmp,
+        Topology(5.0, 100.0) as t,
+    ):
+        work = Path(tmp)
+        env = start_services(t, work)
+        ids = [  # half on each prompt partition (librdkafka hashes keys with CRC32)
+            *[p for p in (f"q{i}" for i in range(50)) if zlib.crc32(p.encode()) % 2 == 0][
+                : prompts // 2
+            ],
+            *[p for p in (f"q{i}" for i in range(50)) if zlib.crc32(p.encode()) % 2 == 1][
+                : prompts // 2
+            ],
+        ]
+        (work / "ids").write_text("\n".join(ids))
+        (work / "p.jsonl").write_text(
+            "".join(
+                orjson.dumps(
+                    {"prompt_id": p, "prompt": p, "metadata": {"sim_length": length}}
+                ).decode()
+                + "\n"
+                for p in ids
+            )
+        )
+        watch = WatchLog(work / "watch.log")
+        argv = [sys.executable, "-m", "tests.genwatch", "--expect", str(prompts * 2)]
+        argv += ["--group-size", "2", "--ids", str(work / "ids"), "--timeout", "600"]
+        t.start("train", argv, env=env, log=watch.path)
+        gens = {
+            w: t.start(
+                "gen",
+                [str(bins / "srl-producer"), "-v", "generate", "--engine", "sim"]
+                + ["--worker-id", w, "--max-batch", "4", "--chunk-tokens", "32"]
+                + ["--buckets", "le4096"],
+                env=env,
+                log=work / f"{w}.log",
+            )
+            for w in ("wa", "wb")
+        }
+        watch.until(lambda line: line["owners"] == {"wa": 2, "wb": 2}, 180)
+        out = t.run(
+            "gen",
+            [str(bins / "srl-producer"), "dispatch", "--unpaced", "--partitioning", "key"]
+            + ["--prompts", str(work / "p.jsonl"), "--group-size", "2"]
+            + ["--max-new-tokens", str(length + 500)],
+            env=env,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"dispatch failed: {out.stderr.strip()}")
+        watch.until(lambda line: line["started"] == prompts * 2, 120)
+        t.cut("gen")
+        time.sleep(cut_s)
+        t.heal("gen")
+        healed_ms = time.time() * 1000
+        back = watch.until(  # every incomplete trajectory has moved on since the heal
+            lambda line: line.get("final") or (line["stalest_ms"] or healed_ms + 1) > healed_ms,
+            300,
+        )
+        final = watch.until(lambda line: line.get("final"), 600)
+        alive = {w: p.poll() is None for w, p in gens.items()}
+        codes = {w: t.stop(p, grace_s=60) for w, p in gens.items()}
+        logs = {w: (work / f"{w}.log").read_text()[-3000:] for w in gens}
+        complete = next(x for x in watch.lines() if x.get("complete") == prompts * 2)
+        return {
+            "cut_s": cut_s,
+            "resumed_s": back["at"] - healed_ms / 1000,
+            "complete_s": complete["at"] - healed_ms / 1000,
+            "audit": final,
+            "alive": alive,
+            "codes": codes,
+            "logs": logs,
+        }

@@ -11,7 +11,8 @@
 
 Addresses are from 198.18.0.0/15, the range reserved for network benchmarks (RFC 2544), and
 exist only inside these namespaces; nothing is set up in the root namespace. Namespace names
-carry the creating pid so concurrent runs do not collide. ``Topology`` is a context manager:
+carry the creating pid so concurrent runs do not collide. ``cut(dc)`` / ``heal(dc)`` partition a
+datacenter from the others and join it again. ``Topology`` is a context manager:
 on exit it kills the processes it started (by pid, SIGTERM then SIGKILL) and deletes the
 namespaces, which removes their links.
 
@@ -171,6 +172,14 @@ class Topology:
             self.down()
             raise
         return self
+
+    def cut(self, dc: str) -> None:
+        """Partition datacenter ``dc`` from the others: its link's router end goes down, so every
+        packet to or from it is dropped silently (no reset, no unreachable) until :meth:`heal`."""
+        sh("ip", "-n", self.wan, "link", "set", f"w{DCS[dc]}", "down")
+
+    def heal(self, dc: str) -> None:
+        sh("ip", "-n", self.wan, "link", "set", f"w{DCS[dc]}", "up")
 
     def start(
         self, dc: str, argv: list[str], env: dict[str, str] | None = None, log: Path | None = None

@@ -82,9 +82,10 @@ def dispatch(cfg: DispatchConfig, unpaced: bool, as_json: bool) -> None:
         echo_json(summary.to_dict())
     else:
         buckets = ", ".join(f"{b}: {n}" for b, n in summary.by_bucket.items())
+        skipped = f"; {summary.skipped} published before (skipped)" if summary.skipped else ""
         click.echo(
             f"dispatched {summary.tasks} tasks ({cfg.group_size} samples each) from "
-            f"{summary.prompts} prompts; {buckets}"
+            f"{summary.prompts} prompts; {buckets}{skipped}"
         )
 
 

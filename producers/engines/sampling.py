@@ -10,12 +10,16 @@ whose rows may each use their own parameters. What must hold:
   ``log_softmax(logits / T)`` at the sampled token, i.e. *before* the top-p truncation, which
   is what a trainer recomputes from the same logits and temperature.
 
-Called by the hf engine each decode step.
+Called by the hf engine each decode step. torch is imported on the first call, so that
+importing the engines (a sim worker, ``--help``) does not load it.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def sample(
@@ -28,6 +32,8 @@ def sample(
 
     ``temperature`` and ``top_p`` are ``[B]`` tensors on the logits' device.
     """
+    import torch
+
     logits = logits.float()
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
@@ -46,6 +52,8 @@ def sample(
 
 def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Zero the tail beyond mass ``top_p`` per row (rows with top_p >= 1 are untouched)."""
+    import torch
+
     if bool((top_p >= 1).all()):
         return probs
     sorted_p, order = probs.sort(dim=-1, descending=True)

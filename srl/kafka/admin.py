@@ -28,7 +28,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetS
 from srl.config import KafkaSettings, TopicsConfig
 from srl.errors import SrlError
 from srl.kafka.consumer import Consumer, reader
-from srl.kafka.settings import base_settings, describe, wait_for_broker
+from srl.kafka.settings import SESSION_TIMEOUT_MS, base_settings, describe, wait_for_broker
 from srl.topics import Layout, TopicSpec
 
 log = logging.getLogger("srl.kafka")
@@ -99,7 +99,8 @@ def committed_offsets(
     timeout_s: float = 10.0,
 ) -> dict[tuple[str, int], int | None]:
     """Committed offset of ``group_id`` per partition; None where nothing is committed."""
-    with Consumer(base_settings(cfg, "offsets") | {"group.id": group_id} | cfg.kafka) as c:
+    settings = base_settings(cfg, "offsets") | {"group.id": group_id}
+    with Consumer(settings | {"session.timeout.ms": SESSION_TIMEOUT_MS} | cfg.kafka) as c:
         tps = c.committed([TopicPartition(t, p) for t, p in partitions], timeout=timeout_s)
         return {(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None) for tp in tps}
 
@@ -155,7 +156,10 @@ class Lag:
 
     def _group(self, group: str) -> Consumer:
         if group not in self._groups:
-            settings = base_settings(self.cfg, "lag") | {"group.id": group}
+            settings = base_settings(self.cfg, "lag") | {
+                "group.id": group,
+                "session.timeout.ms": SESSION_TIMEOUT_MS,
+            }
             self._groups[group] = Consumer(settings | self.cfg.kafka)
         return self._groups[group]
 

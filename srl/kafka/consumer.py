@@ -23,7 +23,7 @@ import confluent_kafka
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 
 from srl.config import KafkaSettings
-from srl.kafka.settings import base_settings, consumer_settings
+from srl.kafka.settings import SESSION_TIMEOUT_MS, base_settings, consumer_settings
 
 Rebalance = Callable[["Consumer", list[TopicPartition]], None]
 
@@ -160,6 +160,7 @@ def reader(cfg: KafkaSettings, role: str) -> Consumer:
         "group.id": f"srl-{role}",
         "enable.auto.commit": False,
         "enable.auto.offset.store": False,
+        "session.timeout.ms": SESSION_TIMEOUT_MS,  # else -X max.poll.interval.ms<45000 fails
     }
     return Consumer(settings | cfg.kafka)
 
@@ -183,19 +184,33 @@ class QuietTail:
     consumer must be assigned ``tp`` and used from one thread.
     """
 
-    def __init__(self, consumer: Consumer, tp: TopicPartition, probe_s: float = 0.01) -> None:
+    def __init__(
+        self,
+        consumer: Consumer,
+        tp: TopicPartition,
+        probe_s: float = 0.01,
+        start: int | None = None,
+    ) -> None:
         self.consumer, self.tp, self.probe_s = consumer, tp, probe_s
+        self.start = start  # the concrete offset ``tp`` was assigned at, if it was
         self.paused = False
         self.end = -1  # the highest high watermark seen (probed or fetched)
 
     def _position(self) -> int:
-        """The next offset to read; -1 until the first record (a logical start offset)."""
+        """The next offset to read; before the first record the concrete ``start`` it was
+        assigned at (so an empty partition pauses too), else -1 (a logical start offset)."""
         pos = self.consumer.position([self.tp])[0].offset
+        if pos < 0 and self.start is not None:
+            return self.start
         return pos if pos >= 0 else -1
 
     def _wake(self) -> None:
-        """Paused: resume if the partition grew past our position."""
-        _low, high = self.consumer.get_watermark_offsets(self.tp, timeout=10, cached=False)
+        """Paused: resume if the partition grew past our position. A probe that fails (the
+        broker is away) finds nothing new; the next one tries again."""
+        try:
+            _low, high = self.consumer.get_watermark_offsets(self.tp, timeout=10, cached=False)
+        except KafkaException:
+            return
         self.end = max(self.end, high)
         pos = self._position()
         if self.end > pos:

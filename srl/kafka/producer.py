@@ -1,7 +1,10 @@
 """``Producer``: an idempotent producer with counted deliveries (STYLE.md's producer discipline).
 
 ``poll(0)`` after each produce, poll-and-retry on ``BufferError``, delivery failures counted and
-surfaced (``flush`` raises), flush on exit of a ``with`` block.
+surfaced (``flush`` raises), flush on exit of a ``with`` block. A record produced with its own
+``on_delivery`` callback is its caller's to account for: a failure goes to that callback and
+is not raised again by ``flush`` (a generator's chunks: its outlet decides what a failure
+means, e.g. nothing for a task it has abandoned).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ class Producer:
         self.errors: list[str] = []
         self._lock = threading.Lock()
         self.delivered = 0
-        self.failed = 0
+        self.failed = 0  # failures ``flush`` raises
+        self.failed_handled = 0  # failures of records whose caller took them (``on_delivery``)
         self._failed_reported = 0
         settings = producer_settings(cfg, role, **overrides)
         settings["error_cb"] = self._on_error
@@ -51,10 +55,12 @@ class Producer:
             self.errors.append(err.str())
         log.debug("producer error: %s", err.str())
 
-    def _counted(self, err: KafkaError | None, _msg: Any) -> None:
+    def _counted(self, err: KafkaError | None, _msg: Any, handled: bool = False) -> None:
         with self._lock:
             if err is None:
                 self.delivered += 1
+            elif handled:  # its producer's callback accounts for it
+                self.failed_handled += 1
             else:
                 self.failed += 1
                 if len(self.errors) < 100:
@@ -76,7 +82,7 @@ class Producer:
         else:
 
             def cb(err: KafkaError | None, msg: Any) -> None:
-                self._counted(err, msg)
+                self._counted(err, msg, handled=True)
                 on_delivery(err, msg)
 
         p = self._p

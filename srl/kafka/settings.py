@@ -59,6 +59,11 @@ def producer_settings(
     return settings
 
 
+# A group member's session; also set on clients that never join a group, because librdkafka
+# refuses any consumer whose max.poll.interval.ms (-X) is below it (its default is 45 s).
+SESSION_TIMEOUT_MS = 10_000
+
+
 def consumer_settings(
     cfg: KafkaSettings, group_id: str, role: str = "consumer", **overrides: Any
 ) -> dict[str, Any]:
@@ -70,7 +75,7 @@ def consumer_settings(
             "enable.auto.offset.store": False,
             "auto.offset.reset": "earliest",
             "partition.assignment.strategy": "cooperative-sticky",
-            "session.timeout.ms": 10_000,
+            "session.timeout.ms": SESSION_TIMEOUT_MS,
             "heartbeat.interval.ms": 1_000,
             "max.poll.interval.ms": 300_000,
         }

@@ -18,7 +18,7 @@ import pytest
 from srl.config import CommonConfig, load_config
 from srl.kafka import committed_offsets
 from srl.topics import Layout, pool_group
-from tests.conftest import bin_path, embedded_broker_in_use
+from tests.conftest import bin_path
 from tests.integration.test_generation import Trajectories, check_exactly_once
 
 
@@ -131,16 +131,11 @@ def test_sigkill_of_a_worker_mid_trajectory_is_resumed_by_another(
 ) -> None:
     """SIGKILL one of two workers; a supervisor-style restart joins; the dead one's work is resumed.
 
-    Apache Kafka evicts the dead member after session.timeout.ms by itself. The embedded
-    noida-db 0.2.3 does not: a group whose member was SIGKILLed can stay in
-    CompletingRebalance for good (seen here: the dead member listed, no assignment, >60 s),
-    so this test needs a real Kafka (SRL_TEST_CONTAINER=1 or SRL_BOOTSTRAP_SERVERS); see
-    docs/broker.md, "Known gaps".
+    The embedded noida-db 0.2.3 never evicts a dead group member (docs/reliability.md), so
+    the pool assigns its partitions itself (pool epochs, ``producers.pool``): once the dead
+    worker has been silent for the session timeout, the survivor and the newcomer share its
+    partitions, whatever the broker.
     """
-    if embedded_broker_in_use():
-        pytest.skip(
-            "noida-db never evicts a SIGKILLed group member (docs/broker.md); needs Apache Kafka"
-        )
     ids = balanced_prompts(tmp_path / "p.jsonl", 6)
     cfg = cfg_from_env(cli_env)
     assert run("srl", "topics", "create", env=cli_env).returncode == 0

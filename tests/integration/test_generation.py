@@ -35,6 +35,7 @@ from srl.kafka import (
     reader,
     watermarks,
 )
+from srl.lineage import Lineage
 from srl.stores import store_from_config
 from srl.tinymodel import load_model
 from srl.topics import Layout
@@ -63,23 +64,34 @@ class TopicReader:
 
 
 class Trajectories:
-    """Chunks of the trajectories topic, deduplicated by (trajectory_id, seq), as the trainer
-    does."""
+    """Chunks of the trajectories topic that count, as the trainer counts them: deduplicated
+    by (trajectory_id, seq), a fenced writer's dropped (``srl.lineage``)."""
 
     def __init__(self, cfg: CommonConfig) -> None:
         self.reader = TopicReader(cfg, Layout.from_config(cfg).trajectories)
         self.chunks: dict[str, dict[int, tuple[int, int, TrajectoryChunk]]] = defaultdict(dict)
+        self.lineages: dict[str, Lineage] = defaultdict(Lineage)
+        self.raw: list[TrajectoryChunk] = []  # every chunk, in the order read
         self.duplicates = 0
         self._seen = 0
+
+    @property
+    def fenced(self) -> int:
+        return sum(lin.fenced for lin in self.lineages.values())
 
     def poll(self) -> None:
         self.reader.poll()
         for ts, got, msg in self.reader.records[self._seen :]:
             c = decode_as(msg.value(), TrajectoryChunk)
-            if c.seq in self.chunks[c.trajectory_id]:
+            self.raw.append(c)
+            lin, held = self.lineages[c.trajectory_id], self.chunks[c.trajectory_id]
+            verdict = lin.add(c)
+            if verdict == "duplicate":
                 self.duplicates += 1
-            else:
-                self.chunks[c.trajectory_id][c.seq] = (ts, got, c)
+            elif verdict == "kept":
+                held[c.seq] = (ts, got, c)
+            for seq in [seq for seq in held if lin.chunks.get(seq) is not held[seq][2]]:
+                del held[seq]  # removed by a newer writer's chunk
         self._seen = len(self.reader.records)
 
     def ordered(self, tid: str) -> list[TrajectoryChunk]:
@@ -418,8 +430,12 @@ def test_async_dispatch_keeps_the_backlog_bounded(make_cfg: Any) -> None:
     )
 
 
-def test_unusable_tasks_are_dead_lettered_and_committed(make_cfg: Any, tiny_model: Path) -> None:
-    cfg = gen_cfg(make_cfg, tiny_model, idle_exit_s=3.0)
+@pytest.mark.parametrize("pool_liveness", [True, False], ids=["pool-epochs", "consumer-group"])
+def test_unusable_tasks_are_dead_lettered_and_committed(
+    make_cfg: Any, tiny_model: Path, pool_liveness: bool
+) -> None:
+    # both intakes: the pool's epochs (the default) and the classic consumer group
+    cfg = gen_cfg(make_cfg, tiny_model, idle_exit_s=3.0, pool_liveness=pool_liveness)
     layout = Layout.from_config(cfg)
     create_topics(cfg)
     topic = layout.prompts("le256")

@@ -127,6 +127,11 @@ def test_producer_with_no_broker_fails_fast_with_a_clear_error() -> None:
     with pytest.raises(SrlError, match="failed delivery|not delivered"):
         p.flush(timeout_s=20)
     assert time.monotonic() - t0 < 20
+    # a record with its own callback is its caller's to account for: reported there only
+    seen: list[object] = []
+    p.produce("x.trajectories", b"v", on_delivery=lambda err, _msg: seen.append(err))
+    p.flush(timeout_s=20)
+    assert len(seen) == 1 and seen[0] is not None and p.failed_handled == 1
 
 
 def test_dead_letters_carry_reason_and_origin(cfg: CommonConfig) -> None:

@@ -124,3 +124,20 @@ def test_idle_incomplete_trajectories_expire() -> None:
     assert [p.trajectory_id for p in dead] == [a[0].trajectory_id]
     assert asm.add(a[1], now=13.0) is None and asm.duplicates == 1  # late chunk after expiry
     assert asm.add(b[1], now=13.0) is not None
+
+
+def test_a_fenced_writers_chunks_never_mix_into_the_trajectory() -> None:
+    # worker A (epoch 1) publishes seq 0..1 and is SIGSTOPped with seq 2..3 queued; B (epoch 2)
+    # resumes from seq 2; A's queued chunks land between B's: they are the zombie's, dropped
+    done = traj_chunks("p", 0, 1, [1], list(range(16)), chunk_tokens=4, worker_id="a")
+    tid = done[0].trajectory_id
+    a = [dataclasses.replace(c, pool="g", pool_epoch=1) for c in done]
+    resumed = traj_chunks("p", 0, 1, [1], list(range(100, 116)), chunk_tokens=4, trajectory_id=tid)
+    b = [dataclasses.replace(c, pool="g", pool_epoch=2, worker_id="b") for c in resumed[2:]]
+    asm = Assembler(set())
+    (t,) = feed(asm, [a[0], a[1], b[0], a[2], a[3], b[1]])
+    assert t.workers == ("a", "b") and t.tokens.tolist() == [*range(8), *range(108, 116)]
+    assert asm.fenced == 2 and asm.duplicates == 0
+    zombie_first = Assembler(set())  # the zombie's land before B's first chunk: removed by it
+    (t2,) = feed(zombie_first, [a[0], a[1], a[2], b[0], a[3], b[1]])
+    assert t2.tokens.tolist() == t.tokens.tolist() and zombie_first.fenced == 2

@@ -109,10 +109,14 @@ def test_exact_bytes_for_a_fixed_chunk() -> None:
         + zz(1_700_000_000_123)
         + b"\x00"
         + b"\x00"  # step, step_groups null
+        + b"\x00"
+        + b"\x00"  # pool, pool_epoch null
     )
     assert encode(chunk()) == expected
     stepped = TrajectoryChunk(**{**chunk().to_dict(), "step": 7, "step_groups": 12})
-    assert encode(stepped) == expected[:-2] + b"\x02" + zz(7) + b"\x02" + zz(12)
+    assert encode(stepped) == expected[:-4] + b"\x02" + zz(7) + b"\x02" + zz(12) + b"\x00\x00"
+    fenced = TrajectoryChunk(**{**chunk().to_dict(), "pool": "g", "pool_epoch": 3})
+    assert encode(fenced) == expected[:-2] + b"\x02" + avro_str("g") + b"\x02" + zz(3)
     assert tokens == bytes.fromhex("01000000020000002c010000")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from app.sources import load_source
 from producers.config import DispatchConfig
+from producers.dispatch_log import Published, Stamp
 from producers.dispatcher import plan_window, windows
 from producers.sources import SourcePrompt, make_predictor, read_jsonl, sim_prompts
 from ranker.predictor import BaselinePredictor, LengthPredictor, OraclePredictor
@@ -126,3 +128,24 @@ def test_each_epoch_gets_its_own_prompt_ids_so_groups_never_merge() -> None:
     assert ids[0] == {"p0", "p1", "p2"}
     assert ids[1] == {"p0.e1", "p1.e1", "p2.e1"}
     assert ids[2] == {"p0.e2", "p1.e2", "p2.e2"}
+
+
+def test_what_a_previous_dispatcher_published_is_skipped_and_its_window_kept_in_its_step() -> None:
+    layout = Layout(bucket_bounds=(100, 1000))
+    c = cfg(group_size=4, tasks_per_group=2, run="r")
+    window = [SourcePrompt(f"p{i}", f"text {i}") for i in range(3)]
+    tasks = plan_window(window, np.array([50, 60, 70]), layout, c)
+    assert {t.run for t in tasks} == {"r"} and len(tasks) == 6  # two tasks per group
+    log = Published()
+    assert log.rest(tasks) == (tasks, None)  # nothing went out: a new step
+    for t in tasks[:3]:  # the previous dispatcher died after three tasks of step 5
+        log.add(dataclasses.replace(t, step=5, step_groups=3, min_version=2))
+    again = plan_window(window, np.array([50, 60, 70]), layout, c)  # new task ids, same keys
+    todo, stamp = log.rest(again)
+    assert [(t.prompt_id, t.sample_indices) for t in todo] == [
+        (t.prompt_id, t.sample_indices) for t in tasks[3:]
+    ]
+    assert stamp == Stamp(5, 3, 2) and log.last_step == 5
+    for t in todo:
+        log.add(dataclasses.replace(t, step=5, step_groups=3, min_version=2))
+    assert log.rest(again) == ([], Stamp(5, 3, 2))  # all of it went out

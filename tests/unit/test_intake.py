@@ -29,6 +29,7 @@ from producers.planning import (
     task_target,
     trajectory_start,
 )
+from producers.pool import Release, Take
 from producers.recovery import Found, trajectory_id_for
 from producers.tasks import SamplePlan, TaskState
 from schemas.records import MIGRATED, PromptTask, ResumePrefix, TrajectoryChunk, pack_tokens
@@ -131,6 +132,12 @@ def test_a_plan_becomes_a_request_and_a_trajectory_start() -> None:
     )
     start = trajectory_start(st, resumed, 555)
     assert (start.next_seq, start.token_offset, start.started_ms) == (2, 2, 777)
+    assert (start.pool, start.pool_epoch) == (None, None)  # outside pool epochs: unfenced
+    st.writer = ("t.gen.regular", 5)  # taken in epoch 5: every chunk says so (srl.lineage)
+    chunker = Chunker(1, "w")
+    chunker.open(trajectory_start(st, resumed))
+    chunks = chunker.add("b", [1, 2], [-0.1, -0.2], 0, "stop")
+    assert [(c.pool, c.pool_epoch) for c in chunks] == [("t.gen.regular", 5)] * 2
 
 
 # -- recovery -----------------------------------------------------------------------------------
@@ -429,8 +436,11 @@ def make_intake(
         return hand_off_ok
 
     fake = FakeConsumer()
-    config = GenerateConfig(engine="sim", topic_prefix="t", max_batch=4, **cfg)
-    intake = Intake(config, [P0[0], R0[0]], hand_off).join(fake)  # type: ignore[arg-type]
+    config = GenerateConfig(
+        engine="sim", topic_prefix="t", max_batch=4, **{"pool_liveness": False, **cfg}
+    )
+    intake = Intake(config, [P0[0], R0[0]], hand_off, lambda states: None)
+    intake.join(fake)  # type: ignore[arg-type]
     return intake, fake, handed
 
 
@@ -513,3 +523,116 @@ def test_revocation_hands_off_then_commits_unless_lost(
     intake.commit(force=True)
     kept = [] if committed else [(*P0, 4)]
     assert fake.commits() == [("sync", [*kept, (*P1, 2)])]
+
+
+# -- the intake following its pool's epochs (producers.pool) ------------------------------------
+class FakePool:
+    """Hands out ``orders`` one per tick; records what the intake reported back."""
+
+    def __init__(self, orders: list[Release | Take | None]) -> None:
+        self.orders, self.reports = orders, list[tuple[str, int]]()
+        self.lease = True
+
+    def tick(self) -> Release | Take | None:
+        return self.orders.pop(0) if self.orders else None
+
+    def holds(self) -> bool:
+        return self.lease
+
+    def released(self, order: Release) -> None:
+        self.reports.append(("released", order.epoch))
+
+    def taken(self, order: Take) -> None:
+        self.reports.append(("taken", order.epoch))
+
+    def close(self) -> None:
+        self.reports.append(("closed", 0))
+
+
+class AssignableConsumer(FakeConsumer):
+    def assign(self, parts: list[TopicPartition]) -> None:
+        self.parts = list(parts)
+        self.calls.append(("assign", sorted((tp.topic, tp.partition) for tp in parts)))
+
+    def unassign(self) -> None:
+        self.parts = []
+        self.calls.append(("unassign", None))
+
+    def close(self) -> None:
+        self.calls.append(("close", None))
+
+
+def pool_intake(
+    orders: list[Release | Take | None],
+) -> tuple[Intake, AssignableConsumer, FakePool, list[Any]]:
+    log: list[Any] = []
+
+    def hand_off(tps: set[Any], states: list[TaskState]) -> bool:
+        log.append(("handed", sorted(tps), sorted(st.offset for st in states)))
+        return True
+
+    def drop(states: list[TaskState]) -> None:
+        log.append(("dropped", sorted(st.offset for st in states)))
+
+    fake, pool = AssignableConsumer(), FakePool(orders)
+    config = GenerateConfig(engine="sim", topic_prefix="t", max_batch=4, commit_interval_s=1e-9)
+    intake = Intake(config, [P0[0], R0[0]], hand_off, drop).join(fake, pool)  # type: ignore[arg-type]
+    return intake, fake, pool, log
+
+
+def test_the_pool_assigns_and_nobody_subscribes() -> None:
+    intake, fake, pool, _ = pool_intake([None, Take(1, (P0, R0))])
+    assert not hasattr(fake, "topics")  # never a member of the broker's group
+    intake.follow_pool()
+    assert fake.calls == [] and pool.reports == []
+    intake.pause("fresh")
+    intake.follow_pool()
+    assert fake.calls == [
+        ("assign", [P0, R0]),
+        ("resume", [P0, R0]),
+        ("pause", [P0]),  # the pause mode holds for new partitions too
+    ]
+    assert intake.assigned_high == {P0: 10, R0: 10} and pool.reports == [("taken", 1)]
+    intake.close()
+    assert pool.reports[-1] == ("closed", 0)
+
+
+def test_a_release_hands_off_and_commits_like_a_revocation() -> None:
+    intake, fake, pool, log = pool_intake([Take(1, (P0,)), Release(2, fenced=False)])
+    intake.follow_pool()
+    s3, s4 = held_tasks(intake, P0, [3, 4])
+    s3.generating.clear()
+    intake.finished(s3)
+    fake.calls.clear()
+    intake.follow_pool()
+    assert log == [("handed", [P0], [4])]
+    assert fake.calls == [("sync", [(*P0, 4)]), ("unassign", None)]
+    assert not intake.live and pool.reports == [("taken", 1), ("released", 2)]
+
+
+def test_a_fenced_worker_drops_its_work_and_commits_nothing() -> None:
+    intake, fake, pool, log = pool_intake([Take(1, (P0,)), Release(2, fenced=True)])
+    intake.follow_pool()
+    s3, _ = held_tasks(intake, P0, [3, 4])
+    s3.generating.clear()
+    intake.finished(s3)  # finished, not committed yet: the new owner redoes it (skips it)
+    fake.calls.clear()
+    intake.follow_pool()
+    assert log == [("dropped", [4])]
+    assert fake.calls == [("unassign", None)]  # no hand-off, no commit
+    assert not intake.live and intake.tracker.positions() == {} and not intake.assigned_high
+    assert pool.reports == [("taken", 1), ("released", 2)]
+
+
+def test_no_commit_once_the_lease_ran_out_and_chunks_carry_the_epoch() -> None:
+    intake, fake, pool, _ = pool_intake([Take(3, (P0,))])
+    intake.follow_pool()
+    (s5,) = held_tasks(intake, P0, [5])
+    assert s5.writer == ("t.gen.regular", 3) and intake.writer == ("t.gen.regular", 3)
+    s5.generating.clear()
+    intake.finished(s5)
+    pool.lease = False  # stopped past the session timeout: the pool may have gone on
+    fake.calls.clear()
+    assert not intake.commit(force=True) and fake.commits() == []
+    pool.lease = True
+    assert intake.commit(force=True) and fake.commits() == [("sync", [(*P0, 6)])]

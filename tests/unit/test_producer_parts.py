@@ -13,8 +13,9 @@ from producers.chunker import Chunker, TrajectoryStart
 from producers.engines.base import Request, complete
 from producers.engines.sampling import sample
 from producers.engines.sim import SimEngine
+from producers.planning import recovered
 from producers.recovery import Found, trajectory_id_for
-from producers.tasks import OffsetTracker
+from producers.tasks import OffsetTracker, SamplePlan
 from schemas.records import MIGRATED, pack_tokens
 from srl.workload import PTL, LengthHistogram
 
@@ -186,6 +187,22 @@ def test_found_prefix_states() -> None:
     assert Found(dict(enumerate(moved))).state(0) == "migrated"  # not ours to continue
     later = dataclasses.replace(chunks[2], trajectory_id="m", seq=2, token_offset=1)
     assert Found({**dict(enumerate(moved)), 2: later}).state(0) == "complete"
+
+
+def test_a_gap_left_by_a_dropped_writer_is_resumed_by_a_newer_epoch() -> None:
+    # a writer of epoch 3 cut off past its delivery timeout: seq 1 failed, 2 arrived later
+    c = Chunker(1, "w")
+    c.open(start())
+    a, b, d = c.add("t", [1], [0.0], 0) + c.add("t", [2], [0.0], 0) + c.add("t", [3], [0.0], 0)
+    left = {s: dataclasses.replace(x, pool="g", pool_epoch=3) for s, x in ((0, a), (2, d))}
+    assert Found(dict(left)).state(0) == "gap"  # outside pool epochs: nobody fences seq 2
+    assert Found(dict(left)).state(0, ("g", 4)) == "prefix"  # seq 1 of epoch 4 fences it
+    assert Found(dict(left)).state(0, ("g", 3)) == "gap"  # the same epoch fences nothing
+    assert Found(dict(left)).state(0, ("other", 9)) == "gap"  # another pool's never does
+    assert Found({2: left[2]}).state(0, ("g", 4)) == "none"  # seq 0 lost too: start over
+    plan = [SamplePlan("t", 0)]
+    r = recovered(plan, {"t": Found(dict(left))}, ("g", 4))
+    assert r.gap is None and r.resumed == 1 and r.todo[0].next_seq == b.seq == 1
 
 
 # -- sim engine ------------------------------------------------------------------------------

@@ -20,12 +20,16 @@ from app.report import (
     step_events,
     throughput_fields,
 )
-from schemas.records import MetricEvent
+from schemas.records import MetricEvent, TrajectoryChunk
 
 
 def seen(partition: int, first: int, seqs: range, last: bool = True) -> TrajSeen:
-    s = TrajSeen(partition, first, seqs=set(seqs))
-    s.last_seq = max(seqs) if last else None
+    s = TrajSeen(partition, first)
+    for seq in seqs:
+        is_last = last and seq == max(seqs)
+        s.lineage.add(
+            TrajectoryChunk("t", "p", "k", 0, 1, seq, seq, b"", b"", 0, is_last, "w", "le", 0)
+        )
     return s
 
 

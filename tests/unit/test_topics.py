@@ -59,6 +59,8 @@ def test_specs_cover_every_topic_and_compact_weights() -> None:
         "p.feedback",
         "p.metrics",
         "p.dlq",
+        "p.pool.epochs",
+        "p.pool.beats",
     }
     assert specs["p.weights"].config["cleanup.policy"] == "compact"
     assert specs["p.trajectories"].partitions == 8

@@ -1,0 +1,112 @@
+"""Which chunks of one trajectory count, when a writer may have been fenced: ``Lineage``.
+
+A generator that was silent for its session timeout (SIGSTOPped, cut off by the network) is
+dropped from its pool; another worker reads the trajectories it was writing back and resumes
+them from their published prefixes. The silent one, a *zombie*, may still publish: chunks
+that sat in its producer's queue go out the moment it runs again, before it can learn that
+it was dropped. So two different chunks with the same ``(trajectory_id, seq)`` can exist: the
+zombie's and its successor's. Every writer under pool epochs stamps its chunks with its pool
+and the epoch in which it held the task's partition (``TrajectoryChunk.pool``,
+``pool_epoch``); successive holders of a partition have increasing epochs. The rule, applied
+to one trajectory's chunks in log order (they share one partition per pool):
+
+* a chunk of epoch ``e`` of pool ``p`` at seq ``s`` is *fenced* (dropped) when a chunk of a
+  newer epoch of ``p`` was already seen at a seq ``<= s``: it continues a prefix that a newer
+  writer has continued already;
+* a chunk of epoch ``e`` of ``p`` at seq ``s`` removes the held chunks of older epochs of
+  ``p`` at seqs ``>= s`` (the zombie's, which landed before its successor's first chunk);
+  chunks below ``s`` are the prefix the successor read, and stay;
+* otherwise the first copy of a seq wins (a later one is a duplicate: a producer retry, a
+  replay); chunks without a pool (written outside pool epochs) follow this rule alone;
+* once complete (its last chunk and every seq below it held), a trajectory is final: what
+  arrives later changes nothing. So every reader (the trainer's assembler, a generator
+  reading a prefix back, an audit) that reads the log in order reaches the same trajectory,
+  whichever writer's chain that is.
+
+Chunks of another pool never fence each other: a trajectory changes pool only by migration,
+whose hand-off chunk is acknowledged before the next pool is told to continue it.
+
+Pure logic, no Kafka. Used by ``consumers.assembler`` and ``producers.recovery``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from schemas.records import TrajectoryChunk
+
+Verdict = Literal["kept", "duplicate", "fenced"]
+
+
+@dataclass
+class Lineage:
+    """The chunks that count of one trajectory, by seq, read in log order."""
+
+    chunks: dict[int, TrajectoryChunk] = field(default_factory=dict)
+    last_seq: int | None = None  # seq of the held last chunk
+    fenced: int = 0  # chunks dropped (or removed) as a fenced writer's
+    done: bool = False  # complete: nothing that arrives later counts
+    _starts: dict[str, dict[int, int]] = field(default_factory=dict)  # pool -> epoch -> 1st seq
+
+    def add(self, c: TrajectoryChunk) -> Verdict:
+        """Apply one chunk (the module docstring's rule); what became of it."""
+        if self.done:
+            return "duplicate"
+        if c.pool is not None and c.pool_epoch is not None:
+            starts = self._starts.setdefault(c.pool, {})
+            if any(e > c.pool_epoch and first <= c.seq for e, first in starts.items()):
+                self.fenced += 1
+                return "fenced"
+            starts[c.pool_epoch] = min(starts.get(c.pool_epoch, c.seq), c.seq)
+            if len(starts) > 1:  # one writer so far (the usual case): nothing to cut
+                self._cut(c.pool, c.pool_epoch, c.seq)
+        if c.seq in self.chunks:
+            return "duplicate"
+        self.chunks[c.seq] = c
+        if c.is_last:
+            self.last_seq = c.seq
+        self.done = (
+            self.last_seq is not None
+            and len(self.chunks) > self.last_seq
+            and all(s in self.chunks for s in range(self.last_seq + 1))
+        )
+        return "kept"
+
+    def _cut(self, pool: str, epoch: int, seq: int) -> None:
+        """Remove the held chunks of older epochs of ``pool`` at ``seq`` and after."""
+        for s in [
+            s
+            for s, c in self.chunks.items()
+            if s >= seq and c.pool == pool and (c.pool_epoch or 0) < epoch
+        ]:
+            del self.chunks[s]
+            self.fenced += 1
+            if s == self.last_seq:
+                self.last_seq = None
+
+    def complete(self) -> bool:
+        """The last chunk and every seq below it are held (final from then on)."""
+        return self.done
+
+    def contiguous(self, first_seq: int) -> list[TrajectoryChunk]:
+        """The held chunks from ``first_seq`` up to the first gap or the last chunk."""
+        out, seq = [], first_seq
+        while seq in self.chunks:
+            out.append(self.chunks[seq])
+            if self.chunks[seq].is_last:
+                break
+            seq += 1
+        return out
+
+    def beyond_last(self) -> list[int]:
+        """Held seqs after the last chunk written by the last chunk's own writer (a producer
+        bug; another writer's are a different lineage's and do not count)."""
+        if self.last_seq is None:
+            return []
+        last = self.chunks[self.last_seq]
+        return sorted(
+            s
+            for s, c in self.chunks.items()
+            if s > self.last_seq and (c.pool, c.pool_epoch) == (last.pool, last.pool_epoch)
+        )

@@ -1,0 +1,162 @@
+"""A dispatcher killed and restarted (issue 18): no prompt lost, none dispatched twice into a step.
+
+The prompt topics are the dispatcher's log (``producers.dispatch_log``). Two faults, each
+followed by a restart the ordinary way on the same source:
+
+* the dispatcher dies in the middle of a window (its producer fails after six tasks: one
+  whole step and half of the next went out): the restart completes that step's window in the
+  same step, with the same ``step_groups`` and ``min_version``, and numbers the next window
+  after it;
+* ``srl-producer dispatch`` is SIGKILLed while it waits for the trainer to release a step;
+  the restart publishes the steps still to come, after the ones already out.
+
+Before the restart learnt to read its run's tasks back it numbered from the newest announced
+step + 1 and sent the whole source again: every prompt twice, into steps that already had
+their groups.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from producers.config import DispatchConfig
+from producers.dispatch_log import read_published
+from producers.dispatcher import Announcements, Windows, run_dispatcher
+from producers.sources import SourcePrompt
+from ranker.predictor import BaselinePredictor
+from schemas.records import PromptTask, WeightsAnnouncement, decode_as, encode
+from srl.config import CommonConfig, load_config
+from srl.kafka import Producer, create_topics, read_range
+from srl.topics import Layout
+from tests.conftest import bin_path
+
+
+def prompts(n: int) -> list[SourcePrompt]:
+    return [SourcePrompt(f"p{i}", f"question {i}?") for i in range(n)]
+
+
+def tasks_of(cfg: CommonConfig) -> list[PromptTask]:
+    layout = Layout.from_config(cfg)
+    out = []
+    for b in layout.buckets:
+        for msg in read_range(cfg, layout.prompts(b), timeout_s=30):
+            out.append(decode_as(msg.value() or b"", PromptTask))
+    return out
+
+
+def announce_step(cfg: CommonConfig, step: int) -> None:
+    """What the trainer announces after its step ``step`` (version ``step``)."""
+    ann = WeightsAnnouncement(cfg.run, step, f"file:///v{step}", "0" * 64, step, 1)
+    with Producer(cfg, "test") as p:
+        p.produce(Layout.from_config(cfg).weights, encode(ann), key=cfg.run)
+
+
+def check_steps(tasks: list[PromptTask], n_prompts: int, per_step: int) -> dict[int, set[str]]:
+    """Every prompt exactly once, each step exactly its ``step_groups`` prompts, one stamp."""
+    count = Counter(t.prompt_id for t in tasks)
+    assert count == {f"p{i}": 1 for i in range(n_prompts)}, count
+    steps: dict[int, set[str]] = defaultdict(set)
+    stamps: dict[int, set[tuple[Any, ...]]] = defaultdict(set)
+    for t in tasks:
+        assert t.step is not None
+        steps[t.step].add(t.prompt_id)
+        stamps[t.step].add((t.step_groups, t.min_version))
+    assert {s: len(p) for s, p in steps.items()} == {
+        s + 1: per_step for s in range(n_prompts // per_step)
+    }
+    assert all(len(v) == 1 and next(iter(v))[0] == per_step for v in stamps.values()), stamps
+    return steps
+
+
+class Died(RuntimeError):
+    pass
+
+
+class DyingProducer(Producer):
+    """Publishes ``left`` records, then dies (the records produced so far still go out)."""
+
+    def __init__(self, cfg: DispatchConfig, left: int) -> None:
+        super().__init__(cfg, "dispatcher")
+        self.left = left
+
+    def produce(self, *args: Any, **kw: Any) -> None:
+        if self.left == 0:
+            raise Died("SIGKILL")
+        self.left -= 1
+        super().produce(*args, **kw)
+
+
+def test_a_dispatcher_dead_mid_window_is_completed_in_the_same_step(make_cfg: Any) -> None:
+    dcfg = make_cfg(
+        DispatchConfig, prompts="unused.jsonl", group_size=2, groups_per_step=4, max_staleness=1
+    )
+    layout = Layout.from_config(dcfg)
+    create_topics(dcfg)
+    stop = threading.Event()
+    with pytest.raises(Died), DyingProducer(dcfg, left=6) as producer:
+        anns = Announcements(dcfg, layout)
+        published = read_published(dcfg, layout, dcfg.run)
+        Windows(dcfg, layout, producer, BaselinePredictor(10), stop, published=published).paced(
+            prompts(12), anns, 1
+        )
+    anns.close()
+    assert Counter(t.step for t in tasks_of(dcfg)) == {1: 4, 2: 2}  # died inside step 2
+    announce_step(dcfg, 1)  # the trainer moved on meanwhile: step 3 may go out
+    summary = run_dispatcher(dcfg, prompts(12), BaselinePredictor(10))
+    assert (summary.skipped, summary.tasks, summary.first_step) == (6, 6, 3)
+    steps = check_steps(tasks_of(dcfg), 12, 4)
+    assert steps[2] == {"p4", "p5", "p6", "p7"}  # the window, not the next prompts
+
+
+@pytest.mark.slow
+def test_a_sigkilled_dispatcher_restarted_resumes_after_what_it_published(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    cfg = load_config(CommonConfig, env={k: v for k, v in cli_env.items() if k.startswith("SRL_")})
+    (tmp_path / "p.jsonl").write_text(
+        "".join(
+            orjson.dumps({"prompt_id": p.prompt_id, "prompt": p.text}).decode() + "\n"
+            for p in prompts(16)
+        )
+    )
+    args = [
+        bin_path("srl-producer"),
+        "dispatch",
+        "--prompts",
+        str(tmp_path / "p.jsonl"),
+        "--groups-per-step",
+        "4",
+        "--max-staleness",
+        "1",
+        "--group-size",
+        "2",
+    ]
+    log = tmp_path / "d1.log"
+    with open(log, "w") as out:
+        first = subprocess.Popen(args, env=cli_env, stdout=out, stderr=subprocess.STDOUT)
+    try:  # steps 1 and 2 go out at once; step 3 waits for the trainer's step 1
+        deadline = time.monotonic() + 60
+        while len(tasks_of(cfg)) < 8:
+            assert time.monotonic() < deadline and first.poll() is None, log.read_text()
+            time.sleep(0.5)
+        first.send_signal(signal.SIGKILL)
+        assert first.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if first.poll() is None:
+            first.kill()
+    announce_step(cfg, 1)
+    announce_step(cfg, 2)  # both remaining steps may go out now
+    restarted = subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=120)
+    assert restarted.returncode == 0, restarted.stderr
+    assert "8 tasks already published (newest step 2)" in restarted.stderr
+    assert "dispatched 8 tasks" in restarted.stdout and "8 published before" in restarted.stdout
+    check_steps(tasks_of(cfg), 16, 4)
