@@ -11,8 +11,9 @@ Owns the reassembly of ``TrajectoryChunk`` records into whole trajectories. What
 * a completed trajectory's chunks are consistent: ``token_offset`` is the sum of the earlier
   chunks' token counts, and no seq lies beyond the last; otherwise :class:`BadTrajectory`;
 * the behaviour version ``b`` is the minimum ``policy_version`` over its chunks;
-* chunks of a trajectory already assembled (this session) or finalized (the durable ledger
-  restored from a checkpoint) are duplicates;
+* chunks of a trajectory already assembled (this session, until its outcome is durable:
+  ``forget``) or finalized (the ledger, which keeps every trajectory whose records may still
+  be delivered again) are duplicates;
 * an incomplete trajectory with no new chunk for ``expire_s`` is expired (``expire``).
 
 Pure logic, no Kafka: the trainer's hot loop calls ``add`` per decoded chunk.
@@ -217,6 +218,11 @@ class Assembler:
             step=first.step,
             step_groups=first.step_groups,
         )
+
+    def forget(self, tids: set[str]) -> None:
+        """Trajectories whose outcome is now durable: the ledger remembers them from here on
+        (and forgets them once no redelivery can bring their records back)."""
+        self.assembled -= tids
 
     def expire(self, now: float | None = None) -> list[Partial]:
         """Remove and return the incomplete trajectories idle for ``expire_s`` or more."""

@@ -105,7 +105,7 @@ class Durable:
             events=outcomes.window,
             model=self.engine.tensors(),
             optimizer=self._optimizer_state(),
-            extra={"lineage": self.lineage},
+            extra={"lineage": self.lineage, **outcomes.ledger.saved_extra()},
         )
         ckpts.prune(self.store, self.cfg.run, self.cfg.keep_checkpoints)
 

@@ -5,9 +5,10 @@ must hold:
 
 * every record's offset is noted in the ``OffsetTracker``, held by its trajectory unless that
   trajectory's outcome is already durable (``Outcomes.durable``), so a commit never passes a
-  record that an undecided (or not yet checkpointed) trajectory needs;
+  record that an undecided (or not yet checkpointed) trajectory needs; and in the ledger
+  (``Ledger.seen``), so an entry is pruned only once the commit has passed all its records;
 * an undecodable record, or a chunk malformed on its own, goes to ``{prefix}.dlq`` with the
-  reason and its origin (``srl.metrics.dead_letter``), and training goes on;
+  reason and its origin (``srl.metrics.dead_letter``), holds nothing, and training goes on;
 * a trajectory that can never train (inconsistent chunks, longer than the model's
   ``max_length``) is dead-lettered and returned as :class:`Invalid`: the trainer decides it
   ``invalid`` and fills its slot in the group.
@@ -28,7 +29,7 @@ from consumers.offsets import OffsetTracker
 from consumers.outcomes import Outcomes
 from schemas.codec import SchemaError
 from schemas.records import TrajectoryChunk, decode_as
-from srl.kafka import Producer
+from srl.kafka import Consumer, Producer, TopicPartition
 from srl.metrics import Metrics, dead_letter
 
 log = logging.getLogger("srl.trainer")
@@ -70,18 +71,48 @@ class Intake:
             return None
         tid = chunk.trajectory_id
         holder = None if self.outcomes.durable(tid) else tid
-        self.tracker.seen(msg.topic(), msg.partition(), msg.offset(), holder)
         try:
             traj = self.assembler.add(chunk)
         except BadChunk as e:
+            # dead-lettered: the record is finished once the DLQ has it, so it holds nothing
+            # (a hold taken for it would wait for an outcome its trajectory may never get)
+            self.tracker.seen(msg.topic(), msg.partition(), msg.offset(), None)
             self._dead_letter(msg, f"bad chunk {tid}/{chunk.seq}: {e}")
             return None
         except BadTrajectory as e:
+            self._seen(msg, tid, holder)
             return self._invalid(msg, chunk, str(e))
+        self._seen(msg, tid, holder)
         if traj is not None and traj.length > self.max_len:
             reason = f"trajectory {tid}: {traj.length} tokens > the model's {self.max_len}"
             return self._invalid(msg, chunk, reason)
         return traj
+
+    def _seen(self, msg: Any, tid: str, holder: str | None) -> None:
+        """A record of ``tid`` that the assembler took (or dropped as a duplicate)."""
+        self.tracker.seen(msg.topic(), msg.partition(), msg.offset(), holder)
+        self.outcomes.ledger.seen(tid, msg.partition(), msg.offset())
+
+    def assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """The group's ``on_assign``: each partition from its committed offset, never below the
+        ledger's floor (records there are finished and their entries pruned, so a group that
+        lost its committed offsets, or a new group id, must not read them again)."""
+        floor = self.outcomes.ledger.floor
+        low = {
+            (tp.topic, tp.partition): floor[str(tp.partition)]
+            for tp in partitions
+            if str(tp.partition) in floor
+        }
+        consumer.assign_from(partitions, low)
+
+    def checkpointed(self, decided: set[str]) -> int:
+        """After a checkpoint and its commit: ``decided`` (now durable in the ledger, its
+        records released before the commit) no longer remembered by the assembler; the ledger
+        pruned to what the committed offsets can still deliver again. Returns how many ledger
+        entries were pruned."""
+        self.assembler.forget(decided)
+        committed = {p: off for (_t, p), off in self.tracker.committed.items()}
+        return self.outcomes.ledger.prune(committed)
 
     def _decode(self, msg: Any) -> TrajectoryChunk | None:
         try:

@@ -155,7 +155,8 @@ class Trainer:
         self.cfg, self.engine, self.dist = cfg, engine, dist
         self.layout = Layout.from_config(cfg)
         self.step = ckpt.step if ckpt else 0
-        self.outcomes = Outcomes(Ledger(ckpt.ledger if ckpt else None), cfg.expire_s)
+        ledger = Ledger.restore(ckpt.ledger, ckpt.extra) if ckpt else Ledger()
+        self.outcomes = Outcomes(ledger, cfg.expire_s)
         self.replay_events = list(ckpt.events) if ckpt else []
         self.dirty = False  # steps since the last checkpoint
         self.groups = GroupBuffer(cfg.expire_s)
@@ -219,10 +220,11 @@ class Trainer:
             self.consumer.close()
         return TrainResult(self.step, self.version, self.outcomes.counts())
 
-    def _on_assign(self, _consumer: Any, partitions: list[Any]) -> None:
+    def _on_assign(self, consumer: Consumer, partitions: list[Any]) -> None:
         # a restarted trainer waits for the group to drop its dead predecessor: idle time
         # counts from the assignment, not from the start
         self.last_record = time.monotonic()
+        self.intake.assign(consumer, partitions)
         log.info("assigned %d partitions", len(partitions))
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -394,14 +396,14 @@ class Trainer:
         self.producer.flush()
         self.intake.tracker.release(self.outcomes.undurable)
         commit(self.consumer, self.intake.tracker)
+        pruned = self.intake.checkpointed(self.outcomes.undurable)
         self.outcomes.checkpointed()
         self.dirty = False
         self.metrics.incr("checkpoints")
         log.info(
-            "checkpoint %d at step %d (%.2fs)",
-            self.durable.number,
-            self.step,
-            time.perf_counter() - t0,
+            "checkpoint %d at step %d (%.2fs); ledger %d (%d pruned)",
+            *(self.durable.number, self.step, time.perf_counter() - t0),
+            *(len(self.outcomes.ledger), pruned),
         )
 
     def _emit_samples(self, events: list[Event]) -> None:

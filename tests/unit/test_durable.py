@@ -93,8 +93,13 @@ def test_publish_save_and_a_restart_that_continues_after_the_newest_version(
     assert any(f["name"] == "config.json" for f in manifest["files"])  # HF-loadable
 
     c = ckpts.load(d.store, "r", 1)
-    assert (c.step, c.version, c.extra) == (1, 1, {"lineage": 1})
-    assert c.ledger == {"a": ["trained", 1], "b": ["invalid", 2]}
+    totals = {"trained": 1, "invalid": 1}
+    assert (c.step, c.version, c.extra) == (
+        1,
+        1,
+        {"lineage": 1, "ledger_floor": {}, "outcome_totals": totals},
+    )
+    assert c.ledger == {"a": ["trained", 1], "b": ["invalid", 2, {}]}
     assert c.events == outcomes.window
 
     # a restart from checkpoint 1: the next version is 3 (v2 is never reused), descending
