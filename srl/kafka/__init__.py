@@ -53,6 +53,7 @@ from srl.kafka.ranges import read_range
 from srl.kafka.settings import (
     base_settings,
     broker_answers,
+    check_settings,
     client_id,
     consumer_settings,
     describe,
@@ -79,6 +80,7 @@ __all__ = [
     "admin",
     "base_settings",
     "broker_answers",
+    "check_settings",
     "client_id",
     "commit_sync",
     "committed_offsets",
