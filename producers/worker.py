@@ -14,16 +14,16 @@ and ``producers.backlog`` (the trainer's backlog). Each iteration, in this order
 2. **swap weights** if the follower has a verified version: publish every open partial chunk
    first (a chunk never mixes versions), load, emit ``weights_loaded``; a version the engine
    rejects is refused (``weights_refused``) and the old weights stay;
-3. **intake**: measure the trainer's backlog (chunks it has not read yet, at most once a
-   second: ``producers.backlog``); consume tasks (prompt and resume topics of the pool's
-   buckets) while fewer than ``max_batch`` samples wait (otherwise the partitions are paused,
-   so the group membership stays alive); while the backlog is over its bound only the prompt
-   topics are paused: resume tasks finish trajectories the trainer is waiting for
-   (``producers.intake.pause_mode``); each task is planned (``producers.planning``) and its
-   samples validated by the engine, or dead-lettered; a task that may have been started by a
-   previous owner of its partition (offset below the high watermark seen at assignment) is
-   first read back (``producers.recovery``): complete samples are skipped, partial ones
-   resumed from their published prefix with the same trajectory id and the next seq;
+3. **intake**: the trainer's backlog (chunks it has not read yet) as last measured by its
+   background thread (``producers.backlog``; never waited for here); consume tasks (prompt and
+   resume topics of the pool's buckets) while fewer than ``max_batch`` samples wait (otherwise
+   the partitions are paused, so the group membership stays alive); while the backlog is over
+   its bound only the prompt topics are paused: resume tasks finish trajectories the trainer is
+   waiting for (``producers.intake.pause_mode``); each task is planned (``producers.planning``)
+   and its samples validated by the engine, or dead-lettered; a task that may have been started
+   by a previous owner of its partition (offset below the high watermark seen at assignment) is
+   first read back (``producers.recovery``): complete samples are skipped, partial ones resumed
+   from their published prefix with the same trajectory id and the next seq;
 4. **admit** waiting samples into the engine's free slots, resumed ones first, then by trainer
    step and longest-predicted first, each only with weights no older than ``latest - k`` and
    its task's ``min_version`` (``producers.admission``), after reading every weights
@@ -125,7 +125,9 @@ class GeneratorWorker:
         topics = [t for b in self.buckets for t in (self.layout.prompts(b), self.layout.resumes(b))]
         self.intake = Intake(cfg, topics, self._release)
         self.pending: list[TaskState] = []  # tasks with samples not yet in the engine
-        self.backlog = TrainerBacklog(cfg.max_backlog_chunks, cfg.backlog_stall_s)
+        # measured every second while bounded; unbounded, only for the stats
+        every = 1.0 if cfg.max_backlog_chunks is not None else cfg.stats_interval_s
+        self.backlog = TrainerBacklog(cfg.max_backlog_chunks, cfg.backlog_stall_s, every)
         self.stopping = False
         self._last_stats = time.monotonic()
         self._stats_base = (0, 0)
@@ -157,8 +159,8 @@ class GeneratorWorker:
         # the furthest of the trainer's read position (shared by the trainer) and its
         # committed offsets (a trainer that shares no position still bounds us)
         group = self.cfg.trainer_group
-        self.lag = GroupLag(self.cfg, [group, position_group(group)], [self.layout.trajectories])
-        stack.callback(self.lag.close)
+        lag = GroupLag(self.cfg, [group, position_group(group)], [self.layout.trajectories])
+        stack.callback(self.backlog.start(lag).stop)  # measured off the decode thread
         stack.callback(self.intake.close)
         self.intake.join()
 
@@ -167,7 +169,7 @@ class GeneratorWorker:
         self.follower.check()  # 1.
         self.outlet.check()
         self._swap()  # 2.
-        self.backlog.check(self.lag)  # 3.
+        self.backlog.check()  # 3.
         if self._intake():
             self.follower.sync()  # 4.
         self._admit()
@@ -341,7 +343,7 @@ class GeneratorWorker:
             "running": self.engine.running,
             "policy_version": self.engine.version,
             "paused": float(self.intake.paused != "none"),
-            "backlog": float(self.backlog.report(self.lag) or 0),
+            "backlog": float(self.backlog.value or 0),
         }
         labels = {
             "pool": self.cfg.pool,
