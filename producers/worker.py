@@ -32,7 +32,8 @@ and ``producers.backlog`` (the trainer's backlog). Each iteration, in this order
    trajectory id, partition = ``Layout.partition_for(bucket, trajectory_id)``; with
    ``migrate_to`` set, stragglers (past ``migrate_factor`` × their prediction) are then handed
    to the long-tail bucket by prefix (``Outlet.migrate``: hand-off chunk acknowledged, then
-   the resume task acknowledged, then the slot is freed; ``producers.migration``);
+   the resume task acknowledged, then the sample is done here, each step on a delivery
+   report, so decoding never waits for the broker; ``producers.migration``);
 6. **commit**: a task is finished when all its samples ended and every chunk was acknowledged;
    offsets are committed per partition up to the first unfinished task (``Intake.commit``,
    ``OffsetTracker``);
@@ -320,8 +321,8 @@ class GeneratorWorker:
     def _release(self, tps: set[TopicPart], states: list[TaskState]) -> bool:
         """The intake's hand-off of revoked partitions: their unfinished trajectories' open
         chunks published and flushed; False if the flush failed."""
-        self._handoff(states)
         try:
+            self._handoff(states)  # migrations under way are finished first (Outlet.settle)
             self.producer.flush()
         except SrlError as e:  # the tasks stay uncommitted; the next owner reads back what arrived
             log.warning("handing off %s: %s", sorted(tps), e)
