@@ -106,6 +106,8 @@ def validate_chunk(c: TrajectoryChunk) -> None:
     """BadChunk if ``c`` is malformed on its own (before any stitching)."""
     if c.seq < 0 or c.token_offset < 0:
         raise BadChunk(f"negative seq {c.seq} or token_offset {c.token_offset}")
+    if c.policy_version < 0:
+        raise BadChunk(f"negative policy version {c.policy_version}")
     if c.group_size < 1 or not 0 <= c.sample_index < c.group_size:
         raise BadChunk(f"sample_index {c.sample_index} outside group of {c.group_size}")
     if len(c.tokens) % 4 or len(c.logprobs) != len(c.tokens):

@@ -7,8 +7,10 @@ must hold:
   trajectory's outcome is already durable (``Outcomes.durable``), so a commit never passes a
   record that an undecided (or not yet checkpointed) trajectory needs; and in the ledger
   (``Ledger.seen``), so an entry is pruned only once the commit has passed all its records;
-* an undecodable record, or a chunk malformed on its own, goes to ``{prefix}.dlq`` with the
-  reason and its origin (``srl.metrics.dead_letter``), holds nothing, and training goes on;
+* an oversized or undecodable record, another record type, a chunk malformed on its own
+  (a negative policy version included) or stamped with a version no run has published (from
+  the future: ``srl.weights.KnownVersions``) goes to ``{prefix}.dlq`` with the reason and its
+  origin (``srl.metrics``), holds nothing, and training goes on;
 * a trajectory that can never train (inconsistent chunks, longer than the model's
   ``max_length``) is dead-lettered and returned as :class:`Invalid`: the trainer decides it
   ``invalid`` and fills its slot in the group.
@@ -22,15 +24,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from consumers.assembler import Assembler, BadChunk, BadTrajectory, Trajectory
 from consumers.offsets import OffsetTracker
 from consumers.outcomes import Outcomes
-from schemas.codec import SchemaError
-from schemas.records import TrajectoryChunk, decode_as
-from srl.kafka import Consumer, Producer, TopicPartition
-from srl.metrics import Metrics, dead_letter
+from schemas.records import TrajectoryChunk
+from srl.kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, Producer, TopicPartition
+from srl.metrics import Metrics, dead_letter, origin, read_record
 
 log = logging.getLogger("srl.trainer")
 
@@ -53,12 +54,14 @@ class Intake:
         expire_s: float,
         producer: Producer,
         metrics: Metrics,
+        versions: Versions,
     ) -> None:
         self.outcomes = outcomes
         self.assembler = Assembler(outcomes.ledger, expire_s)  # the ledger's ids are duplicates
         self.tracker = OffsetTracker()
         self.max_len = max_len  # the model's longest sequence (prompt + completion)
         self.producer, self.metrics = producer, metrics
+        self.versions = versions  # which policy versions exist (srl.weights.KnownVersions)
 
     def add(self, msg: Any) -> Trajectory | Invalid | None:
         """The trajectory record ``msg`` (a ``srl.kafka.Message``) completes, an invalid one,
@@ -115,19 +118,37 @@ class Intake:
         return self.outcomes.ledger.prune(committed)
 
     def _decode(self, msg: Any) -> TrajectoryChunk | None:
-        try:
-            return decode_as(msg.value() or b"", TrajectoryChunk)
-        except SchemaError as e:
-            self._dead_letter(msg, f"undecodable: {e}")
-            self.tracker.seen(msg.topic(), msg.partition(), msg.offset(), None)
-            return None
+        """The chunk, or None after dead-lettering a record that is not one (oversized,
+        undecodable, another record type) or that claims a policy version no run has
+        published: such a record holds nothing."""
+        chunk = read_record(msg, TrajectoryChunk, self.producer, self.metrics.layout, self.metrics)
+        if chunk is not None:
+            v = chunk.policy_version
+            if v < 0 or self.versions.exists(v, produced_ms(msg)):
+                return chunk  # a negative version is the assembler's BadChunk
+            why = f"policy version {v} from the future (newest published: {self.versions.newest})"
+            self._dead_letter(msg, f"bad chunk {chunk.trajectory_id}/{chunk.seq}: {why}")
+        self.tracker.seen(msg.topic(), msg.partition(), msg.offset(), None)
+        return None
 
     def _invalid(self, msg: Any, chunk: TrajectoryChunk, reason: str) -> Invalid:
         self._dead_letter(msg, reason)
         return Invalid(chunk, reason)
 
     def _dead_letter(self, msg: Any, reason: str) -> None:
-        origin = f"{msg.topic()}/{msg.partition()}@{msg.offset()}"
-        dead_letter(
-            self.producer, self.metrics.layout, msg.value(), msg.key(), reason, origin, self.metrics
-        )
+        layout, where = self.metrics.layout, origin(msg)
+        dead_letter(self.producer, layout, msg.value(), msg.key(), reason, where, self.metrics)
+
+
+class Versions(Protocol):
+    """Which policy versions exist (``srl.weights.KnownVersions``)."""
+
+    newest: int
+
+    def exists(self, version: int, produced_ms: int | None = None) -> bool: ...
+
+
+def produced_ms(msg: Any) -> int | None:
+    """When ``msg`` was produced (its timestamp), if the broker says."""
+    kind, ts = msg.timestamp()
+    return int(ts) if kind != TIMESTAMP_NOT_AVAILABLE else None

@@ -68,6 +68,7 @@ from srl.metrics import Metrics
 from srl.stores import store_from_config
 from srl.tinymodel import load_tokenizer
 from srl.topics import Layout
+from srl.weights import KnownVersions
 
 if TYPE_CHECKING:
     from srl.store import ObjectStore
@@ -168,8 +169,9 @@ class Trainer:
         self.producer = Producer(cfg, "trainer")
         self.metrics = Metrics(self.producer, self.layout, cfg.run, "trainer-0")
         self.durable = Durable(cfg, engine, store, dist, self.producer, self.metrics, ckpt)
+        versions = KnownVersions(store, floor=lambda: self.version)
         self.intake = Intake(
-            self.outcomes, engine.max_length, cfg.expire_s, self.producer, self.metrics
+            self.outcomes, engine.max_length, cfg.expire_s, self.producer, self.metrics, versions
         )
         self.stopping = False
         self.last_record: float | None = None  # None until the group assigns us partitions

@@ -83,7 +83,7 @@ from schemas.records import (
 from srl.codecs import use_schema_registry
 from srl.errors import SrlError, WeightsError
 from srl.kafka import Message, Producer, create_topics, position_group
-from srl.metrics import Metrics, dead_letter
+from srl.metrics import MAX_RECORD_BYTES, Metrics, dead_letter
 from srl.stores import store_from_config
 from srl.topics import Layout
 
@@ -201,6 +201,11 @@ class GeneratorWorker:
 
     # -- weights ---------------------------------------------------------------------------
     def _swap(self) -> None:
+        for p in self.follower.drain_poison():  # sent here: delivery reports are this thread's
+            dead_letter(
+                self.producer, self.layout, p.value, p.key, p.reason, p.origin, self.metrics
+            )
+            self.summary.dead_letters += 1
         for version, reason in self.follower.drain_refusals():
             self.summary.weights_refused += 1
             labels = {"worker_id": self.summary.worker_id, "reason": reason[:500]}
@@ -251,7 +256,10 @@ class GeneratorWorker:
     def _accept(self, tp: TopicPart, offset: int, msg: Message) -> TaskState | None:
         """Plan a task (``producers.planning``) and let the engine validate every sample."""
         try:
-            task = decode_as(msg.value() or b"", PromptTask)
+            value = msg.value() or b""
+            if len(value) > MAX_RECORD_BYTES:
+                raise BadTask(f"oversized: {len(value)} bytes > {MAX_RECORD_BYTES}")
+            task = decode_as(value, PromptTask)
             target = task_target(task)  # a bad task is refused before the engine tokenizes
             prompt_ids = (
                 unpack_tokens(task.prompt_tokens).tolist()
@@ -262,7 +270,8 @@ class GeneratorWorker:
             for p in st.todo:
                 self.engine.validate(request_for(st, p))
         except (SchemaError, BadTask, RequestError) as e:
-            self._dead_letter(msg.value(), msg.key(), str(e), tp, offset)
+            why = f"undecodable: {e}" if isinstance(e, SchemaError) else str(e)
+            self._dead_letter(msg.value(), msg.key(), why, tp, offset)
             return None
         self.intake.hold(st)
         return st

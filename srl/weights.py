@@ -342,6 +342,46 @@ def materialize(store: ObjectStore, manifest: Manifest, out_dir: Path) -> Path:
     return out_dir
 
 
+def newest_version(store: ObjectStore) -> int:
+    """The highest weights version with a manifest in ``store``, over every run (0: none)."""
+    best = 0
+    for key in store.list("weights/"):
+        parts = key.split("/")
+        if len(parts) == 4 and parts[3] == MANIFEST and parts[2][1:].isdigit():
+            best = max(best, int(parts[2][1:]))
+    return best
+
+
+class KnownVersions:
+    """Which policy versions exist: a record stamped with a version no run has published is
+    from the future (poison; a negative one is poison anyway).
+
+    A version up to ``floor()`` (the reader's own, e.g. the trainer's) or up to the newest
+    manifest seen in the store (any run: a second trainer reads the lead run's stream) exists.
+    For a version beyond both, the store is listed again, unless the last listing came after
+    the record was produced (``produced_ms``, with ``SKEW_MS`` for clocks apart): a manifest is
+    written before its version is announced, loaded and sampled, so that listing saw it. A
+    flood of such records costs one listing per batch of them produced within the skew.
+    """
+
+    SKEW_MS = 5_000
+
+    def __init__(self, store: ObjectStore, floor: Callable[[], int] = lambda: 0) -> None:
+        self.store, self.floor = store, floor
+        self.newest, self.listed_ms, self.listings = 0, -(10**15), 0
+
+    def exists(self, version: int, produced_ms: int | None = None) -> bool:
+        if version < 0:
+            return False
+        if version <= max(self.floor(), self.newest):
+            return True
+        if produced_ms is None or produced_ms >= self.listed_ms - self.SKEW_MS:
+            self.listed_ms = now_ms()
+            self.newest = newest_version(self.store)
+            self.listings += 1
+        return version <= max(self.floor(), self.newest)
+
+
 def read_announcements(
     cfg: Any, layout: Layout, timeout_s: float = 10.0
 ) -> list[WeightsAnnouncement]:

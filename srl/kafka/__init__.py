@@ -18,6 +18,7 @@ from __future__ import annotations
 from confluent_kafka import (
     OFFSET_BEGINNING,
     OFFSET_END,
+    TIMESTAMP_NOT_AVAILABLE,
     KafkaError,
     KafkaException,
     Message,
@@ -65,6 +66,7 @@ __all__ = [
     "OFFSET_BEGINNING",
     "OFFSET_END",
     "POSITION_SUFFIX",
+    "TIMESTAMP_NOT_AVAILABLE",
     "Consumer",
     "DeliveryCallback",
     "GroupState",

@@ -24,7 +24,14 @@ from srl.config import CommonConfig
 from srl.kafka import create_topics
 from srl.stores import open_store
 from srl.topics import Layout
-from tests.chunks import metric_events, produce, read_topic, text_ids, traj_chunks
+from tests.chunks import (
+    metric_events,
+    produce,
+    publish_versions,
+    read_topic,
+    text_ids,
+    traj_chunks,
+)
 from tests.conftest import bin_path
 
 
@@ -109,6 +116,7 @@ def test_sigkill_and_restart_train_each_trajectory_exactly_once(
     layout = Layout.from_config(cfg)
     store_dir = Path(cli_env["SRL_STORE"][len("file://") :])
     create_topics(cfg)
+    publish_versions(cfg, 40 // 3)  # the versions the waves claim exist (another run's)
     rng = random.Random(7)
     first = wave(0, 30, rng)
     produce(cfg, first)

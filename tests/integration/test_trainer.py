@@ -18,7 +18,15 @@ from srl.kafka import committed_offsets, create_topics, position_group, watermar
 from srl.stores import store_from_config
 from srl.topics import Layout
 from srl.weights import latest_announcement, load_manifest, materialize
-from tests.chunks import group_chunks, metric_events, produce, read_topic, text_ids, traj_chunks
+from tests.chunks import (
+    group_chunks,
+    metric_events,
+    produce,
+    publish_versions,
+    read_topic,
+    text_ids,
+    traj_chunks,
+)
 
 
 def make_groups(
@@ -145,6 +153,7 @@ def test_max_staleness_1_trains_no_sample_with_v_minus_b_over_1(
         reward="consumers.rewards:first_line_match",
     )
     create_topics(cfg)
+    publish_versions(cfg, max(versions))  # versions the chunks claim exist (another run's)
     produce(cfg, make_groups(len(versions), versions=versions))
     run_trainer(cfg)
     samples = metric_events(cfg, "sample")
@@ -202,6 +211,7 @@ def test_a_long_trajectory_trains_in_its_own_step_within_k(
         reward="consumers.rewards:first_line_match",
     )
     create_topics(cfg)
+    publish_versions(cfg, 1)  # c's chunks claim v1, produced here before this trainer makes it
     long = stepped_group("long", step=1, versions=0, answer_len=20)
     last = [c for c in long if c.is_last and c.sample_index == 0]
     produce(cfg, [c for c in long if c not in last], partition=0)

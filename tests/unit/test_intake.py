@@ -66,12 +66,21 @@ TARGETS: list[tuple[dict[str, Any], int | None | str]] = [
     ({"metadata": "[1, 2]"}, "task k: metadata is not a JSON object"),
     ({"metadata": "{not json"}, "task k: metadata is not a JSON object"),
     ({"metadata": "null"}, "task k: metadata is not a JSON object"),
-    ({"group_size": 0}, "task k: sample indices () outside group of 0"),
+    ({"group_size": 0}, "task k: group of 0 (1..1024)"),
+    ({"group_size": 2**31 - 1}, "task k: group of 2147483647 (1..1024)"),  # not 2G samples
     ({"sample_indices": (1, 3)}, "task k: sample indices (1, 3) outside group of 3"),
     ({"sample_indices": (-1,)}, "task k: sample indices (-1,) outside group of 3"),
     (
         {"resume": ResumePrefix("t", 5, 2, pack_tokens([1]), 0, "migrated")},
         "task k: sample indices (5,) outside group of 3",
+    ),
+    (
+        {"resume": ResumePrefix("t", 1, -2, pack_tokens([1]), 0, "migrated")},
+        "task k: resume at seq -2, policy version 0",
+    ),
+    (
+        {"resume": ResumePrefix("t", 1, 2, pack_tokens([1]), -1, "migrated")},
+        "task k: resume at seq 2, policy version -1",
     ),
 ]
 

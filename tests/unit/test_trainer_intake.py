@@ -56,13 +56,27 @@ class Record:
     def error(self) -> str | None:
         return self.error_
 
+    def timestamp(self) -> tuple[int, int]:
+        return 1, 0  # create time, ms
+
+
+class Versions:
+    """Policy versions up to ``newest`` exist."""
+
+    def __init__(self, newest: int = 0) -> None:
+        self.newest = newest
+
+    def exists(self, version: int, produced_ms: int | None = None) -> bool:
+        return 0 <= version <= self.newest
+
 
 def intake(
     ledger: dict[str, list[Any]] | None = None, max_len: int = 100
 ) -> tuple[Intake, FakeProducer]:
     producer = FakeProducer()
     metrics = Metrics(None, Layout(), "run", "trainer-0")
-    return Intake(Outcomes(Ledger(ledger), 30.0), max_len, 30.0, producer, metrics), producer
+    outcomes = Outcomes(Ledger(ledger), 30.0)
+    return Intake(outcomes, max_len, 30.0, producer, metrics, Versions(3)), producer
 
 
 def records(chunks: list[TrajectoryChunk], first: int = 0) -> list[Record]:
