@@ -393,7 +393,8 @@ class Trainer:
     # -- durability: steps 3 to 5 of the module docstring -------------------------------------
     def _checkpoint(self) -> None:
         t0 = time.perf_counter()
-        self.durable.save(self.step, self.outcomes)
+        if not self.durable.save(self.step, self.outcomes):
+            return  # nothing became durable: no sample events, no commit; the next one retries
         self._emit_samples(self.outcomes.window)
         self.producer.flush()
         self.intake.tracker.release(self.outcomes.undurable)

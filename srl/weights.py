@@ -252,11 +252,34 @@ def publish(
     extra_files: dict[str, bytes] | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Published:
-    """Steps 1 and 2 of the protocol; returns what step 3 announces."""
+    """Steps 1 and 2 of the protocol; returns what step 3 announces. A write the store
+    refuses (a full disk, say) raises StoreError after the version's files are removed, so
+    nothing is left half-written and the version may be published again."""
     prefix = version_prefix(run, version)
     if store.exists(f"{prefix}/{MANIFEST}"):
         raise WeightsError(f"weights {run} v{version} already published")
     _clear_unfinished(store, run, version)
+    try:
+        return _write_version(
+            store, run, version, tensors, trainer_step, parent_version, extra_files, max_shard_bytes
+        )
+    except StoreError:
+        with contextlib.suppress(StoreError):
+            _clear_unfinished(store, run, version)
+        raise
+
+
+def _write_version(
+    store: ObjectStore,
+    run: str,
+    version: int,
+    tensors: dict[str, torch.Tensor],
+    trainer_step: int,
+    parent_version: int | None,
+    extra_files: dict[str, bytes] | None,
+    max_shard_bytes: int,
+) -> Published:
+    prefix = version_prefix(run, version)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
     entries = _write_tensors(store, prefix, tensors, max_shard_bytes)

@@ -196,8 +196,8 @@ def publish_version(cfg: Any, version: int, corrupt: str | None = None) -> None:
         trainer_step=version,
         parent_version=version - 1,
     )
-    with Producer(cfg, "trainer") as p:
-        announce(p, Layout.from_config(cfg), pub)
+    # damaged between the manifest and the announcement: to a follower, which fetches after
+    # reading the announcement, the same as damage after it (and no race with its fetch)
     key = f"weights/{cfg.run}/v{version:08d}/model.safetensors"
     if corrupt == "delete":
         store.delete(key)
@@ -207,6 +207,8 @@ def publish_version(cfg: Any, version: int, corrupt: str | None = None) -> None:
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
         path.write_bytes(bytes(data))
+    with Producer(cfg, "trainer") as p:
+        announce(p, Layout.from_config(cfg), pub)
 
 
 def test_a_generator_dead_letters_poison_announcements_and_follows_the_good_version(
@@ -238,6 +240,45 @@ def test_a_generator_dead_letters_poison_announcements_and_follows_the_good_vers
     check_reasons(dead_letters(cfg), {**REASONS, "negative version": "negative version -4"})
     [refused] = metric_events(cfg, "weights_refused")
     assert refused.values["version"] == 99 and "not found" in refused.labels["reason"]
+
+
+def test_a_follower_keeps_its_weights_past_damaged_versions_and_takes_the_next_good_one(
+    make_cfg: Any,
+) -> None:
+    """Issue 18: a version whose weights file was deleted, then one whose file was corrupted:
+    each is refused with the reason (log, ``weights_refused`` event), the worker keeps the
+    weights it runs, and takes the next good version."""
+    cfg = sim_cfg(make_cfg, worker_id="w", idle_exit_s=None)
+    create_topics(cfg)
+    stop = threading.Event()
+    out: list[Any] = []
+    th = threading.Thread(target=lambda: out.append(run_generator(cfg, stop)))
+    th.start()
+
+    def until(kind: str, n: int) -> None:
+        deadline = time.monotonic() + 60
+        while len(metric_events(cfg, kind)) < n and time.monotonic() < deadline:
+            time.sleep(0.3)
+
+    try:
+        publish_version(cfg, 1)
+        until("weights_loaded", 1)
+        publish_version(cfg, 2, corrupt="delete")
+        until("weights_refused", 1)
+        publish_version(cfg, 3, corrupt="flip")
+        until("weights_refused", 2)
+        publish_version(cfg, 4)
+        until("weights_loaded", 2)
+    finally:
+        stop.set()
+        th.join(60)
+    [s] = out
+    assert [e.values["version"] for e in metric_events(cfg, "weights_loaded")] == [1, 4]
+    refused = metric_events(cfg, "weights_refused")
+    assert [e.values["version"] for e in refused] == [2, 3]
+    assert "not found" in refused[0].labels["reason"]
+    assert "fails verification" in refused[1].labels["reason"]
+    assert (s.weights_loaded, s.weights_refused, s.policy_version) == (2, 2, 4)
 
 
 def test_the_dispatcher_dead_letters_poison_and_unverified_announcements(make_cfg: Any) -> None:
