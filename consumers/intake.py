@@ -30,7 +30,7 @@ from consumers.assembler import Assembler, BadChunk, BadTrajectory, Trajectory
 from consumers.offsets import OffsetTracker
 from consumers.outcomes import Outcomes
 from schemas.records import TrajectoryChunk
-from srl.kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, Producer, TopicPartition
+from srl.kafka import Consumer, Producer, TopicPartition, produced_ms
 from srl.metrics import Metrics, dead_letter, origin, read_record
 
 log = logging.getLogger("srl.trainer")
@@ -146,9 +146,3 @@ class Versions(Protocol):
     newest: int
 
     def exists(self, version: int, produced_ms: int | None = None) -> bool: ...
-
-
-def produced_ms(msg: Any) -> int | None:
-    """When ``msg`` was produced (its timestamp), if the broker says."""
-    kind, ts = msg.timestamp()
-    return int(ts) if kind != TIMESTAMP_NOT_AVAILABLE else None

@@ -42,12 +42,12 @@ from ranker.publish import RankerFollower, publish
 from schemas.records import TrajectoryChunk, unpack_tokens
 from srl.codecs import use_schema_registry
 from srl.kafka import (
-    TIMESTAMP_NOT_AVAILABLE,
     Consumer,
     Message,
     Producer,
     TopicPartition,
     make_consumer,
+    produced_ms,
     wait_for_broker,
 )
 from srl.metrics import Metrics, dead_letter, origin, read_record
@@ -189,11 +189,6 @@ def chunk_defect(c: TrajectoryChunk, vocab_size: int) -> str | None:
         if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
             return f"prompt token ids outside the tokenizer's {vocab_size}"
     return None
-
-
-def produced_ms(msg: Message) -> int | None:
-    kind, ts = msg.timestamp()
-    return int(ts) if kind != TIMESTAMP_NOT_AVAILABLE else None
 
 
 def idle(last_progress: float, idle_timeout_s: float | None) -> bool:

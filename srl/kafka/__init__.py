@@ -18,7 +18,6 @@ from __future__ import annotations
 from confluent_kafka import (
     OFFSET_BEGINNING,
     OFFSET_END,
-    TIMESTAMP_NOT_AVAILABLE,
     KafkaError,
     KafkaException,
     Message,
@@ -46,6 +45,7 @@ from srl.kafka.consumer import (
     commit_sync,
     make_consumer,
     position_group,
+    produced_ms,
     reader,
     share_positions,
 )
@@ -66,7 +66,6 @@ __all__ = [
     "OFFSET_BEGINNING",
     "OFFSET_END",
     "POSITION_SUFFIX",
-    "TIMESTAMP_NOT_AVAILABLE",
     "Consumer",
     "DeliveryCallback",
     "GroupState",
@@ -93,6 +92,7 @@ __all__ = [
     "lag",
     "make_consumer",
     "position_group",
+    "produced_ms",
     "producer_settings",
     "reader",
     "read_range",

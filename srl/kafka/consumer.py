@@ -177,6 +177,12 @@ class Consumer:
         self.close()
 
 
+def produced_ms(msg: Message) -> int | None:
+    """When a consumed record was produced (its timestamp, ms), if the broker says."""
+    kind, ts = msg.timestamp()
+    return int(ts) if kind != confluent_kafka.TIMESTAMP_NOT_AVAILABLE else None
+
+
 def make_consumer(
     cfg: KafkaSettings, group_id: str, role: str = "consumer", **overrides: Any
 ) -> Consumer:

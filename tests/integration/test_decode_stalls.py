@@ -1,11 +1,9 @@
-"""What a generator's decode loop must never wait for (issue 18), with real sim-engine workers
-on the real broker:
-
-* the trainer's backlog: measured by ``GroupLag`` (about 11 broker round trips), here made to
-  hang until the test ends; the worker generates and publishes all the while;
-* a straggler's migration: the hand-off chunk and the resume task are acknowledged through
-  delivery reports while decoding goes on (the rest of the migration's contract is
-  ``tests/integration/test_migration.py``'s).
+"""What a generator's decode loop must never wait for (issue 18), with a real sim-engine worker
+on the real broker: the trainer's backlog, measured by ``GroupLag`` (about 11 broker round
+trips), here made to hang until the test ends; the worker generates and publishes all the
+while. (A straggler's migration, the other wait issue 18 removed, is ``tests/unit/
+test_outlet.py``'s, with delivery reports the test controls; on the real broker,
+``tests/integration/test_migration.py``.)
 """
 
 from __future__ import annotations
