@@ -13,8 +13,11 @@ Owns which samples of a complete group may train the update ``v → v+1``:
   correction;
 * samples whose reward failed never train and never enter the baseline.
 
-A trajectory from another run's policy lineage (a second trainer reading the lead's stream)
-may have ``b > v``; its staleness is negative and it passes. Pure; called by the trainer.
+A trainer that is not the lead (``lead_run``: the generators and ``srl serve`` follow another
+run) gates with ``k = None``: its samples' versions number the lead's lineage, not its own, so
+``v − b`` measures nothing and no bound applies; every scored sample trains, with the loss's
+importance correction against the chunks' behaviour log-probs (docs/trainer.md, "Several
+trainers on one stream"). Pure; called by the trainer.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ def staleness(v: int, b: int) -> int:
     return v - b
 
 
-def admissible(v: int, b: int, k: int) -> bool:
-    return staleness(v, b) <= k
+def admissible(v: int, b: int, k: int | None) -> bool:
+    """Whether the update ``v → v+1`` may use a sample of behaviour version ``b``; ``k`` None:
+    ``b`` is another lineage's version, no bound."""
+    return k is None or staleness(v, b) <= k
 
 
 @dataclass
@@ -43,6 +48,7 @@ class Admitted:
     train: list[Sample] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)  # aligned with ``train``
     stale: list[Sample] = field(default_factory=list)
+    lineage: bool = True  # False: the samples' versions are another run's (no staleness)
 
     @property
     def trains(self) -> bool:
@@ -58,13 +64,13 @@ def group_advantages(kind: Literal["grpo", "rloo"], rewards: list[float]) -> lis
 def gate_group(
     group: Group,
     v: int,
-    k: int,
+    k: int | None,
     policy: Literal["drop", "correct"] = "drop",
     advantage: Literal["grpo", "rloo"] = "grpo",
 ) -> Admitted:
     """Split a complete group's scored samples into trained (with advantages) and stale."""
     scored = group.scored()
-    out = Admitted(group, v)
+    out = Admitted(group, v, lineage=k is not None)
     fresh = [admissible(v, s.traj.behaviour_version, k) for s in scored]
     if policy == "drop" and not all(fresh):
         out.stale = scored

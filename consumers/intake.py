@@ -96,15 +96,16 @@ class Intake:
         self.tracker.seen(msg.topic(), msg.partition(), msg.offset(), holder)
         self.outcomes.ledger.seen(tid, msg.partition(), msg.offset())
 
-    def assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        """The group's ``on_assign``: each partition from its committed offset, never below the
-        ledger's floor (records there are finished and their entries pruned, so a group that
-        lost its committed offsets, or a new group id, must not read them again)."""
+    def assign(self, consumer: Consumer, partitions: list[TopicPartition], topic: str) -> None:
+        """The group's ``on_assign``: each partition from its committed offset, the partitions
+        of ``topic`` (trajectories) never below the ledger's floor (records there are finished
+        and their entries pruned, so a group that lost its committed offsets, or a new group
+        id, must not read them again)."""
         floor = self.outcomes.ledger.floor
         low = {
             (tp.topic, tp.partition): floor[str(tp.partition)]
             for tp in partitions
-            if str(tp.partition) in floor
+            if tp.topic == topic and str(tp.partition) in floor
         }
         consumer.assign_from(partitions, low)
 

@@ -139,11 +139,13 @@ def sample_event(
     return {"labels": labels, "values": values or {}, "step": step}
 
 
-def sample_values(s: Sample, version: int, advantage: float | None = None) -> dict[str, float]:
-    """A finished sample's event values at policy version ``version``."""
+def sample_values(
+    s: Sample, version: int, advantage: float | None = None, lineage: bool = True
+) -> dict[str, float]:
+    """A finished sample's event values at policy version ``version``; ``lineage`` False: its
+    behaviour version is another run's (no staleness)."""
     t = s.traj
     v: dict[str, float] = {
-        "staleness": staleness(version, t.behaviour_version),
         "behaviour_version": t.behaviour_version,
         "policy_version": version,
         "tokens": t.n_tokens,
@@ -151,6 +153,8 @@ def sample_values(s: Sample, version: int, advantage: float | None = None) -> di
         "chunks": len(t.versions),
         "workers": len(t.workers),
     }
+    if lineage:
+        v["staleness"] = staleness(version, t.behaviour_version)
     if s.reward is not None:
         v["reward"] = s.reward
     if advantage is not None:
@@ -214,14 +218,16 @@ class Outcomes:
     def gated(self, adm: Admitted, step: int, version: int) -> list[Event]:
         """A gated group, whole: trained (with advantages), dropped as stale, failed rewards."""
         out = [
-            self._sample(s, "trained", step, sample_values(s, version, a))
+            self._sample(s, "trained", step, sample_values(s, version, a, adm.lineage))
             for s, a in zip(adm.train, adm.advantages, strict=True)
         ]
         out += [
             self._sample(s, "dropped_stale", step, sample_values(s, version)) for s in adm.stale
         ]
         out += [
-            self._sample(s, "failed_reward", step, sample_values(s, version), s.error)
+            self._sample(
+                s, "failed_reward", step, sample_values(s, version, None, adm.lineage), s.error
+            )
             for s in adm.group.failed()
         ]
         return out
@@ -269,7 +275,8 @@ def step_values(
     """
     trained = [s for adm in groups for s in adm.train]
     rewards = [float(s.reward) for s in trained if s.reward is not None]
-    stale = [staleness(version, s.traj.behaviour_version) for s in trained]
+    own = [s for adm in groups if adm.lineage for s in adm.train]  # staleness: own versions only
+    stale = [staleness(version, s.traj.behaviour_version) for s in own]
     step_time = max(elapsed_s, 1e-9)
     return {
         "loss": stats.loss,
