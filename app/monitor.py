@@ -25,6 +25,7 @@ Reads only: it joins no group and commits nothing. Called by ``app.top``.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Iterable
@@ -49,6 +50,7 @@ from srl.kafka import (
     topic_watermarks,
     wait_for_broker,
 )
+from srl.metrics import MAX_RECORD_BYTES
 from srl.stores import store_for_uri, store_from_config
 from srl.topics import Layout
 from srl.weights import latest_announcement, load_manifest
@@ -176,6 +178,7 @@ class Monitor:
         summary["versions"]["in_backlog"] = {str(v): n for v, n in sorted(in_backlog.items())}
         dlq = parts.get((self.layout.dlq, 0))
         summary["drops"]["dead_letter_records"] = dlq[1] - dlq[0] if dlq else 0
+        summary["drops"]["unreadable_metric_records"] = self.metrics.unreadable
         return {
             "ts_ms": now,
             "bootstrap": self.cfg.bootstrap_servers,
@@ -215,6 +218,10 @@ class MetricWindow:
         self.reader = reader(cfg, "top-metrics")
         self.next: int | None = None  # next offset of {prefix}.metrics to read
         self.events: deque[MetricEvent] = deque()
+        # records that are no metric event (undecodable, another type, oversized): counted and
+        # shown, not dead-lettered: a monitor commits no position, so every `srl top` started
+        # would send the same record to the DLQ again
+        self.unreadable = 0
         self._timeout = cfg.connect_timeout_s
 
     def read(self) -> None:
@@ -236,8 +243,13 @@ class MetricWindow:
                 if msg.error():
                     continue
                 self.next = (msg.offset() or 0) + 1
-                with contextlib.suppress(SchemaError):
-                    self.events.append(decode_as(msg.value() or b"", MetricEvent))
+                value = msg.value() or b""
+                try:
+                    if len(value) > MAX_RECORD_BYTES:
+                        raise SchemaError(f"oversized: {len(value)} bytes")
+                    self.events.append(decode_as(value, MetricEvent))
+                except SchemaError:
+                    self.unreadable += 1
         while self.events and self.events[0].ts_ms < now - self.window_ms:
             self.events.popleft()
 
@@ -429,7 +441,7 @@ def tally_events(events: Iterable[MetricEvent], run: str) -> EventTally:
         elif e.kind == "sample":
             outcome = e.labels.get("outcome", "trained")
             t.outcomes[outcome] += 1
-            if "staleness" in e.values:
+            if math.isfinite(e.values.get("staleness", math.nan)):
                 t.staleness[int(e.values["staleness"])] += 1
             if outcome == "trained":
                 t.trained_ts.append(e.ts_ms)
@@ -476,7 +488,7 @@ def summarize_events(events: Iterable[MetricEvent], run: str, now: int) -> dict[
 
 
 def _int(x: float | None) -> int | None:
-    return None if x is None else int(x)
+    return None if x is None or not math.isfinite(x) else int(x)
 
 
 def _record_tokens(value: bytes) -> tuple[int | None, int | None]:

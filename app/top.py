@@ -165,7 +165,9 @@ def staleness_line(st: dict[str, Any], window_s: float) -> str:
 
 def drops_line(d: dict[str, Any]) -> str:
     drops = ", ".join(f"{k} {n}" for k, n in d["by_outcome"].items()) or "none"
-    return f"drops: {drops}; dead letters: {d['dead_letter_records']} on the DLQ"
+    line = f"drops: {drops}; dead letters: {d['dead_letter_records']} on the DLQ"
+    bad = d.get("unreadable_metric_records", 0)
+    return f"{line}; {bad} unreadable metric records" if bad else line
 
 
 def _rate(x: float | None, digits: int = 0) -> str:
@@ -329,6 +331,11 @@ def srl_metrics(snap: dict[str, Any]) -> Iterator[Any]:
         "srl_dead_letter_records",
         "Records on the dead-letter topic",
         value=snap["drops"]["dead_letter_records"],
+    )
+    yield _gauge(
+        "srl_unreadable_metric_records",
+        "Records of the metrics topic that are no metric event (read since the monitor started)",
+        value=snap["drops"].get("unreadable_metric_records", 0),
     )
 
 

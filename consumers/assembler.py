@@ -14,8 +14,9 @@ Owns the reassembly of ``TrajectoryChunk`` records into whole trajectories. What
   chunks' token counts, and its last chunk's writer wrote no seq beyond it; otherwise
   :class:`BadTrajectory`;
 * the behaviour version ``b`` is the minimum ``policy_version`` over its chunks;
-* chunks of a trajectory already assembled (this session) or finalized (the durable ledger
-  restored from a checkpoint) are duplicates;
+* chunks of a trajectory already assembled (this session, until its outcome is durable:
+  ``forget``) or finalized (the ledger, which keeps every trajectory whose records may still
+  be delivered again) are duplicates;
 * an incomplete trajectory with no new chunk for ``expire_s`` is expired (``expire``).
 
 Pure logic, no Kafka: the trainer's hot loop calls ``add`` per decoded chunk.
@@ -116,6 +117,8 @@ def validate_chunk(c: TrajectoryChunk) -> None:
     """BadChunk if ``c`` is malformed on its own (before any stitching)."""
     if c.seq < 0 or c.token_offset < 0:
         raise BadChunk(f"negative seq {c.seq} or token_offset {c.token_offset}")
+    if c.policy_version < 0:
+        raise BadChunk(f"negative policy version {c.policy_version}")
     if c.group_size < 1 or not 0 <= c.sample_index < c.group_size:
         raise BadChunk(f"sample_index {c.sample_index} outside group of {c.group_size}")
     if len(c.tokens) % 4 or len(c.logprobs) != len(c.tokens):
@@ -226,6 +229,11 @@ class Assembler:
             step=first.step,
             step_groups=first.step_groups,
         )
+
+    def forget(self, tids: set[str]) -> None:
+        """Trajectories whose outcome is now durable: the ledger remembers them from here on
+        (and forgets them once no redelivery can bring their records back)."""
+        self.assembled -= tids
 
     def expire(self, now: float | None = None) -> list[Partial]:
         """Remove and return the incomplete trajectories idle for ``expire_s`` or more."""

@@ -17,6 +17,7 @@ Checkpoint numbers only grow; ``prune`` keeps the newest ``keep`` complete ones.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 from dataclasses import dataclass
@@ -92,7 +93,8 @@ def save(
     optimizer: dict[str, Any],
     extra: dict[str, Any] | None = None,
 ) -> str:
-    """Write checkpoint ``n``; the marker goes last. Returns the marker's URI."""
+    """Write checkpoint ``n``; the marker goes last. Returns the marker's URI. StoreError if the
+    store refuses a write, after the files written for ``n`` are removed."""
     from safetensors.torch import save as st_save
 
     base = prefix(run, n)
@@ -112,13 +114,19 @@ def save(
         "state.json": orjson.dumps(state),
     }
     entries = []
-    for name, data in files.items():
-        store.put(f"{base}/{name}", data)
-        entries.append(
-            {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        )
-    marker = {"run": run, "number": n, "step": step, "version": version, "files": entries}
-    return store.put(f"{base}/{MARKER}", orjson.dumps(marker, option=orjson.OPT_INDENT_2))
+    try:
+        for name, data in files.items():
+            store.put(f"{base}/{name}", data)
+            entries.append(
+                {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            )
+        marker = {"run": run, "number": n, "step": step, "version": version, "files": entries}
+        return store.put(f"{base}/{MARKER}", orjson.dumps(marker, option=orjson.OPT_INDENT_2))
+    except StoreError:  # a full disk, say: leave no half checkpoint taking its space
+        for key in store.list(base + "/"):
+            with contextlib.suppress(StoreError):
+                store.delete(key)
+        raise
 
 
 def complete(store: ObjectStore, run: str) -> list[int]:

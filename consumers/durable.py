@@ -12,13 +12,17 @@ Owns three counters that survive a restart, and the writes that move them:
 
 ``publish`` writes ``weights/{run}/v{N}/`` (``srl.weights``: files, manifest last) and then
 announces it; ``reannounce`` repeats the newest announcement after a restart; ``save`` writes
-a checkpoint (``consumers.checkpoint``: marker last) and prunes old ones. When each happens,
-and what follows a checkpoint (sample events, commits), is ``consumers.trainer``'s order.
+a checkpoint (``consumers.checkpoint``: marker last) and prunes old ones. A write the store
+refuses (a full disk) fails the publish or the checkpoint, not the trainer: nothing of it is
+left in the store, nothing is announced or made durable, the next one tries again. When each
+happens, and what follows a checkpoint (sample events, commits), is ``consumers.trainer``'s
+order.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from typing import Any
 
@@ -28,11 +32,14 @@ from consumers.distributed import Dist
 from consumers.engine import extra_files
 from consumers.outcomes import Outcomes
 from consumers.train_engine import TrainEngine
+from srl.errors import StoreError
 from srl.kafka import Producer
 from srl.metrics import Metrics
 from srl.store import ObjectStore
 from srl.topics import Layout
 from srl.weights import MANIFEST, Manifest, Published, announce, publish, version_prefix
+
+log = logging.getLogger("srl.trainer")
 
 
 class Durable:
@@ -56,19 +63,24 @@ class Durable:
         self.lineage = int(ckpt.extra.get("lineage", ckpt.version)) if ckpt else 0
         self.version = max(ckpt.version if ckpt else 0, ckpts.newest_published(store, cfg.run))
 
-    def publish(self, step: int) -> None:
-        """Version ``version + 1`` from the engine's weights: files, manifest, announcement."""
+    def publish(self, step: int) -> bool:
+        """Version ``version + 1`` from the engine's weights: files, manifest, announcement.
+        False if the store refused a write (:meth:`_refused`): nothing is announced and the
+        next publish tries the same version again."""
         t0 = time.perf_counter()
         version = self.version + 1
-        pub = publish(
-            self.store,
-            self.cfg.run,
-            version,
-            self.engine.tensors(),
-            trainer_step=step,
-            parent_version=self.lineage,
-            extra_files=self.files,
-        )
+        try:
+            pub = publish(
+                self.store,
+                self.cfg.run,
+                version,
+                self.engine.tensors(),
+                trainer_step=step,
+                parent_version=self.lineage,
+                extra_files=self.files,
+            )
+        except StoreError as e:
+            return self._refused("publish", version, step, e)
         announce(self.producer, self.layout, pub)
         self.version = self.lineage = version
         self.metrics.emit(
@@ -80,6 +92,16 @@ class Durable:
             },
             step=step,
         )
+        return True
+
+    def _refused(self, what: str, number: int, step: int, e: StoreError) -> bool:
+        """A write the store refused (a full disk, a store that is down): the trainer goes on
+        without it; logged, counted (``{what}_failures``) and a ``store_refused`` event."""
+        log.warning("%s %d at step %d failed, training goes on: %s", what, number, step, e)
+        self.metrics.incr(f"{what}_failures")
+        labels = {"what": what, "reason": str(e)[:300]}
+        self.metrics.emit("store_refused", {"number": float(number)}, labels, step=step)
+        return False
 
     def reannounce(self) -> None:
         """After a restart: announce the newest version again (its manifest is in the store)."""
@@ -92,22 +114,27 @@ class Durable:
         )
         announce(self.producer, self.layout, pub)
 
-    def save(self, step: int, outcomes: Outcomes) -> None:
-        """Checkpoint ``number + 1``: model, optimizer, the ledger and the window's events."""
+    def save(self, step: int, outcomes: Outcomes) -> bool:
+        """Checkpoint ``number + 1``: model, optimizer, the ledger and the window's events.
+        False if the store refused a write: nothing of it is left, nothing became durable."""
         self.number += 1
-        ckpts.save(
-            self.store,
-            self.cfg.run,
-            self.number,
-            step=step,
-            version=self.version,
-            ledger=outcomes.ledger.entries,
-            events=outcomes.window,
-            model=self.engine.tensors(),
-            optimizer=self._optimizer_state(),
-            extra={"lineage": self.lineage},
-        )
+        try:
+            ckpts.save(
+                self.store,
+                self.cfg.run,
+                self.number,
+                step=step,
+                version=self.version,
+                ledger=outcomes.ledger.entries,
+                events=outcomes.window,
+                model=self.engine.tensors(),
+                optimizer=self._optimizer_state(),
+                extra={"lineage": self.lineage, **outcomes.ledger.saved_extra()},
+            )
+        except StoreError as e:
+            return self._refused("checkpoint", self.number, step, e)
         ckpts.prune(self.store, self.cfg.run, self.cfg.keep_checkpoints)
+        return True
 
     def _optimizer_state(self) -> dict[str, Any]:
         if self.dist is not None:

@@ -5,9 +5,12 @@ must hold:
 
 * every record's offset is noted in the ``OffsetTracker``, held by its trajectory unless that
   trajectory's outcome is already durable (``Outcomes.durable``), so a commit never passes a
-  record that an undecided (or not yet checkpointed) trajectory needs;
-* an undecodable record, or a chunk malformed on its own, goes to ``{prefix}.dlq`` with the
-  reason and its origin (``srl.metrics.dead_letter``), and training goes on;
+  record that an undecided (or not yet checkpointed) trajectory needs; and in the ledger
+  (``Ledger.seen``), so an entry is pruned only once the commit has passed all its records;
+* an oversized or undecodable record, another record type, a chunk malformed on its own
+  (a negative policy version included) or stamped with a version no run has published (from
+  the future: ``srl.weights.KnownVersions``) goes to ``{prefix}.dlq`` with the reason and its
+  origin (``srl.metrics``), holds nothing, and training goes on;
 * a trajectory that can never train (inconsistent chunks, longer than the model's
   ``max_length``) is dead-lettered and returned as :class:`Invalid`: the trainer decides it
   ``invalid`` and fills its slot in the group.
@@ -21,15 +24,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from consumers.assembler import Assembler, BadChunk, BadTrajectory, Trajectory
 from consumers.offsets import OffsetTracker
 from consumers.outcomes import Outcomes
-from schemas.codec import SchemaError
-from schemas.records import TrajectoryChunk, decode_as
-from srl.kafka import Producer
-from srl.metrics import Metrics, dead_letter
+from schemas.records import TrajectoryChunk
+from srl.kafka import Consumer, Producer, TopicPartition, produced_ms
+from srl.metrics import Metrics, dead_letter, origin, read_record
 
 log = logging.getLogger("srl.trainer")
 
@@ -52,12 +54,14 @@ class Intake:
         expire_s: float,
         producer: Producer,
         metrics: Metrics,
+        versions: Versions,
     ) -> None:
         self.outcomes = outcomes
         self.assembler = Assembler(outcomes.ledger, expire_s)  # the ledger's ids are duplicates
         self.tracker = OffsetTracker()
         self.max_len = max_len  # the model's longest sequence (prompt + completion)
         self.producer, self.metrics = producer, metrics
+        self.versions = versions  # which policy versions exist (srl.weights.KnownVersions)
 
     def add(self, msg: Any) -> Trajectory | Invalid | None:
         """The trajectory record ``msg`` (a ``srl.kafka.Message``) completes, an invalid one,
@@ -70,33 +74,76 @@ class Intake:
             return None
         tid = chunk.trajectory_id
         holder = None if self.outcomes.durable(tid) else tid
-        self.tracker.seen(msg.topic(), msg.partition(), msg.offset(), holder)
         try:
             traj = self.assembler.add(chunk)
         except BadChunk as e:
+            # dead-lettered: the record is finished once the DLQ has it, so it holds nothing
+            # (a hold taken for it would wait for an outcome its trajectory may never get)
+            self.tracker.seen(msg.topic(), msg.partition(), msg.offset(), None)
             self._dead_letter(msg, f"bad chunk {tid}/{chunk.seq}: {e}")
             return None
         except BadTrajectory as e:
+            self._seen(msg, tid, holder)
             return self._invalid(msg, chunk, str(e))
+        self._seen(msg, tid, holder)
         if traj is not None and traj.length > self.max_len:
             reason = f"trajectory {tid}: {traj.length} tokens > the model's {self.max_len}"
             return self._invalid(msg, chunk, reason)
         return traj
 
+    def _seen(self, msg: Any, tid: str, holder: str | None) -> None:
+        """A record of ``tid`` that the assembler took (or dropped as a duplicate)."""
+        self.tracker.seen(msg.topic(), msg.partition(), msg.offset(), holder)
+        self.outcomes.ledger.seen(tid, msg.partition(), msg.offset())
+
+    def assign(self, consumer: Consumer, partitions: list[TopicPartition], topic: str) -> None:
+        """The group's ``on_assign``: each partition from its committed offset, the partitions
+        of ``topic`` (trajectories) never below the ledger's floor (records there are finished
+        and their entries pruned, so a group that lost its committed offsets, or a new group
+        id, must not read them again)."""
+        floor = self.outcomes.ledger.floor
+        low = {
+            (tp.topic, tp.partition): floor[str(tp.partition)]
+            for tp in partitions
+            if tp.topic == topic and str(tp.partition) in floor
+        }
+        consumer.assign_from(partitions, low)
+
+    def checkpointed(self, decided: set[str]) -> int:
+        """After a checkpoint and its commit: ``decided`` (now durable in the ledger, its
+        records released before the commit) no longer remembered by the assembler; the ledger
+        pruned to what the committed offsets can still deliver again. Returns how many ledger
+        entries were pruned."""
+        self.assembler.forget(decided)
+        committed = {p: off for (_t, p), off in self.tracker.committed.items()}
+        return self.outcomes.ledger.prune(committed)
+
     def _decode(self, msg: Any) -> TrajectoryChunk | None:
-        try:
-            return decode_as(msg.value() or b"", TrajectoryChunk)
-        except SchemaError as e:
-            self._dead_letter(msg, f"undecodable: {e}")
-            self.tracker.seen(msg.topic(), msg.partition(), msg.offset(), None)
-            return None
+        """The chunk, or None after dead-lettering a record that is not one (oversized,
+        undecodable, another record type) or that claims a policy version no run has
+        published: such a record holds nothing."""
+        chunk = read_record(msg, TrajectoryChunk, self.producer, self.metrics.layout, self.metrics)
+        if chunk is not None:
+            v = chunk.policy_version
+            if v < 0 or self.versions.exists(v, produced_ms(msg)):
+                return chunk  # a negative version is the assembler's BadChunk
+            why = f"policy version {v} from the future (newest published: {self.versions.newest})"
+            self._dead_letter(msg, f"bad chunk {chunk.trajectory_id}/{chunk.seq}: {why}")
+        self.tracker.seen(msg.topic(), msg.partition(), msg.offset(), None)
+        return None
 
     def _invalid(self, msg: Any, chunk: TrajectoryChunk, reason: str) -> Invalid:
         self._dead_letter(msg, reason)
         return Invalid(chunk, reason)
 
     def _dead_letter(self, msg: Any, reason: str) -> None:
-        origin = f"{msg.topic()}/{msg.partition()}@{msg.offset()}"
-        dead_letter(
-            self.producer, self.metrics.layout, msg.value(), msg.key(), reason, origin, self.metrics
-        )
+        layout, where = self.metrics.layout, origin(msg)
+        dead_letter(self.producer, layout, msg.value(), msg.key(), reason, where, self.metrics)
+
+
+class Versions(Protocol):
+    """Which policy versions exist (``srl.weights.KnownVersions``)."""
+
+    newest: int
+
+    def exists(self, version: int, produced_ms: int | None = None) -> bool: ...

@@ -21,8 +21,8 @@ passes (its version at the moment of the decision, before a publish in the same 
 group is finalized whole: its trained, stale and failed samples at one step.
 
 Pure: no Kafka, no torch, no store. The trainer calls it and does the I/O (emits the events,
-counts ``samples_{outcome}``, writes checkpoints, commits offsets). Issue 18 prunes the ledger
-by offset; that belongs in :class:`Ledger`.
+counts ``samples_{outcome}``, writes checkpoints, commits offsets); the intake notes where
+each trajectory's records lie (:meth:`Ledger.seen`) and prunes the ledger after each commit.
 """
 
 from __future__ import annotations
@@ -41,14 +41,39 @@ REASON_CHARS = 300  # a reason label is cut to this many characters
 
 
 class Ledger:
-    """Trajectory id → ``[outcome, step]``: every trajectory with an outcome.
+    """Trajectory id → ``[outcome, step, {partition: last offset}]``: every trajectory with an
+    outcome whose records may still be read again.
 
     A ``Container`` of trajectory ids for the assembler's dedupe; ``entries`` is what a
-    checkpoint saves (JSON: lists, not tuples).
+    checkpoint saves (JSON: lists, not tuples; partitions as strings). Each entry keeps the
+    last offset of its trajectory's records on each partition of the trajectories topic
+    (:meth:`seen`, also for duplicates that arrive after the decision), so :meth:`prune` can
+    drop the entries a restart can no longer meet: all their records lie below the committed
+    offsets, from which a restart re-reads. ``floor`` is the committed offsets of the last
+    prune (saved with the checkpoint): records below it are finished and never needed again.
+    Entries of old checkpoints, saved without offsets, are kept.
     """
 
-    def __init__(self, entries: Mapping[str, Sequence[Any]] | None = None) -> None:
+    def __init__(
+        self,
+        entries: Mapping[str, Sequence[Any]] | None = None,
+        floor: Mapping[str, int] | None = None,
+        totals: Mapping[str, int] | None = None,
+    ) -> None:
         self.entries: dict[str, list[Any]] = {t: list(e) for t, e in (entries or {}).items()}
+        self.floor: dict[str, int] = dict(floor or {})
+        # outcomes of the whole run, pruned entries included (an old checkpoint: its entries)
+        self.totals: dict[str, int] = dict(totals) if totals is not None else self._count()
+        self._where: dict[str, dict[str, int]] = {}  # undecided trajectories' last offsets
+
+    @classmethod
+    def restore(cls, entries: Mapping[str, Sequence[Any]], extra: Mapping[str, Any]) -> Ledger:
+        """The ledger a checkpoint saved: its entries and :meth:`saved_extra`."""
+        return cls(entries, extra.get("ledger_floor"), extra.get("outcome_totals"))
+
+    def saved_extra(self) -> dict[str, Any]:
+        """What a checkpoint saves besides the entries: the floor and the run's totals."""
+        return {"ledger_floor": dict(self.floor), "outcome_totals": dict(self.totals)}
 
     def __contains__(self, tid: object) -> bool:
         return tid in self.entries
@@ -56,13 +81,45 @@ class Ledger:
     def __len__(self) -> int:
         return len(self.entries)
 
+    def seen(self, tid: str, partition: int, offset: int) -> None:
+        """A record of ``tid`` at ``offset`` of ``partition`` (decided or not)."""
+        entry = self.entries.get(tid)
+        if entry is None:
+            where = self._where.setdefault(tid, {})
+        elif len(entry) > 2:
+            where = entry[2]
+        else:  # restored from an old checkpoint: it stays, so no offsets are noted
+            return
+        p = str(partition)
+        where[p] = max(where.get(p, offset), offset)
+
     def record(self, tid: str, outcome: str, step: int) -> None:
-        self.entries[tid] = [outcome, step]
+        if (old := self.entries.get(tid)) is not None:
+            self.totals[old[0]] -= 1
+        self.entries[tid] = [outcome, step, self._where.pop(tid, {})]
+        self.totals[outcome] = self.totals.get(outcome, 0) + 1
+
+    def prune(self, committed: Mapping[int, int]) -> int:
+        """Drop every entry whose records all lie below ``committed`` (partition → committed
+        offset); returns how many were dropped."""
+        self.floor.update({str(p): off for p, off in committed.items()})
+        floor = self.floor
+        gone = [
+            tid
+            for tid, e in self.entries.items()
+            if len(e) > 2 and all(off < floor.get(p, -1) for p, off in e[2].items())
+        ]
+        for tid in gone:
+            del self.entries[tid]
+        return len(gone)
 
     def counts(self) -> dict[str, int]:
-        """How many trajectories have each outcome."""
+        """How many trajectories of the run have each outcome (pruned entries included)."""
+        return {k: n for k, n in self.totals.items() if n}
+
+    def _count(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for outcome, _ in self.entries.values():
+        for outcome, *_ in self.entries.values():
             out[outcome] = out.get(outcome, 0) + 1
         return out
 

@@ -71,6 +71,7 @@ from srl.metrics import Metrics
 from srl.stores import store_from_config
 from srl.tinymodel import load_tokenizer
 from srl.topics import Layout
+from srl.weights import KnownVersions
 
 if TYPE_CHECKING:
     from srl.store import ObjectStore
@@ -186,7 +187,8 @@ class Trainer:
         self.cfg, self.engine, self.dist = cfg, engine, dist
         self.layout = Layout.from_config(cfg)
         self.step = ckpt.step if ckpt else 0
-        self.outcomes = Outcomes(Ledger(ckpt.ledger if ckpt else None), cfg.expire_s)
+        ledger = Ledger.restore(ckpt.ledger, ckpt.extra) if ckpt else Ledger()
+        self.outcomes = Outcomes(ledger, cfg.expire_s)
         self.replay_events = list(ckpt.events) if ckpt else []
         self.dirty = False  # steps since the last checkpoint
         self.groups = GroupBuffer(cfg.expire_s)
@@ -198,8 +200,9 @@ class Trainer:
         self.producer = Producer(cfg, "trainer")
         self.metrics = Metrics(self.producer, self.layout, cfg.run, "trainer-0")
         self.durable = Durable(cfg, engine, store, dist, self.producer, self.metrics, ckpt)
+        versions = KnownVersions(store, floor=lambda: self.version)
         self.intake = Intake(
-            self.outcomes, engine.max_length, cfg.expire_s, self.producer, self.metrics
+            self.outcomes, engine.max_length, cfg.expire_s, self.producer, self.metrics, versions
         )
         self.score = functools.partial(scored, self.scorer, self.metrics)
         args = (self.producer, self.metrics, self.outcomes, self.groups, self.score, self._at)
@@ -255,10 +258,11 @@ class Trainer:
             self.consumer.close()
         return TrainResult(self.step, self.version, self.outcomes.counts())
 
-    def _on_assign(self, _consumer: Any, partitions: list[Any]) -> None:
+    def _on_assign(self, consumer: Consumer, partitions: list[Any]) -> None:
         # a restarted trainer waits for the group to drop its dead predecessor: idle time
         # counts from the assignment, not from the start
         self.last_record = time.monotonic()
+        self.intake.assign(consumer, partitions, self.layout.trajectories)
         log.info("assigned %d partitions", len(partitions))
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -418,21 +422,22 @@ class Trainer:
     # -- durability: steps 3 to 5 of the module docstring -------------------------------------
     def _checkpoint(self) -> None:
         t0 = time.perf_counter()
-        self.durable.save(self.step, self.outcomes)
+        if not self.durable.save(self.step, self.outcomes):
+            return  # nothing became durable: no sample events, no commit; the next one retries
         self._emit_samples(self.outcomes.window)
         self.producer.flush()
         self.intake.tracker.release(self.outcomes.undurable)
         self.feedback.tracker.release(self.outcomes.undurable)
         commit(self.consumer, self.intake.tracker)
         commit(self.consumer, self.feedback.tracker)
+        pruned = self.intake.checkpointed(self.outcomes.undurable)
         self.outcomes.checkpointed()
         self.dirty = False
         self.metrics.incr("checkpoints")
         log.info(
-            "checkpoint %d at step %d (%.2fs)",
-            self.durable.number,
-            self.step,
-            time.perf_counter() - t0,
+            "checkpoint %d at step %d (%.2fs); ledger %d (%d pruned)",
+            *(self.durable.number, self.step, time.perf_counter() - t0),
+            *(len(self.outcomes.ledger), pruned),
         )
 
     def _emit_samples(self, events: list[Event]) -> None:

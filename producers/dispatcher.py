@@ -60,10 +60,11 @@ import orjson
 from producers.backlog import GroupLag
 from producers.config import DispatchConfig
 from producers.dispatch_log import Published, Stamp, read_published
+from producers.follower import announcement
 from ranker.api import assign_buckets
-from schemas.records import PromptTask, SchemaError, WeightsAnnouncement, decode_as, encode
+from schemas.records import PromptTask, WeightsAnnouncement, encode
 from srl.codecs import use_schema_registry
-from srl.errors import SrlError
+from srl.errors import SrlError, WeightsError
 from srl.kafka import (
     OFFSET_BEGINNING,
     Producer,
@@ -72,7 +73,11 @@ from srl.kafka import (
     create_topics,
     reader,
 )
+from srl.metrics import Metrics, dead_letter, origin
+from srl.store import ObjectMissing
+from srl.stores import store_from_config
 from srl.topics import Layout, pool_group
+from srl.weights import load_manifest
 
 if TYPE_CHECKING:
     from producers.sources import PromptLike
@@ -167,10 +172,19 @@ class DispatchSummary:
 
 
 class Announcements:
-    """The newest weights version (and its trainer step) announced for a run."""
+    """The newest weights version (and its trainer step) announced for a run.
 
-    def __init__(self, cfg: DispatchConfig, layout: Layout) -> None:
+    A record of the weights topic that is no announcement, or an announcement of our run
+    whose manifest does not verify (missing, another store's, a hash or a version or a step
+    that does not match: a bogus version would release every step at once), is
+    dead-lettered with the reason and counted (``dead_letters``), and reading goes on.
+    """
+
+    def __init__(self, cfg: DispatchConfig, layout: Layout, producer: Producer) -> None:
         self.run, self.latest, self.step = cfg.run, 0, 0
+        self.layout, self.producer = layout, producer
+        self.metrics = Metrics(producer, layout, cfg.run, "dispatcher")
+        self.store = store_from_config(cfg)
         self._c = reader(cfg, "dispatch-weights")
         self._tp = TopicPartition(layout.weights, 0)
         self._c.assign([TopicPartition(layout.weights, 0, OFFSET_BEGINNING)])
@@ -193,11 +207,30 @@ class Announcements:
         msg = self._tail.poll(timeout_s)
         if msg is None or msg.error():
             return
-        with contextlib.suppress(SchemaError):
-            ann = decode_as(msg.value() or b"", WeightsAnnouncement)
-            if ann.run == self.run:
-                self.latest = max(self.latest, ann.version)
-                self.step = max(self.step, ann.trainer_step)
+        ann, why = announcement(msg.value() or b"")
+        if ann is not None and ann.run == self.run and ann.version > self.latest:
+            why = self._unverified(ann)
+        if why is not None:
+            dead_letter(
+                self.producer, self.layout, msg.value(), msg.key(), why, origin(msg), self.metrics
+            )
+            self.metrics.flush_counters()
+        elif ann is not None and ann.run == self.run:
+            self.latest = max(self.latest, ann.version)
+            self.step = max(self.step, ann.trainer_step)
+
+    def _unverified(self, ann: WeightsAnnouncement) -> str | None:
+        """Why a new announcement of our run cannot be trusted (None: its manifest verifies)."""
+        where = f"announcement of {ann.run} v{ann.version}"
+        if not ann.manifest_uri.startswith(self.store.uri("")):
+            return f"{where}: {ann.manifest_uri} is not in the store {self.store.url}"
+        try:
+            manifest = load_manifest(self.store, ann)
+        except (WeightsError, ObjectMissing) as e:
+            return f"{where}: {e}"
+        if manifest.trainer_step != ann.trainer_step:
+            return f"{where}: trainer step {ann.trainer_step}, manifest {manifest.trainer_step}"
+        return None
 
     def close(self) -> None:
         self._c.close()
@@ -219,7 +252,7 @@ def run_dispatcher(
     with contextlib.ExitStack() as stack:
         producer = stack.enter_context(Producer(cfg, "dispatcher"))
         if cfg.max_staleness is not None:
-            anns = Announcements(cfg, layout)
+            anns = Announcements(cfg, layout, producer)
             stack.callback(anns.close)
             out = Windows(cfg, layout, producer, predictor, stop, published=published)
             return out.paced(source, anns, cfg.max_staleness)

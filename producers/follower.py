@@ -11,7 +11,11 @@ Owns a generator's view of the policy versions. What must hold:
 * A version that fails (bad hash, missing file, a manifest that does not match, or tensors
   the engine rejects) is **refused**: one log line, counted, reported to the worker as a
   ``weights_refused`` event, and the old weights stay in use. A refused version no longer
-  counts as ``latest`` for the staleness rule, so a bad upload cannot stall generation.
+  counts as ``latest`` for the staleness rule, so a bad upload cannot stall generation, and
+  the next good version is still taken (even one older than a bogus announced one).
+* A record that is no announcement (oversized, undecodable, another record type, a negative
+  version) is handed to the worker, which dead-letters it (:meth:`drain_poison`); the
+  follower reads on.
 * The worker takes a verified version with :meth:`take` and swaps it between decode steps.
 * :meth:`sync` gives read-your-writes: it returns once the thread has read every
   announcement appended before the call, so a prompt task published after an announcement
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from schemas.records import SchemaError, WeightsAnnouncement, decode_as
 from srl.errors import SrlError, StoreError, WeightsError
 from srl.kafka import OFFSET_BEGINNING, QuietTail, TopicPartition, reader
+from srl.metrics import MAX_RECORD_BYTES
 from srl.weights import fetch_tensors, load_manifest
 
 if TYPE_CHECKING:
@@ -64,6 +69,7 @@ class WeightFollower:
         self.announced: dict[int, WeightsAnnouncement] = {}
         self.refused: dict[int, str] = {}
         self.refusals: list[tuple[int, str]] = []  # not yet reported by the worker
+        self.poison: list[Poison] = []  # unusable records, for the worker to dead-letter
         self._ready: Ready | None = None
         self._fetched = current  # newest version fetched or being fetched
         self._position = 0  # next weights-topic offset to read
@@ -117,6 +123,13 @@ class WeightFollower:
             out, self.refusals = self.refusals, []
         return out
 
+    def drain_poison(self) -> list[Poison]:
+        """Records of the weights topic that are no announcement, for the worker's DLQ (its
+        producer serves delivery reports on the worker's thread, so it sends them)."""
+        with self._cond:
+            out, self.poison = self.poison, []
+        return out
+
     def sync(self, timeout_s: float = 10.0) -> None:
         """Wait until every announcement appended before this call has been read."""
         _low, high = self._probe.get_watermark_offsets(
@@ -148,25 +161,26 @@ class WeightFollower:
             self._consumer.close()
 
     def _on_message(self, msg: Any) -> None:
-        try:
-            ann = decode_as(msg.value() or b"", WeightsAnnouncement)
-        except SchemaError as e:
-            log.warning("weights topic offset %d: unreadable announcement (%s)", msg.offset(), e)
-            ann = None
+        ann, why = announcement(msg.value() or b"")
         with self._cond:
-            if ann is not None and ann.run == self.run and ann.version > self.loaded:
+            if why is not None:
+                where = f"{msg.topic()}/{msg.partition()}@{msg.offset()}"
+                self.poison.append(Poison(msg.value(), msg.key(), why, where))
+            elif ann is not None and ann.run == self.run and ann.version > self.loaded:
                 self.announced.setdefault(ann.version, ann)
             self._position = (msg.offset() or 0) + 1
             self._cond.notify_all()
 
     def _fetch_newest(self) -> None:
+        """Fetch the newest announced version not refused and newer than the last fetched; a
+        refused one (corrupt, deleted, never written) leaves ``_fetched`` where it was, so the
+        next good version, older or newer than the refused one, is still taken."""
         with self._cond:
             candidates = [v for v in self.announced if v not in self.refused and v > self._fetched]
             if not candidates:
                 return
             version = max(candidates)
             ann = self.announced[version]
-            self._fetched = version
         t0 = time.perf_counter()
         try:
             tensors = fetch_tensors(self.store, load_manifest(self.store, ann))
@@ -176,6 +190,31 @@ class WeightFollower:
                 self._cond.notify_all()
             return
         with self._cond:
+            self._fetched = version
             if self._ready is None or self._ready.version < version:
                 self._ready = Ready(version, tensors, time.perf_counter() - t0)
             self._cond.notify_all()
+
+
+@dataclass(frozen=True)
+class Poison:
+    """A record of the weights topic that is no usable announcement, and why."""
+
+    value: bytes | None
+    key: Any
+    reason: str
+    origin: str
+
+
+def announcement(value: bytes) -> tuple[WeightsAnnouncement | None, str | None]:
+    """A weights-topic record as an announcement, or why it is none (oversized, undecodable,
+    another record type, a negative version). Another run's announcement is no poison."""
+    if len(value) > MAX_RECORD_BYTES:
+        return None, f"oversized: {len(value)} bytes > {MAX_RECORD_BYTES}"
+    try:
+        ann = decode_as(value, WeightsAnnouncement)
+    except SchemaError as e:
+        return None, f"undecodable: {e}"
+    if ann.version < 0:
+        return None, f"announcement of {ann.run}: negative version {ann.version}"
+    return ann, None

@@ -14,8 +14,9 @@ accounting of every chunk. What must hold:
 * a trajectory leaving this worker unfinished (revocation, shutdown: :meth:`Outlet.hand_off`)
   has its open partial chunk published first, so the next owner resumes from its prefix;
 * a straggler moves to the long-tail pool in ``ranker.migrate``'s exactly-once order
-  (:meth:`Outlet.migrate`): hand-off chunk acknowledged, then the resume task acknowledged,
-  then the slot freed.
+  (:meth:`Outlet.migrate`): hand-off chunk acknowledged, then the resume task sent and
+  acknowledged, then the sample counted done; each step follows a delivery report, so the
+  decode loop never waits for the broker (revocation and shutdown wait: :meth:`Outlet.settle`).
 
 The producer and the metrics come with :meth:`Outlet.open`, once the worker runs. Called by
 ``producers.worker`` on its one thread (delivery reports arrive inside ``producer.poll`` /
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from producers.chunker import Chunker
@@ -34,9 +36,9 @@ from producers.engines.base import Emitted, Engine
 from producers.migration import Stragglers
 from producers.planning import request_for, trajectory_start
 from producers.tasks import SamplePlan, TaskState
-from schemas.records import TrajectoryChunk, encode
+from schemas.records import PromptTask, TrajectoryChunk, encode
 from srl.errors import SrlError
-from srl.kafka import KafkaError, Producer
+from srl.kafka import DeliveryCallback, KafkaError, Producer
 from srl.metrics import Metrics
 from srl.topics import Layout
 
@@ -68,7 +70,8 @@ class Outlet:
         self.layout, self.engine, self.counts = layout, engine, counts
         self.chunker = Chunker(cfg.chunk_tokens, cfg.worker_name)
         self.stragglers = Stragglers.from_config(cfg)
-        self.by_tid: dict[str, TaskState] = {}  # trajectories in the engine
+        self.by_tid: dict[str, TaskState] = {}  # trajectories in the engine or migrating
+        self.moving: dict[str, _Move] = {}  # migrations under way, by trajectory id
         self.delivery_error: str | None = None
         self._done = done
         self.producer: Producer
@@ -114,7 +117,10 @@ class Outlet:
                 self.counts.trajectories += 1
                 self._done(st)
 
-    def produce(self, chunk: TrajectoryChunk, st: TaskState) -> None:
+    def produce(
+        self, chunk: TrajectoryChunk, st: TaskState, on_acked: Callable[[], None] | None = None
+    ) -> None:
+        """Send one chunk of ``st``'s; ``on_acked`` is called once the broker has it."""
         st.unacked += 1
 
         def delivered(err: KafkaError | None, _msg: Any) -> None:
@@ -122,6 +128,8 @@ class Outlet:
             if err is not None and not st.abandoned:
                 st.failed = st.failed or err.str()
                 self.delivery_error = self.delivery_error or err.str()
+            elif on_acked is not None:
+                on_acked()
             self._done(st)
 
         self.producer.produce(
@@ -147,8 +155,9 @@ class Outlet:
             self.by_tid.pop(r.key, None)
 
     def hand_off(self, states: list[TaskState]) -> None:
-        """Leave unfinished trajectories to the partition's next owner: publish their open
-        chunks."""
+        """Leave unfinished trajectories to the partition's next owner: finish the migrations
+        under way, then publish the open chunks."""
+        self.settle()
         for st in states:
             for tid in list(st.generating):
                 if tid in self.by_tid:
@@ -172,16 +181,28 @@ class Outlet:
 
     # -- migration -------------------------------------------------------------------------------
     def migrate(self) -> None:
-        """Hand every straggler due to the long-tail pool."""
+        """Move migrations under way one step on, then start one for every straggler due."""
         if self.stragglers is None:
             return
+        self._advance()
         for tid in self.stragglers.due():
             if tid in self.by_tid and tid in self.chunker:
-                self._migrate(self.stragglers, tid)
+                self._start_move(self.stragglers, tid)
             self.stragglers.forget(tid)
 
-    def _migrate(self, stragglers: Stragglers, tid: str) -> None:
-        """Move one straggler to the long-tail pool, in ``ranker.migrate``'s exactly-once order.
+    def settle(self) -> None:
+        """Finish every migration under way, waiting for the broker (revocation, shutdown:
+        a straggler's prefix is never left without its resume task). SrlError if a record of
+        one failed."""
+        while self.moving:
+            self.producer.flush()
+            self.check()
+            self._advance()
+
+    def _start_move(self, stragglers: Stragglers, tid: str) -> None:
+        """Step 1 of ``ranker.migrate``'s exactly-once order: the hand-off chunk goes out; the
+        resume task follows once the broker has acknowledged it (:meth:`_advance`), so decoding
+        never waits for either.
 
         A crash before the hand-off chunk is acknowledged: the task is redelivered and resumed
         here (plain recovery). After it, before the resume task is acknowledged: a redelivered
@@ -189,23 +210,48 @@ class Outlet:
         trainer expires the prefix and counts it (``expired``), never trains it twice.
         """
         st = self.by_tid[tid]
-        self.engine.abort(tid)
+        self.engine.abort(tid)  # its engine slot is free now; the sample is done here at step 3
         chunk = self.chunker.hand_off(tid, self.engine.version)
-        self.produce(chunk, st)
-        self.producer.flush()  # 1. the prefix and its MIGRATED chunk are on the broker
-        if self.delivery_error is not None:
-            raise SrlError(f"hand-off chunk of {tid} not delivered ({self.delivery_error})")
         task, generated = stragglers.task(
             st.task, tid, chunk.seq + 1, st.prompt_ids, self.engine.version
         )
-        self.producer.produce(self.layout.resumes(task.bucket), encode(task), key=task.prompt_id)
-        self.producer.flush()  # 2. the resume task is on the broker (raises if it failed)
-        del self.by_tid[tid]  # 3. only now: the slot is free and the sample done here
+        move = _Move(tid, st, chunk, task, generated)
+        self.moving[tid] = move
+        self.produce(chunk, st, on_acked=move.acked)
+
+    def _advance(self) -> None:
+        """2. once a hand-off chunk (and so its prefix, earlier on its partition) is on the
+        broker, its resume task goes out; 3. once that is acknowledged, the slot is freed."""
+        for move in list(self.moving.values()):
+            if move.chunk_acked and not move.task_sent and self.delivery_error is None:
+                self.producer.produce(
+                    self.layout.resumes(move.task.bucket),
+                    encode(move.task),
+                    key=move.task.prompt_id,
+                    on_delivery=self._task_delivered(move),
+                )
+                move.task_sent = True
+            if move.task_acked:
+                self._moved(move)
+
+    def _task_delivered(self, move: _Move) -> DeliveryCallback:
+        def delivered(err: KafkaError | None, _msg: Any) -> None:
+            if err is None:
+                move.task_acked = True
+            else:
+                self.delivery_error = self.delivery_error or f"resume task: {err.str()}"
+
+        return delivered
+
+    def _moved(self, move: _Move) -> None:
+        st, tid, chunk, task = move.st, move.tid, move.chunk, move.task
+        del self.moving[tid]
+        self.by_tid.pop(tid, None)
         st.generating.discard(tid)
         self.counts.migrated += 1
         predicted = st.task.predicted_length
         values = {
-            "generated": float(generated),
+            "generated": float(move.generated),
             "predicted": float(predicted or 0),
             "next_seq": float(chunk.seq + 1),
         }
@@ -215,7 +261,24 @@ class Outlet:
             "migrated %s to %s after %d tokens (predicted %s)",
             tid,
             task.bucket,
-            generated,
+            move.generated,
             predicted,
         )
         self._done(st)
+
+
+@dataclass
+class _Move:
+    """A straggler on its way to the long-tail pool: its hand-off chunk and resume task."""
+
+    tid: str
+    st: TaskState
+    chunk: TrajectoryChunk
+    task: PromptTask
+    generated: int
+    chunk_acked: bool = False
+    task_sent: bool = False
+    task_acked: bool = False
+
+    def acked(self) -> None:
+        self.chunk_acked = True

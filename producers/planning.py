@@ -42,13 +42,23 @@ class BadTask(ValueError):
 
 
 # -- planning -----------------------------------------------------------------------------------
+MAX_GROUP_SIZE = 1024  # samples of one prompt; a larger group is poison, not work
+
+
 def task_target(task: PromptTask) -> int | None:
-    """The task's target length (``metadata.sim_length``, if a number); BadTask for sample
-    indices outside the group or metadata that is not a JSON object."""
+    """The task's target length (``metadata.sim_length``, if a number); BadTask for a group
+    of more than ``MAX_GROUP_SIZE``, sample indices outside the group, a resume prefix with a
+    negative seq or version, or metadata that is not a JSON object."""
+    if not 1 <= task.group_size <= MAX_GROUP_SIZE:
+        raise BadTask(f"task {task.task_id}: group of {task.group_size} (1..{MAX_GROUP_SIZE})")
     samples = task.samples()
-    if task.group_size < 1 or any(not 0 <= s < task.group_size for s in samples):
+    if any(not 0 <= s < task.group_size for s in samples):
         raise BadTask(
             f"task {task.task_id}: sample indices {samples} outside group of {task.group_size}"
+        )
+    if (r := task.resume) is not None and (r.next_seq < 0 or r.min_version < 0):
+        raise BadTask(
+            f"task {task.task_id}: resume at seq {r.next_seq}, policy version {r.min_version}"
         )
     meta: Any = {}
     if task.metadata:

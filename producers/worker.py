@@ -16,16 +16,16 @@ and ``producers.backlog`` (the trainer's backlog). Each iteration, in this order
 2. **swap weights** if the follower has a verified version: publish every open partial chunk
    first (a chunk never mixes versions), load, emit ``weights_loaded``; a version the engine
    rejects is refused (``weights_refused``) and the old weights stay;
-3. **intake**: measure the trainer's backlog (chunks it has not read yet, at most once a
-   second: ``producers.backlog``); consume tasks (prompt and resume topics of the pool's
-   buckets) while fewer than ``max_batch`` samples wait (otherwise the partitions are paused,
-   so the group membership stays alive); while the backlog is over its bound only the prompt
-   topics are paused: resume tasks finish trajectories the trainer is waiting for
-   (``producers.intake.pause_mode``); each task is planned (``producers.planning``) and its
-   samples validated by the engine, or dead-lettered; a task that may have been started by a
-   previous owner of its partition (offset below the high watermark seen at assignment) is
-   first read back (``producers.recovery``): complete samples are skipped, partial ones
-   resumed from their published prefix with the same trajectory id and the next seq;
+3. **intake**: the trainer's backlog (chunks it has not read yet) as last measured by its
+   background thread (``producers.backlog``; never waited for here); consume tasks (prompt and
+   resume topics of the pool's buckets) while fewer than ``max_batch`` samples wait (otherwise
+   the partitions are paused, so the group membership stays alive); while the backlog is over
+   its bound only the prompt topics are paused: resume tasks finish trajectories the trainer is
+   waiting for (``producers.intake.pause_mode``); each task is planned (``producers.planning``)
+   and its samples validated by the engine, or dead-lettered; a task that may have been started
+   by a previous owner of its partition (offset below the high watermark seen at assignment) is
+   first read back (``producers.recovery``): complete samples are skipped, partial ones resumed
+   from their published prefix with the same trajectory id and the next seq;
 4. **admit** waiting samples into the engine's free slots, resumed ones first, then by trainer
    step and longest-predicted first, each only with weights no older than ``latest - k`` and
    its task's ``min_version`` (``producers.admission``), after reading every weights
@@ -35,7 +35,8 @@ and ``producers.backlog`` (the trainer's backlog). Each iteration, in this order
    trajectory id, partition = ``Layout.partition_for(bucket, trajectory_id)``; with
    ``migrate_to`` set, stragglers (past ``migrate_factor`` × their prediction) are then handed
    to the long-tail bucket by prefix (``Outlet.migrate``: hand-off chunk acknowledged, then
-   the resume task acknowledged, then the slot is freed; ``producers.migration``);
+   the resume task acknowledged, then the sample is done here, each step on a delivery
+   report, so decoding never waits for the broker; ``producers.migration``);
 6. **commit**: a task is finished when all its samples ended and every chunk was acknowledged;
    offsets are committed per partition up to the first unfinished task (``Intake.commit``,
    ``OffsetTracker``);
@@ -54,7 +55,6 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -86,7 +86,7 @@ from schemas.records import (
 from srl.codecs import use_schema_registry
 from srl.errors import SrlError, WeightsError
 from srl.kafka import KafkaException, Message, Producer, create_topics, describe, position_group
-from srl.metrics import Metrics, dead_letter
+from srl.metrics import MAX_RECORD_BYTES, Metrics, dead_letter
 from srl.stores import store_from_config
 from srl.topics import Layout
 
@@ -129,7 +129,9 @@ class GeneratorWorker:
         topics = [t for b in self.buckets for t in (self.layout.prompts(b), self.layout.resumes(b))]
         self.intake = Intake(cfg, topics, self._release, self._drop)
         self.pending: list[TaskState] = []  # tasks with samples not yet in the engine
-        self.backlog = TrainerBacklog(cfg.max_backlog_chunks, cfg.backlog_stall_s)
+        # measured every second while bounded; unbounded, only for the stats
+        every = 1.0 if cfg.max_backlog_chunks is not None else cfg.stats_interval_s
+        self.backlog = TrainerBacklog(cfg.max_backlog_chunks, cfg.backlog_stall_s, every)
         self.stopping = False
         self._unsynced = False  # tasks accepted since the last weights sync: admit none yet
         self._last_stats = time.monotonic()
@@ -166,8 +168,8 @@ class GeneratorWorker:
         # the furthest of the trainer's read position (shared by the trainer) and its
         # committed offsets (a trainer that shares no position still bounds us)
         group = self.cfg.trainer_group
-        self.lag = GroupLag(self.cfg, [group, position_group(group)], [self.layout.trajectories])
-        stack.callback(self.lag.close)
+        lag = GroupLag(self.cfg, [group, position_group(group)], [self.layout.trajectories])
+        stack.callback(self.backlog.start(lag).stop)  # measured off the decode thread
         stack.callback(self.intake.close)
         self.intake.join()
 
@@ -177,7 +179,7 @@ class GeneratorWorker:
         self.follower.check()  # 1.
         self.outlet.check()
         self._swap()  # 2.
-        self._measured(self.backlog.check)  # 3.
+        self.backlog.check()  # 3.
         if self._intake():
             self._unsynced = True
         if self._unsynced:  # 4.
@@ -210,6 +212,11 @@ class GeneratorWorker:
 
     # -- weights ---------------------------------------------------------------------------
     def _swap(self) -> None:
+        for p in self.follower.drain_poison():  # sent here: delivery reports are this thread's
+            dead_letter(
+                self.producer, self.layout, p.value, p.key, p.reason, p.origin, self.metrics
+            )
+            self.summary.dead_letters += 1
         for version, reason in self.follower.drain_refusals():
             self.summary.weights_refused += 1
             labels = {"worker_id": self.summary.worker_id, "reason": reason[:500]}
@@ -260,7 +267,10 @@ class GeneratorWorker:
     def _accept(self, tp: TopicPart, offset: int, msg: Message) -> TaskState | None:
         """Plan a task (``producers.planning``) and let the engine validate every sample."""
         try:
-            task = decode_as(msg.value() or b"", PromptTask)
+            value = msg.value() or b""
+            if len(value) > MAX_RECORD_BYTES:
+                raise BadTask(f"oversized: {len(value)} bytes > {MAX_RECORD_BYTES}")
+            task = decode_as(value, PromptTask)
             target = task_target(task)  # a bad task is refused before the engine tokenizes
             prompt_ids = (
                 unpack_tokens(task.prompt_tokens).tolist()
@@ -271,7 +281,8 @@ class GeneratorWorker:
             for p in st.todo:
                 self.engine.validate(request_for(st, p))
         except (SchemaError, BadTask, RequestError) as e:
-            self._dead_letter(msg.value(), msg.key(), str(e), tp, offset)
+            why = f"undecodable: {e}" if isinstance(e, SchemaError) else str(e)
+            self._dead_letter(msg.value(), msg.key(), why, tp, offset)
             return None
         self.intake.hold(st)
         return st
@@ -340,8 +351,8 @@ class GeneratorWorker:
     def _release(self, tps: set[TopicPart], states: list[TaskState]) -> bool:
         """The intake's hand-off of revoked partitions: their unfinished trajectories' open
         chunks published and flushed; False if the flush failed."""
-        self._handoff(states)
         try:
+            self._handoff(states)  # migrations under way are finished first (Outlet.settle)
             self.producer.flush()
         except SrlError as e:  # the tasks stay uncommitted; the next owner reads back what arrived
             log.warning("handing off %s: %s", sorted(tps), e)
@@ -355,15 +366,6 @@ class GeneratorWorker:
             self.outlet.kill(st)
             st.todo.clear()
         self.pending.clear()
-
-    def _measured(self, measure: Callable[[GroupLag], int | None]) -> int | None:
-        """The trainer's backlog, or None while the broker does not answer (cut off: the
-        worker goes on with its last measurement)."""
-        try:
-            return measure(self.lag)
-        except KafkaException as e:
-            log.warning("measuring the trainer's backlog: %s", describe(e))
-            return None
 
     def _stats(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -380,7 +382,7 @@ class GeneratorWorker:
             "running": self.engine.running,
             "policy_version": self.engine.version,
             "paused": float(self.intake.paused != "none"),
-            "backlog": float(self._measured(self.backlog.report) or 0),
+            "backlog": float(self.backlog.value or 0),
         }
         labels = {
             "pool": self.cfg.pool,

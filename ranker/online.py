@@ -15,9 +15,12 @@ Loop, in this order:
 3. publish the version (``ranker.publish``: files, manifest last);
 4. only then commit the consumer offsets of the chunks that went into it.
 
-A record that does not decode goes to the DLQ and is counted. Prompt tokens are turned back
-into text with the policy's tokenizer (``--model DIR``), because the dispatcher predicts from
-the rendered prompt text.
+A record that is not a usable chunk goes to the DLQ with the reason and is counted, and the
+run goes on: oversized, undecodable, another record type (``srl.metrics.read_record``), a
+chunk with negative positions or version, or prompt tokens outside the tokenizer
+(``chunk_defect``), or a policy version no run has published (``srl.weights.KnownVersions``).
+Prompt tokens are turned back into text with the policy's tokenizer (``--model DIR``),
+because the dispatcher predicts from the rendered prompt text.
 """
 
 from __future__ import annotations
@@ -36,8 +39,7 @@ from ranker.features import FeatureSpec
 from ranker.metrics import ranking_report
 from ranker.model import LengthRanker
 from ranker.publish import RankerFollower, publish
-from schemas.codec import SchemaError
-from schemas.records import TrajectoryChunk, decode_as, unpack_tokens
+from schemas.records import TrajectoryChunk, unpack_tokens
 from srl.codecs import use_schema_registry
 from srl.kafka import (
     Consumer,
@@ -45,12 +47,14 @@ from srl.kafka import (
     Producer,
     TopicPartition,
     make_consumer,
+    produced_ms,
     wait_for_broker,
 )
-from srl.metrics import Metrics, dead_letter
+from srl.metrics import Metrics, dead_letter, origin, read_record
 from srl.stores import store_from_config
 from srl.tinymodel import build_tokenizer, load_tokenizer
 from srl.topics import Layout
+from srl.weights import KnownVersions
 
 if TYPE_CHECKING:
     from ranker.config import RankerConfig
@@ -159,15 +163,32 @@ def live_report(window: TrainWindow) -> dict[str, float | int] | None:
     return ranking_report(window.lengths[ok], pred[ok])
 
 
-def decoder_for(model_dir: str | None) -> Callable[[bytes], str]:
-    """Token bytes → prompt text, with the policy's tokenizer (the tiny byte-level one if None)."""
+def decoder_for(model_dir: str | None) -> tuple[Callable[[bytes], str], int]:
+    """Token bytes → prompt text, with the policy's tokenizer (the tiny byte-level one if None),
+    and the size of its vocabulary."""
 
     tok = load_tokenizer(model_dir) if model_dir else build_tokenizer()
 
     def decode(data: bytes) -> str:
         return str(tok.decode(unpack_tokens(data).tolist(), skip_special_tokens=True))
 
-    return decode
+    return decode, len(tok)
+
+
+def chunk_defect(c: TrajectoryChunk, vocab_size: int) -> str | None:
+    """Why a chunk can make no (prompt, length) pair (None: it can): negative positions or
+    version, token bytes that are not int32s, prompt tokens outside the tokenizer's vocabulary."""
+    if c.seq < 0 or c.token_offset < 0 or c.policy_version < 0:
+        return f"negative seq, token_offset or policy version ({c.seq}, {c.token_offset}, " + (
+            f"{c.policy_version})"
+        )
+    if len(c.tokens) % 4 or (c.prompt_tokens is not None and len(c.prompt_tokens) % 4):
+        return "token bytes are not packed int32s"
+    if c.prompt_tokens:
+        ids = unpack_tokens(c.prompt_tokens)
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+            return f"prompt token ids outside the tokenizer's {vocab_size}"
+    return None
 
 
 def idle(last_progress: float, idle_timeout_s: float | None) -> bool:
@@ -212,6 +233,7 @@ class _OnlineRun:
         self.metrics = Metrics(producer, layout, cfg.run, "ranker")
         self.trainer = _VersionTrainer(cfg)
         self.collector = PairCollector()
+        self.versions = KnownVersions(self.trainer.store)
         self.published, self.last_progress = 0, time.monotonic()
         self.pending: dict[tuple[str, int], int] = {}  # next offsets not yet in a version
 
@@ -221,12 +243,22 @@ class _OnlineRun:
     def take(self, msg: Message) -> tuple[LengthRanker, dict[str, float]] | None:
         """One record; the version published because of it, if any (steps 1-4 above)."""
         self.pending[(msg.topic() or "", msg.partition() or 0)] = (msg.offset() or 0) + 1
-        try:
-            chunk = decode_as(msg.value() or b"", TrajectoryChunk)
-        except SchemaError as e:
-            origin = f"{msg.topic()}/{msg.partition()}@{msg.offset()}"
+        chunk = read_record(msg, TrajectoryChunk, self.producer, self.layout, self.metrics)
+        if chunk is None:
+            return None
+        why = chunk_defect(chunk, self.trainer.vocab_size)
+        if why is None and not self.versions.exists(chunk.policy_version, produced_ms(msg)):
+            why = f"policy version {chunk.policy_version} from the future"
+        if why is not None:
+            reason = f"bad chunk {chunk.trajectory_id}/{chunk.seq}: {why}"
             dead_letter(
-                self.producer, self.layout, msg.value(), msg.key(), str(e), origin, self.metrics
+                self.producer,
+                self.layout,
+                msg.value(),
+                msg.key(),
+                reason,
+                origin(msg),
+                self.metrics,
             )
             return None
         pair = self.collector.add(chunk)
@@ -255,7 +287,7 @@ class _VersionTrainer:
 
         self.cfg = cfg
         self.store = store_from_config(cfg)
-        self.decode_prompt = decoder_for(cfg.model_dir)
+        self.decode_prompt, self.vocab_size = decoder_for(cfg.model_dir)
         self.window = TrainWindow(cfg.window, cfg.retrain_every, cfg.min_pairs)
         self.follower = RankerFollower(self.store, cfg.run)
 

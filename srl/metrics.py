@@ -3,20 +3,23 @@
 Owns how any role reports what it did: ``Metrics.emit`` sends one ``MetricEvent`` (kind,
 values, labels, step) and ``Metrics.incr`` keeps counters that ``flush_counters`` sends as a
 ``counter`` event. ``dead_letter`` puts an unusable record on ``{prefix}.dlq`` with the
-reason and its origin in headers, and counts it. Nothing here blocks: records go through the
-role's producer and are delivered with its next poll/flush.
+reason and its origin in headers, and counts it; ``read_record`` is every input topic's first
+check (size, framing, schema), dead-lettering what fails. Nothing here blocks: records go
+through the role's producer and are delivered with its next poll/flush.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import Any, TypeVar
 
-from schemas.records import MetricEvent, encode
+from schemas.records import MetricEvent, Record, SchemaError, decode_as, encode
 from srl.kafka import KafkaError, Producer
 from srl.topics import Layout
 
 log = logging.getLogger("srl.metrics")
+R = TypeVar("R", bound=Record)
 
 
 class Metrics:
@@ -73,6 +76,17 @@ class Metrics:
             self.emit("counter", {k: float(v) for k, v in self.counters.items()}, step=step)
 
 
+# Records stay far below 1 MB (DESIGN.md: weights never travel through Kafka); one larger than
+# this is poison wherever it is read, and a dead letter keeps at most this much of a value
+# (the DLQ's own records must fit the producer's and the broker's limits).
+MAX_RECORD_BYTES = 512 * 1024
+
+
+def origin(msg: Any) -> str:
+    """Where a consumed record came from: ``topic/partition@offset``."""
+    return f"{msg.topic()}/{msg.partition()}@{msg.offset()}"
+
+
 def dead_letter(
     producer: Producer,
     layout: Layout,
@@ -83,12 +97,35 @@ def dead_letter(
     metrics: Metrics | None = None,
 ) -> None:
     """Send an unusable record to the DLQ with ``reason`` and ``origin``
-    (topic/partition@offset)."""
+    (topic/partition@offset), and count it (``dead_letters``). A value over
+    :data:`MAX_RECORD_BYTES` is cut to that size (header ``srl.truncated``: its full size)."""
+    value = value or b""
     headers: list[tuple[str, str | bytes | None]] = [
         ("srl.reason", reason.encode()[:1000]),
         ("srl.origin", origin.encode()),
     ]
-    producer.produce(layout.dlq, value or b"", key=key, headers=headers)
+    if len(value) > MAX_RECORD_BYTES:
+        headers.append(("srl.truncated", str(len(value)).encode()))
+        value = value[:MAX_RECORD_BYTES]
+    producer.produce(layout.dlq, value, key=key, headers=headers)
     if metrics is not None:
         metrics.incr("dead_letters")
     log.warning("dead letter from %s: %s", origin, reason)
+
+
+def read_record(
+    msg: Any, cls: type[R], producer: Producer, layout: Layout, metrics: Metrics
+) -> R | None:
+    """The record of ``cls`` that ``msg`` (a ``srl.kafka.Message`` of an input topic) holds, or
+    None after dead-lettering it: oversized, undecodable (garbage, unknown fingerprint,
+    truncated, trailing bytes), or another record type (wrong schema)."""
+    value = msg.value() or b""
+    if len(value) > MAX_RECORD_BYTES:
+        reason = f"oversized: {len(value)} bytes > {MAX_RECORD_BYTES}"
+    else:
+        try:
+            return decode_as(value, cls)
+        except SchemaError as e:
+            reason = f"undecodable: {e}"
+    dead_letter(producer, layout, value, msg.key(), reason, origin(msg), metrics)
+    return None

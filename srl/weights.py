@@ -252,11 +252,34 @@ def publish(
     extra_files: dict[str, bytes] | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Published:
-    """Steps 1 and 2 of the protocol; returns what step 3 announces."""
+    """Steps 1 and 2 of the protocol; returns what step 3 announces. A write the store
+    refuses (a full disk, say) raises StoreError after the version's files are removed, so
+    nothing is left half-written and the version may be published again."""
     prefix = version_prefix(run, version)
     if store.exists(f"{prefix}/{MANIFEST}"):
         raise WeightsError(f"weights {run} v{version} already published")
     _clear_unfinished(store, run, version)
+    try:
+        return _write_version(
+            store, run, version, tensors, trainer_step, parent_version, extra_files, max_shard_bytes
+        )
+    except StoreError:
+        with contextlib.suppress(StoreError):
+            _clear_unfinished(store, run, version)
+        raise
+
+
+def _write_version(
+    store: ObjectStore,
+    run: str,
+    version: int,
+    tensors: dict[str, torch.Tensor],
+    trainer_step: int,
+    parent_version: int | None,
+    extra_files: dict[str, bytes] | None,
+    max_shard_bytes: int,
+) -> Published:
+    prefix = version_prefix(run, version)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
     entries = _write_tensors(store, prefix, tensors, max_shard_bytes)
@@ -340,6 +363,46 @@ def materialize(store: ObjectStore, manifest: Manifest, out_dir: Path) -> Path:
     for entry in manifest.files:
         (out_dir / entry.name).write_bytes(fetch_file(store, manifest, entry))
     return out_dir
+
+
+def newest_version(store: ObjectStore) -> int:
+    """The highest weights version with a manifest in ``store``, over every run (0: none)."""
+    best = 0
+    for key in store.list("weights/"):
+        parts = key.split("/")
+        if len(parts) == 4 and parts[3] == MANIFEST and parts[2][1:].isdigit():
+            best = max(best, int(parts[2][1:]))
+    return best
+
+
+class KnownVersions:
+    """Which policy versions exist: a record stamped with a version no run has published is
+    from the future (poison; a negative one is poison anyway).
+
+    A version up to ``floor()`` (the reader's own, e.g. the trainer's) or up to the newest
+    manifest seen in the store (any run: a second trainer reads the lead run's stream) exists.
+    For a version beyond both, the store is listed again, unless the last listing came after
+    the record was produced (``produced_ms``, with ``SKEW_MS`` for clocks apart): a manifest is
+    written before its version is announced, loaded and sampled, so that listing saw it. A
+    flood of such records costs one listing per batch of them produced within the skew.
+    """
+
+    SKEW_MS = 5_000
+
+    def __init__(self, store: ObjectStore, floor: Callable[[], int] = lambda: 0) -> None:
+        self.store, self.floor = store, floor
+        self.newest, self.listed_ms, self.listings = 0, -(10**15), 0
+
+    def exists(self, version: int, produced_ms: int | None = None) -> bool:
+        if version < 0:
+            return False
+        if version <= max(self.floor(), self.newest):
+            return True
+        if produced_ms is None or produced_ms >= self.listed_ms - self.SKEW_MS:
+            self.listed_ms = now_ms()
+            self.newest = newest_version(self.store)
+            self.listings += 1
+        return version <= max(self.floor(), self.newest)
 
 
 def read_announcements(

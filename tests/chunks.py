@@ -124,6 +124,19 @@ def produce(
             p.produce(layout.trajectories, raw, key=b"bad", partition=partition or 0)
 
 
+def publish_versions(cfg: Any, upto: int, run: str = "lead") -> None:
+    """Weights versions 1..``upto`` of ``run`` in the store (a tiny tensor each): chunks may
+    claim those versions (a version no run has published is from the future, and poison)."""
+    import torch
+
+    from srl.stores import store_from_config
+    from srl.weights import publish
+
+    store = store_from_config(cfg)
+    for v in range(1, upto + 1):
+        publish(store, run, v, {"w": torch.zeros(1)}, trainer_step=v, parent_version=v - 1)
+
+
 def read_topic(cfg: Any, topic: str, timeout_s: float = 20.0) -> list[Any]:
     """Every message of ``topic`` up to its current high watermarks (all partitions)."""
     from srl.kafka import read_range

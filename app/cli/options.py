@@ -160,10 +160,15 @@ def cli_values(cls: type[Settings], given: dict[str, Any]) -> dict[str, Any]:
 
 
 def load(cls: type[Settings], file: str | None, given: dict[str, Any]) -> Any:
-    """The config from the options given (precedence: :func:`srl.config.load_config`)."""
-    from srl.config import RegistrySettings, load_config
+    """The config from the options given (precedence: :func:`srl.config.load_config`); its
+    librdkafka settings (``-X``) checked, so a bad one fails before the command's work."""
+    from srl.config import KafkaSettings, RegistrySettings, load_config
 
     cfg = load_config(cls, file=file, cli=cli_values(cls, given))
+    if isinstance(cfg, KafkaSettings):
+        from srl.kafka import check_settings
+
+        check_settings(cfg)
     if isinstance(cfg, RegistrySettings):
         from srl.codecs import use_schema_registry
 

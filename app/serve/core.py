@@ -43,7 +43,7 @@ from producers.engines.base import FINISH_ABORT, FINISH_STOP, Emitted, Engine, R
 from producers.follower import WeightFollower
 from producers.recovery import trajectory_id_for
 from srl.errors import WeightsError
-from srl.metrics import Metrics
+from srl.metrics import Metrics, dead_letter
 
 log = logging.getLogger("srl.serve")
 
@@ -294,6 +294,10 @@ class ServeEngine:
         if self.follower is None:
             return
         self.follower.check()
+        m = self.metrics
+        for bad in self.follower.drain_poison():  # weights-topic records that are no announcement
+            if m is not None and (producer := m.producer) is not None:
+                dead_letter(producer, m.layout, bad.value, bad.key, bad.reason, bad.origin, m)
         for version, reason in self.follower.drain_refusals():
             self.stats.weights_refused += 1
             self._metric("weights_refused", {"version": version}, {"reason": reason[:500]})

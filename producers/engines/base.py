@@ -25,6 +25,7 @@ Called by ``producers.worker``, ``app.bench.engine`` and the demo's evaluation.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -64,7 +65,7 @@ class Request:
                 f"request {self.key}: max_new_tokens {self.max_new_tokens} leaves nothing after "
                 f"a prefix of {len(self.prefix)} tokens"
             )
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
+        if not 0 <= self.temperature < math.inf or not 0 < self.top_p <= 1:
             raise RequestError(
                 f"request {self.key}: temperature must be >= 0 and top_p in (0, 1], "
                 f"got {self.temperature}, {self.top_p}"

@@ -91,6 +91,7 @@ class HFEngine(Engine):
         self._cache_cls = DynamicCache
         cfg = self.model.config
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30))
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         self.generator = torch.Generator(self.device)
         if seed is None:
@@ -119,6 +120,12 @@ class HFEngine(Engine):
             raise RequestError(
                 f"request {request.key}: prompt + prefix of {n} tokens does not fit the model's "
                 f"{self.max_positions} positions"
+            )
+        ids = [*request.prompt_ids, *request.prefix]
+        if ids and not (min(ids) >= 0 and max(ids) < self.vocab_size):
+            raise RequestError(
+                f"request {request.key}: token ids outside the model's vocabulary of "
+                f"{self.vocab_size}"
             )
 
     def step(self) -> list[Emitted]:

@@ -46,6 +46,7 @@ from srl.kafka.consumer import (
     commit_sync,
     make_consumer,
     position_group,
+    produced_ms,
     reader,
     share_positions,
 )
@@ -54,6 +55,7 @@ from srl.kafka.ranges import read_range
 from srl.kafka.settings import (
     base_settings,
     broker_answers,
+    check_settings,
     client_id,
     consumer_settings,
     describe,
@@ -80,6 +82,7 @@ __all__ = [
     "admin",
     "base_settings",
     "broker_answers",
+    "check_settings",
     "client_id",
     "commit_sync",
     "committed_offsets",
@@ -90,6 +93,7 @@ __all__ = [
     "lag",
     "make_consumer",
     "position_group",
+    "produced_ms",
     "producer_settings",
     "reader",
     "read_range",

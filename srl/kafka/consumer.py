@@ -16,7 +16,7 @@ thread-safe (as librdkafka's consumer): one thread per consumer.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import confluent_kafka
@@ -33,6 +33,10 @@ class Consumer:
 
     def __init__(self, settings: dict[str, Any]) -> None:
         self._c = confluent_kafka.Consumer(settings)
+        # incremental (cooperative, or KIP-848) rebalances add partitions; eager ones replace all
+        strategy = str(settings.get("partition.assignment.strategy", ""))
+        protocol = settings.get("group.protocol")
+        self._incremental = "cooperative" in strategy or protocol == "consumer"
 
     # -- membership and assignment ------------------------------------------------------------
     def subscribe(
@@ -51,6 +55,33 @@ class Consumer:
 
     def assign(self, partitions: Sequence[TopicPartition]) -> None:
         self._c.assign(list(partitions))
+
+    def assign_from(
+        self,
+        partitions: Sequence[TopicPartition],
+        floor: Mapping[tuple[str, int], int],
+        timeout: float = 10.0,
+    ) -> None:
+        """Inside ``on_assign``: take ``partitions``, each from its committed offset, or from
+        ``floor`` where the group has committed less or nothing there (its offsets were lost,
+        or it is a new group id for state that already finished those records)."""
+        parts = list(partitions)
+        asked = [tp for tp in parts if (tp.topic, tp.partition) in floor]
+        have = {
+            (tp.topic, tp.partition): tp.offset
+            for tp in (self._c.committed(asked, timeout=timeout) if asked else [])
+        }
+        out = []
+        for tp in parts:
+            low = floor.get((tp.topic, tp.partition))
+            if low is not None and have.get((tp.topic, tp.partition), -1) < low:
+                out.append(TopicPartition(tp.topic, tp.partition, low))
+            else:  # no offset: the committed one, or auto.offset.reset
+                out.append(TopicPartition(tp.topic, tp.partition))
+        if self._incremental:
+            self._c.incremental_assign(out)
+        else:
+            self._c.assign(out)
 
     def unassign(self) -> None:
         self._c.unassign()
@@ -144,6 +175,12 @@ class Consumer:
 
     def __exit__(self, *_: Any) -> None:
         self.close()
+
+
+def produced_ms(msg: Message) -> int | None:
+    """When a consumed record was produced (its timestamp, ms), if the broker says."""
+    kind, ts = msg.timestamp()
+    return int(ts) if kind != confluent_kafka.TIMESTAMP_NOT_AVAILABLE else None
 
 
 def make_consumer(

@@ -4,7 +4,8 @@
   configurable linger, and bounded delivery timeouts so a dead broker is an error, not a hang;
 * consumers store offsets manually (``enable.auto.offset.store=false``), never auto-commit,
   and use the cooperative-sticky assignor so pools can grow and shrink without stop-the-world;
-* ``cfg.kafka`` (``-X key=value``) is applied last and can override anything.
+* ``cfg.kafka`` (``-X key=value``) is applied last and can override anything; every command
+  checks it (``check_settings``) before it does any work.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import socket
 import time
 from typing import Any
 
+import confluent_kafka
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 
 from srl.config import KafkaSettings, ProducerSettings
-from srl.errors import BrokerUnavailable
+from srl.errors import BrokerUnavailable, ConfigError
 
 # librdkafka's own log lines (connection refused, retries) go here, not to stderr.
 _rdkafka_log = logging.getLogger("srl.librdkafka")
@@ -85,6 +87,26 @@ def consumer_settings(
     return settings
 
 
+def check_settings(cfg: KafkaSettings) -> None:
+    """ConfigError if librdkafka refuses the settings srl would give it with ``cfg.kafka``
+    (``-X``): an unknown name, a bad value, a combination it rejects. Checked by making a
+    producer and a consumer with srl's settings and closing them at once (librdkafka checks
+    its configuration when a client is made, and connects in the background afterwards), so a
+    command fails on a bad ``-X`` before it does any work."""
+    producer = (
+        producer_settings(cfg, "check")
+        if isinstance(cfg, ProducerSettings)
+        else base_settings(cfg, "check") | {"enable.idempotence": True, "acks": "all"} | cfg.kafka
+    )
+    consumer = consumer_settings(cfg, "srl-settings-check", "check")
+    try:
+        confluent_kafka.Producer(producer).flush(0)
+        confluent_kafka.Consumer(consumer).close()
+    except KafkaException as e:
+        given = " ".join(f"{k}={v}" for k, v in cfg.kafka.items())
+        raise ConfigError(f"kafka settings ({given or 'defaults'}): {describe(e)}") from None
+
+
 def wait_for_broker(cfg: KafkaSettings, timeout_s: float | None = None) -> Any:
     """Cluster metadata once a broker answers; BrokerUnavailable after ``timeout_s``."""
     timeout_s = cfg.connect_timeout_s if timeout_s is None else timeout_s
@@ -112,7 +134,7 @@ def wait_for_broker(cfg: KafkaSettings, timeout_s: float | None = None) -> Any:
 def describe(e: BaseException | None) -> str:
     """A Kafka error (or any exception) as one short line."""
     if isinstance(e, KafkaException) and e.args and isinstance(e.args[0], KafkaError):
-        return e.args[0].str()
+        return " ".join(e.args[0].str().split())
     return " ".join(str(e).split())[:200]
 
 

@@ -134,6 +134,64 @@ def test_bad_x_setting_is_one_line(cli_env: dict[str, str]) -> None:
     assert out.returncode == 2 and "key=value" in out.stderr and "Traceback" not in out.stderr
 
 
+def kafka_commands() -> list[tuple[str, ...]]:
+    """Every command whose config reads librdkafka settings (``-X``), as its argv."""
+    import click
+
+    from app.cli.consumer import cli as consumer_cli
+    from app.cli.main import cli as main_cli
+    from app.cli.options import config_of
+    from app.cli.producer import cli as producer_cli
+
+    def walk(group: click.Group, argv: tuple[str, ...]) -> list[tuple[str, ...]]:
+        out = []
+        for name, cmd in sorted(group.commands.items()):
+            if isinstance(cmd, click.Group):
+                out += walk(cmd, (*argv, name))
+            elif (cls := config_of(cmd)) is not None and "kafka" in cls.model_fields:
+                out.append((*argv, name))
+        return out
+
+    scripts = (("srl", main_cli), ("srl-producer", producer_cli), ("srl-consumer", consumer_cli))
+    return [c for script, group in scripts for c in walk(group, (script,))]
+
+
+# what each command needs to get to its heavy work (a model to load, a file to read)
+HEAVY = {
+    ("srl-consumer", "train"): ("--model", "{model}"),
+    ("srl-producer", "generate"): ("--engine", "hf", "--model", "{model}"),
+    ("srl-producer", "bench"): ("--engine", "hf", "--model", "{model}"),
+    ("srl-producer", "dispatch"): ("--prompts", "{prompts}"),
+}
+
+
+@pytest.mark.parametrize("argv", kafka_commands(), ids=" ".join)
+def test_a_bad_librdkafka_setting_stops_every_command_first_in_one_line(
+    argv: tuple[str, ...], cli_env: dict[str, str], tiny_model: Path, tmp_path: Path
+) -> None:
+    """Issue 18: an unknown ``-X`` name is one line and exit 2 before the command loads a
+    model, reads its input or starts anything (``srl.kafka.check_settings``)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_id": "a", "prompt": "1+1=", "answer": "2"}\n')
+    extra = [a.format(model=tiny_model, prompts=prompts) for a in HEAVY.get(argv[:2], ())]
+    out = run(*argv, *extra, "-X", "no.such.setting=1", env=cli_env, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.count("\n") == 1, out.stderr[-2000:]  # nothing loaded, nothing started
+    assert "kafka settings (no.such.setting=1)" in out.stderr and "no.such.setting" in out.stderr
+    assert out.stdout == "" and not list(tmp_path.glob(".srl*"))
+
+
+def test_the_commands_with_librdkafka_settings_are_all_found() -> None:
+    found = {" ".join(c) for c in kafka_commands()}
+    assert {"srl-consumer train", "srl-producer generate", "srl demo", "srl top"} <= found
+
+
+def test_a_bad_librdkafka_value_is_named(cli_env: dict[str, str], tiny_model: Path) -> None:
+    out = run("srl-consumer", "train", "--model", str(tiny_model), "-X", "acks=banana", env=cli_env)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "Invalid value" in out.stderr and "acks" in out.stderr
+
+
 @pytest.mark.slow
 def test_demo_smoke_on_its_own_embedded_broker(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SRL_")}

@@ -220,6 +220,7 @@ def test_metric_events_weights_and_dead_letters(s3_server, s3_url, make_cfg, cli
         "by_outcome": {"dropped_stale": 1},
         "dead_letters_counted": 2,
         "dead_letter_records": 1,
+        "unreadable_metric_records": 0,
     }
     assert snap["weights"]["version"] == 3 and snap["weights"]["manifest_ok"] is True
     assert snap["weights"]["manifest_uri"] == pub.manifest_uri

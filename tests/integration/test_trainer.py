@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from consumers import checkpoint as ckpts
 from consumers.config import TrainConfig
 from consumers.trainer import run_trainer
 from schemas.records import TrajectoryChunk
@@ -17,7 +18,15 @@ from srl.kafka import committed_offsets, create_topics, position_group, watermar
 from srl.stores import store_from_config
 from srl.topics import Layout
 from srl.weights import latest_announcement, load_manifest, materialize
-from tests.chunks import group_chunks, metric_events, produce, read_topic, text_ids, traj_chunks
+from tests.chunks import (
+    group_chunks,
+    metric_events,
+    produce,
+    publish_versions,
+    read_topic,
+    text_ids,
+    traj_chunks,
+)
 
 
 def make_groups(
@@ -144,6 +153,7 @@ def test_max_staleness_1_trains_no_sample_with_v_minus_b_over_1(
         reward="consumers.rewards:first_line_match",
     )
     create_topics(cfg)
+    publish_versions(cfg, max(versions))  # versions the chunks claim exist (another run's)
     produce(cfg, make_groups(len(versions), versions=versions))
     run_trainer(cfg)
     samples = metric_events(cfg, "sample")
@@ -201,6 +211,7 @@ def test_a_long_trajectory_trains_in_its_own_step_within_k(
         reward="consumers.rewards:first_line_match",
     )
     create_topics(cfg)
+    publish_versions(cfg, 1)  # c's chunks claim v1, produced here before this trainer makes it
     long = stepped_group("long", step=1, versions=0, answer_len=20)
     last = [c for c in long if c.is_last and c.sample_index == 0]
     produce(cfg, [c for c in long if c not in last], partition=0)
@@ -294,3 +305,37 @@ def test_other_objectives_and_kl_run(make_cfg: Any, tiny_model: Path, loss: str)
     assert run_trainer(cfg).steps == 1
     (step,) = metric_events(cfg, "train_step")
     assert step.values["kl"] >= 0 and step.values["grad_norm"] > 0
+
+
+def test_a_long_run_keeps_checkpoints_flat_and_a_new_group_trains_nothing_twice(
+    make_cfg: Any, tiny_model: Path
+) -> None:
+    """Issue 18: the dedupe ledger is pruned by offset, so a checkpoint's ledger stays the
+    same size step after step; its floor (the committed offsets it was pruned at) keeps a
+    trainer that lost the group's offsets (here: a new group id) from training again what
+    the pruned entries covered."""
+    cfg = train_cfg(
+        make_cfg, tiny_model, groups_per_step=1, keep_checkpoints=100, batching="groups"
+    )
+    create_topics(cfg)
+    produce(cfg, make_groups(30, n=2), partition=0)  # one partition: offsets in step order
+    first = run_trainer(cfg)
+    assert first.steps == 30 and first.outcomes == {"trained": 60}
+    store = store_from_config(cfg)
+    ledgers = [ckpts.load(store, cfg.run, n).ledger for n in ckpts.complete(store, cfg.run)]
+    sizes = [len(led) for led in ledgers]
+    # what a checkpoint keeps is bounded by what is in flight (decided since the last commit,
+    # or above a record still held on its partition), not by the run's length: here one
+    # step's group (unpruned: 2, 4, … 60)
+    assert len(sizes) >= 30 and max(sizes) <= 4, sizes
+
+    again = run_trainer(cfg.model_copy(update={"group_id": "another-group"}))
+    assert (again.steps, again.outcomes) == (30, {"trained": 60})
+    # sample events are at least once (a restart re-sends its checkpoint's window), idempotent
+    # by (trajectory, step): each trajectory trained at one step
+    trained = {
+        (e.labels["trajectory_id"], e.step)
+        for e in metric_events(cfg, "sample")
+        if e.labels["outcome"] == "trained"
+    }
+    assert len(trained) == len({t for t, _ in trained}) == 60, "a trajectory trained twice"

@@ -449,16 +449,26 @@ def test_precedence_through_a_command(tmp_path: Path, monkeypatch: pytest.Monkey
 
     f = tmp_path / "srl.toml"
     f.write_text(
-        'topic_prefix = "file"\nprompt_partitions = 3\nrun = "ignored"\n[kafka]\na = "1"\n'
+        'topic_prefix = "file"\nprompt_partitions = 3\nrun = "ignored"\n'
+        '[kafka]\n"client.rack" = "r1"\n'  # real librdkafka settings: a command checks them
     )
     monkeypatch.setenv("SRL_PROMPT_PARTITIONS", "4")
     monkeypatch.setenv("SRL_LINGER_MS", "-1")  # not a setting of this command: not read
-    args = ["--config", str(f), "--bootstrap", "h:1", "-X", "b=2", "--json"]
+    args = [
+        "--config",
+        str(f),
+        "--bootstrap",
+        "h:1",
+        "-X",
+        "acks=all",
+        "--json",
+    ]
     out = CliRunner().invoke(cmd, args)
     assert out.exit_code == 0, out.output
     (cfg,) = seen
     assert (cfg.bootstrap_servers, cfg.topic_prefix, cfg.prompt_partitions) == ("h:1", "file", 4)
-    assert cfg.kafka == {"a": "1", "b": "2"} and cfg.partitions_per_bucket == 2
+    assert cfg.kafka == {"client.rack": "r1", "acks": "all"}
+    assert cfg.partitions_per_bucket == 2
     assert cfg.model_fields_set == {
         "bootstrap_servers",
         "topic_prefix",

@@ -4,12 +4,15 @@ a hand-written engine and producer."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 import torch
 
+import srl.store
 from consumers import checkpoint as ckpts
 from consumers.config import TrainConfig
 from consumers.durable import Durable
@@ -93,8 +96,13 @@ def test_publish_save_and_a_restart_that_continues_after_the_newest_version(
     assert any(f["name"] == "config.json" for f in manifest["files"])  # HF-loadable
 
     c = ckpts.load(d.store, "r", 1)
-    assert (c.step, c.version, c.extra) == (1, 1, {"lineage": 1})
-    assert c.ledger == {"a": ["trained", 1], "b": ["invalid", 2]}
+    totals = {"trained": 1, "invalid": 1}
+    assert (c.step, c.version, c.extra) == (
+        1,
+        1,
+        {"lineage": 1, "ledger_floor": {}, "outcome_totals": totals},
+    )
+    assert c.ledger == {"a": ["trained", 1], "b": ["invalid", 2, {}]}
     assert c.events == outcomes.window
 
     # a restart from checkpoint 1: the next version is 3 (v2 is never reused), descending
@@ -120,3 +128,49 @@ def test_publish_emits_weights_published(tmp_path: Path) -> None:
         ["bytes", "publish_s", "version"],
     )
     assert values["bytes"] > 0
+
+
+class SmallDisk:
+    """``open`` for ``srl.store`` on a disk with ``free`` bytes left: a write past them fails
+    with ENOSPC, as on a full filesystem (the store's write seam; tmp files count too)."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def __call__(self, path: Any, mode: str = "r", *args: Any, **kw: Any) -> Any:
+        f = open(path, mode, *args, **kw)  # noqa: SIM115
+        if "w" not in mode:
+            return f
+        disk, write = self, f.write
+
+        def limited(data: Any) -> int:
+            n = len(memoryview(data).cast("B"))
+            if n > disk.free:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            disk.free -= n
+            return int(write(data))
+
+        f.write = limited
+        return f
+
+
+def test_a_full_disk_fails_the_publish_and_the_checkpoint_not_the_trainer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 18: a write the store refuses leaves nothing of the version or checkpoint behind,
+    announces nothing, is counted and said; the next publish takes the same version number."""
+    d, producer, metrics = durable(tmp_path)
+    assert d.publish(step=1) and d.save(1, Outcomes(Ledger(), 30.0))
+    disk = SmallDisk(free=20)  # the weights file does not fit
+    monkeypatch.setattr(srl.store, "open", disk, raising=False)
+    assert d.publish(step=2) is False
+    assert d.save(2, Outcomes(Ledger(), 30.0)) is False
+    assert (d.version, announced(producer)) == (1, [(1, 0)])
+    assert d.store.list(version_prefix("r", 2)) == [] and not list(d.store.root.rglob(".tmp-*"))
+    assert ckpts.complete(d.store, "r") == [1] and ckpts.highest_number(d.store, "r") == 1
+    refused = [(v["number"], s) for k, v, s in metrics.events if k == "store_refused"]
+    assert refused == [(2.0, 2), (2.0, 2)]
+    assert metrics.counters["publish_failures"] == metrics.counters["checkpoint_failures"] == 1
+    disk.free = 10**9  # space again: the same version is published, the next checkpoint saved
+    assert d.publish(step=3) and d.save(3, Outcomes(Ledger(), 30.0))
+    assert announced(producer) == [(1, 0), (2, 1)] and ckpts.complete(d.store, "r") == [1, 3]

@@ -137,6 +137,13 @@ def test_requests_that_cannot_run_are_refused(tiny_model: Path) -> None:
         engine.add(Request("l", [5] * engine.max_positions, 5))
     with pytest.raises(RequestError, match="leaves nothing"):
         engine.add(Request("p", [5], 3, prefix=[6, 7, 8]))
+    # poison a task may carry: ids the embedding has no row for, a temperature that is no
+    # number (each would raise inside a decode step, stopping the worker)
+    for bad in ([5, engine.vocab_size], [-1, 5]):
+        with pytest.raises(RequestError, match="vocabulary"):
+            engine.add(Request("v", bad, 5))
+    with pytest.raises(RequestError, match="temperature"):
+        engine.add(Request("t", [5], 5, temperature=float("nan")))
     engine.add(Request("ok", [5, 6], 50, temperature=0))
     engine.step()
     assert engine.abort("ok") and engine.running == 0 and not engine.has_work

@@ -9,6 +9,8 @@ consumer: claiming records, commits in offset order, assignment and revocation.
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -65,12 +67,21 @@ TARGETS: list[tuple[dict[str, Any], int | None | str]] = [
     ({"metadata": "[1, 2]"}, "task k: metadata is not a JSON object"),
     ({"metadata": "{not json"}, "task k: metadata is not a JSON object"),
     ({"metadata": "null"}, "task k: metadata is not a JSON object"),
-    ({"group_size": 0}, "task k: sample indices () outside group of 0"),
+    ({"group_size": 0}, "task k: group of 0 (1..1024)"),
+    ({"group_size": 2**31 - 1}, "task k: group of 2147483647 (1..1024)"),  # not 2G samples
     ({"sample_indices": (1, 3)}, "task k: sample indices (1, 3) outside group of 3"),
     ({"sample_indices": (-1,)}, "task k: sample indices (-1,) outside group of 3"),
     (
         {"resume": ResumePrefix("t", 5, 2, pack_tokens([1]), 0, "migrated")},
         "task k: sample indices (5,) outside group of 3",
+    ),
+    (
+        {"resume": ResumePrefix("t", 1, -2, pack_tokens([1]), 0, "migrated")},
+        "task k: resume at seq -2, policy version 0",
+    ),
+    (
+        {"resume": ResumePrefix("t", 1, 2, pack_tokens([1]), -1, "migrated")},
+        "task k: resume at seq 2, policy version -1",
     ),
 ]
 
@@ -331,31 +342,74 @@ def test_backlog_exceeded(
 
 
 class FakeLag:
-    def __init__(self, readings: list[tuple[int, int]]) -> None:
+    """Readings of (lag, committed); ``gate``: each call waits until it is set."""
+
+    def __init__(self, readings: list[Any], gate: threading.Event | None = None) -> None:
         self.readings, self.committed, self.calls = readings, 0, 0
+        self.gate, self.inside, self.closed = gate, threading.Event(), False
 
     def lag(self) -> int:
-        value, self.committed = self.readings[min(self.calls, len(self.readings) - 1)]
+        self.inside.set()
+        if self.gate is not None:
+            self.gate.wait()
+        reading = self.readings[min(self.calls, len(self.readings) - 1)]
         self.calls += 1
-        return value
+        if isinstance(reading, BaseException):
+            raise reading
+        value, self.committed = reading
+        return int(value)
+
+    def close(self) -> None:
+        self.closed = True
 
 
-def test_trainer_backlog_measures_only_while_bounded_and_times_the_trainers_stall() -> None:
-    lag: Any = FakeLag([(150, 10), (150, 10)])
-    b = TrainerBacklog(100, stall_s=60.0, interval_s=0.0)
+def test_trainer_backlog_keeps_the_last_measurement_and_times_the_trainers_stall() -> None:
+    lag: Any = FakeLag([(150, 10), KafkaException(KafkaError(KafkaError._TRANSPORT)), (90, 10)])
+    b = TrainerBacklog(100, stall_s=60.0)
     assert not b.exceeded() and b.value is None
-    b.check(lag)
-    assert (b.value, lag.calls, b.exceeded()) == (150, 1, True)
-    stalled = TrainerBacklog(100, stall_s=0.0, interval_s=0.0)
-    stalled.check(lag)  # over the bound, but the trainer has not moved for stall_s: go on
+    b.measure(lag)
+    assert (b.value, b.exceeded()) == (150, True)
+    b.measure(lag)  # the broker did not answer: the last number stands
+    assert (b.value, b.measurements, b.exceeded()) == (150, 1, True)
+    b.measure(lag)
+    assert (b.value, b.exceeded()) == (90, False)
+    stalled = TrainerBacklog(100, stall_s=0.0)
+    stalled.measure(FakeLag([(150, 10)]))  # over the bound, but the trainer has not moved
     assert (stalled.value, stalled.exceeded()) == (150, False)
-    rare = TrainerBacklog(100, stall_s=60.0, interval_s=3600.0)
-    rare.check(lag)
-    assert (rare.value, lag.calls) == (None, 2)
-    unbounded = TrainerBacklog(None, stall_s=60.0, interval_s=0.0)
-    unbounded.check(lag)
-    assert (unbounded.value, lag.calls) == (None, 2)
-    assert unbounded.report(lag) == 150 and lag.calls == 3 and not unbounded.exceeded()
+    unbounded = TrainerBacklog(None, stall_s=60.0)
+    unbounded.measure(FakeLag([(150, 10)]))  # for the stats only
+    assert (unbounded.value, unbounded.exceeded()) == (150, False)
+
+
+def test_the_worker_never_waits_for_a_measurement_in_flight() -> None:
+    """Issue 18: the lag of the trainer's groups is measured in the backlog's own thread; the
+    worker's loop reads the last number even while a measurement hangs on the broker."""
+    gate = threading.Event()
+    lag = FakeLag([(150, 10), (40, 11)], gate)
+    b = TrainerBacklog(100, stall_s=60.0, interval_s=0.01).start(lag)
+    try:
+        assert lag.inside.wait(10), "no measurement started"
+        reader = threading.Thread(target=lambda: [b.exceeded() for _ in range(1000)])
+        reader.start()
+        reader.join(10)  # the loop's reads, while the measurement hangs
+        assert not reader.is_alive() and b.value is None
+        gate.set()
+        deadline = time.monotonic() + 10
+        while b.measurements < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert b.value == 40 and not b.exceeded()
+        b.check()
+    finally:
+        gate.set()
+        b.stop()
+    assert lag.closed
+
+
+def test_an_unexpected_failure_of_the_measuring_thread_reaches_the_worker() -> None:
+    b = TrainerBacklog(100, stall_s=60.0, interval_s=0.01).start(FakeLag([ValueError("bug")]))
+    b.stop()
+    with pytest.raises(ValueError, match="bug"):
+        b.check()
 
 
 # -- the intake against a fake consumer -----------------------------------------------------------

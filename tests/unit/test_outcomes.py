@@ -192,10 +192,10 @@ def test_a_gated_group_is_finalized_whole_trained_then_stale_then_failed() -> No
     ]
     assert out.window == events
     assert out.ledger.entries == {
-        "p-t0": ["trained", 7],
-        "p-t2": ["trained", 7],
-        "p-t1": ["dropped_stale", 7],
-        "p-t3": ["failed_reward", 7],
+        "p-t0": ["trained", 7, {}],
+        "p-t2": ["trained", 7, {}],
+        "p-t1": ["dropped_stale", 7, {}],
+        "p-t3": ["failed_reward", 7, {}],
     }
     assert out.undurable == {"p-t0", "p-t1", "p-t2", "p-t3"}
     assert out.counts() == {"trained": 2, "dropped_stale": 1, "failed_reward": 1}
@@ -211,7 +211,7 @@ def test_an_expired_group_reports_its_scored_then_its_failed_samples_as_expired(
         event("p-t1", "expired", 4, {**v, "reward": 1.0}, why),
         event("p-t2", "expired", 4, v, why),
     ]
-    assert out.ledger.entries == {"p-t1": ["expired", 4], "p-t2": ["expired", 4]}
+    assert out.ledger.entries == {"p-t1": ["expired", 4, {}], "p-t2": ["expired", 4, {}]}
 
 
 def test_an_expired_partial_trajectory_and_an_invalid_one() -> None:
@@ -223,9 +223,9 @@ def test_an_expired_partial_trajectory_and_an_invalid_one() -> None:
     assert bad == event("p-t9", "invalid", 5, {}, "trajectory p-t9: 99 tokens > the model's 64")
     assert out.window == [got, bad]
     assert out.ledger.entries == {
-        "old": ["trained", 1],
-        "p-t1": ["expired", 5],
-        "p-t9": ["invalid", 5],
+        "old": ["trained", 1],  # a checkpoint of before issue 18: no offsets
+        "p-t1": ["expired", 5, {}],
+        "p-t9": ["invalid", 5, {}],
     }
     assert out.counts() == {"trained": 1, "expired": 1, "invalid": 1}
 
@@ -256,7 +256,7 @@ def test_a_checkpoint_empties_the_window_and_keeps_the_ledger() -> None:
     out = Outcomes(Ledger(), expire_s=30)
     out.invalid("a", "p", "le256", 1, "bad")
     out.checkpointed()
-    assert (out.window, out.undurable, out.ledger.entries) == ([], set(), {"a": ["invalid", 1]})
+    assert (out.window, out.undurable, out.ledger.entries) == ([], set(), {"a": ["invalid", 1, {}]})
     out.invalid("b", "p", "le256", 2, "bad")
     assert [e["labels"]["trajectory_id"] for e in out.window] == ["b"]
     assert out.undurable == {"b"}
@@ -268,7 +268,7 @@ def test_the_ledger_copies_what_it_restores_and_the_last_decision_wins() -> None
     ledger.record("a", "dropped_stale", 4)
     ledger.record("b", "trained", 4)
     assert saved == {"a": ["trained", 3]}
-    assert ledger.entries == {"a": ["dropped_stale", 4], "b": ["trained", 4]}
+    assert ledger.entries == {"a": ["dropped_stale", 4, {}], "b": ["trained", 4, {}]}
     assert ("a" in ledger, "c" in ledger, len(ledger)) == (True, False, 2)
     assert ledger.counts() == {"dropped_stale": 1, "trained": 1}
     assert Ledger().counts() == {}

@@ -278,6 +278,9 @@ class OneVersion:
     def drain_refusals(self) -> list[tuple[int, str]]:
         return []
 
+    def drain_poison(self) -> list[object]:
+        return []
+
     def take(self) -> Ready | None:
         if self.offered or not self.due():
             return None

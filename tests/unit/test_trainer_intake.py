@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import orjson
 import pytest
 
 from consumers.assembler import Trajectory
@@ -55,13 +56,27 @@ class Record:
     def error(self) -> str | None:
         return self.error_
 
+    def timestamp(self) -> tuple[int, int]:
+        return 1, 0  # create time, ms
+
+
+class Versions:
+    """Policy versions up to ``newest`` exist."""
+
+    def __init__(self, newest: int = 0) -> None:
+        self.newest = newest
+
+    def exists(self, version: int, produced_ms: int | None = None) -> bool:
+        return 0 <= version <= self.newest
+
 
 def intake(
     ledger: dict[str, list[Any]] | None = None, max_len: int = 100
 ) -> tuple[Intake, FakeProducer]:
     producer = FakeProducer()
     metrics = Metrics(None, Layout(), "run", "trainer-0")
-    return Intake(Outcomes(Ledger(ledger), 30.0), max_len, 30.0, producer, metrics), producer
+    outcomes = Outcomes(Ledger(ledger), 30.0)
+    return Intake(outcomes, max_len, 30.0, producer, metrics, Versions(3)), producer
 
 
 def records(chunks: list[TrajectoryChunk], first: int = 0) -> list[Record]:
@@ -96,8 +111,8 @@ def test_records_of_a_durable_trajectory_are_duplicates_that_hold_nothing() -> N
     ("raw", "reason_starts", "committable"),
     [
         (b"\x00garbage", "undecodable: ", 8),
-        # held by its trajectory, which no outcome will release: issue 18 fixes this hold
-        (encode(replace(chunks()[1], seq=-1)), "bad chunk t/-1: ", 7),
+        # a chunk malformed on its own holds nothing: no outcome of its trajectory may come
+        (encode(replace(chunks()[1], seq=-1)), "bad chunk t/-1: ", 8),
     ],
     ids=["undecodable", "bad-chunk"],
 )
@@ -112,6 +127,20 @@ def test_unusable_records_are_dead_lettered(
     assert headers["srl.origin"] == f"{TOPIC}/1@7".encode()
     assert it.metrics.counters["dead_letters"] == 1
     assert it.tracker.committable() == {(TOPIC, 1): committable}
+
+
+def test_a_bad_chunk_does_not_hold_its_partition_back_for_good() -> None:
+    """A chunk that fails validation first, then a whole trajectory that becomes durable: the
+    committable offset passes both (the bad chunk's trajectory never gets an outcome)."""
+    it, dlq = intake()
+    bad = replace(chunks("lost")[0], sample_index=5)  # outside its group of 2
+    assert it.add(Record(encode(bad), 0)) is None and len(dlq.sent) == 1
+    got = [it.add(r) for r in records(chunks("t"), first=1)]
+    assert isinstance(got[-1], Trajectory)
+    it.outcomes.invalid("t", "p", "le256", 1, "decided")
+    it.tracker.release(set(it.outcomes.undurable))
+    it.outcomes.checkpointed()
+    assert it.tracker.committable() == {(TOPIC, 0): 3}
 
 
 def test_a_trajectory_longer_than_the_model_is_invalid_and_dead_lettered() -> None:
@@ -135,3 +164,48 @@ def test_a_consumer_error_is_skipped() -> None:
     it, dlq = intake()
     assert it.add(Record(b"", 0, error_="broker down")) is None
     assert it.tracker.committable() == {} and dlq.sent == []
+
+
+def checkpoint_and_commit(it: Intake) -> None:
+    """What the trainer does at a checkpoint: release, commit what may be, prune."""
+    it.tracker.release(it.outcomes.undurable)
+    it.tracker.mark_committed(it.tracker.committable())
+    it.checkpointed(it.outcomes.undurable)
+    it.outcomes.checkpointed()
+
+
+def test_a_long_run_keeps_a_bounded_ledger_and_still_drops_what_a_restart_re_reads() -> None:
+    """Issue 18: the ledger keeps only trajectories whose records a restart can deliver again
+    (at or after the committed offsets), so what a checkpoint saves stays flat; a restart from
+    that ledger and the committed offsets trains nothing twice."""
+    it, _ = intake()
+    log: list[Record] = []
+    sizes = []
+    for i in range(600):
+        recs = records(chunks(f"t{i}"), first=len(log))
+        if i % 10 == 0 and i:  # the straggler of the last interval ends
+            recs.append(Record(encode(chunks(f"s{i - 1}")[1]), len(log) + 2))
+        log += recs
+        [it.add(r) for r in recs]
+        it.outcomes.invalid(f"t{i}", "p", "le256", i, "decided")  # any outcome
+        if i % 10 == 0 and i:
+            it.outcomes.invalid(f"s{i - 1}", "p", "le256", i, "decided")
+        if i % 10 == 9:
+            # one trajectory stays open across the checkpoint: its first record is held
+            straggler = records([chunks(f"s{i}")[0]], first=len(log))
+            log += straggler
+            it.add(straggler[0])
+            checkpoint_and_commit(it)
+            sizes.append(len(orjson.dumps(it.outcomes.ledger.entries)))
+    assert max(sizes[5:]) <= 2 * min(sizes[5:]), f"ledger grows: {sizes[:3]} … {sizes[-3:]}"
+    assert len(it.outcomes.ledger) < 40 and len(it.assembler.assembled) < 40
+    assert it.outcomes.ledger.counts() == {"invalid": 659}  # the run's totals stay whole
+
+    # a restart: the saved ledger, and every record from the committed offset on
+    saved, extra = dict(it.outcomes.ledger.entries), it.outcomes.ledger.saved_extra()
+    [committed] = it.tracker.committed.values()
+    again, _ = intake()
+    again.outcomes.ledger = again.assembler.finalized = Ledger.restore(saved, extra)
+    replayed = [again.add(r) for r in log[committed:]]
+    assert not [t for t in replayed if isinstance(t, Trajectory)], "a trajectory trained twice"
+    assert extra["ledger_floor"] == {"0": committed}
