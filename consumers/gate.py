@@ -14,7 +14,13 @@ Owns which samples of a complete group may train the update ``v → v+1``:
 * samples whose reward failed never train and never enter the baseline.
 
 A trajectory from another run's policy lineage (a second trainer reading the lead's stream)
-may have ``b > v``; its staleness is negative and it passes. Pure; called by the trainer.
+may have ``b > v``; its staleness is negative and it passes.
+
+``v − b`` counts the updates between ``b`` and the weights being trained. After a restart from
+a checkpoint older than the newest published version, the versions published after that
+checkpoint (``skipped``) exist but are no update of the weights trained from then on: they
+are not counted (``staleness``), so the samples in flight are judged by the updates they
+really lag. Pure; called by the trainer.
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ from consumers.groups import Group, Sample
 from consumers.losses import advantages
 
 
-def staleness(v: int, b: int) -> int:
-    return v - b
+def staleness(v: int, b: int, skipped: frozenset[int] = frozenset()) -> int:
+    """Updates from behaviour version ``b`` to the trained weights ``v``; versions in
+    ``skipped`` are no update of these weights."""
+    return v - b - sum(1 for o in skipped if b < o <= v)
 
 
-def admissible(v: int, b: int, k: int) -> bool:
-    return staleness(v, b) <= k
+def admissible(v: int, b: int, k: int, skipped: frozenset[int] = frozenset()) -> bool:
+    return staleness(v, b, skipped) <= k
 
 
 @dataclass
@@ -43,6 +51,7 @@ class Admitted:
     train: list[Sample] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)  # aligned with ``train``
     stale: list[Sample] = field(default_factory=list)
+    skipped: frozenset[int] = frozenset()  # versions that are no update of these weights
 
     @property
     def trains(self) -> bool:
@@ -61,11 +70,12 @@ def gate_group(
     k: int,
     policy: Literal["drop", "correct"] = "drop",
     advantage: Literal["grpo", "rloo"] = "grpo",
+    skipped: frozenset[int] = frozenset(),
 ) -> Admitted:
     """Split a complete group's scored samples into trained (with advantages) and stale."""
     scored = group.scored()
-    out = Admitted(group, v)
-    fresh = [admissible(v, s.traj.behaviour_version, k) for s in scored]
+    out = Admitted(group, v, skipped=skipped)
+    fresh = [admissible(v, s.traj.behaviour_version, k, skipped) for s in scored]
     if policy == "drop" and not all(fresh):
         out.stale = scored
         return out

@@ -82,11 +82,14 @@ def sample_event(
     return {"labels": labels, "values": values or {}, "step": step}
 
 
-def sample_values(s: Sample, version: int, advantage: float | None = None) -> dict[str, float]:
-    """A finished sample's event values at policy version ``version``."""
+def sample_values(
+    s: Sample, version: int, advantage: float | None = None, skipped: frozenset[int] = frozenset()
+) -> dict[str, float]:
+    """A finished sample's event values at policy version ``version`` (``skipped``: versions
+    that are no update of its weights, ``consumers.gate.staleness``)."""
     t = s.traj
     v: dict[str, float] = {
-        "staleness": staleness(version, t.behaviour_version),
+        "staleness": staleness(version, t.behaviour_version, skipped),
         "behaviour_version": t.behaviour_version,
         "policy_version": version,
         "tokens": t.n_tokens,
@@ -157,11 +160,12 @@ class Outcomes:
     def gated(self, adm: Admitted, step: int, version: int) -> list[Event]:
         """A gated group, whole: trained (with advantages), dropped as stale, failed rewards."""
         out = [
-            self._sample(s, "trained", step, sample_values(s, version, a))
+            self._sample(s, "trained", step, sample_values(s, version, a, adm.skipped))
             for s, a in zip(adm.train, adm.advantages, strict=True)
         ]
         out += [
-            self._sample(s, "dropped_stale", step, sample_values(s, version)) for s in adm.stale
+            self._sample(s, "dropped_stale", step, sample_values(s, version, None, adm.skipped))
+            for s in adm.stale
         ]
         out += [
             self._sample(s, "failed_reward", step, sample_values(s, version), s.error)
@@ -212,7 +216,11 @@ def step_values(
     """
     trained = [s for adm in groups for s in adm.train]
     rewards = [float(s.reward) for s in trained if s.reward is not None]
-    stale = [staleness(version, s.traj.behaviour_version) for s in trained]
+    stale = [
+        staleness(adm.version, s.traj.behaviour_version, adm.skipped)
+        for adm in groups
+        for s in adm.train
+    ]
     step_time = max(elapsed_s, 1e-9)
     return {
         "loss": stats.loss,

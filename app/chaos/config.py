@@ -46,6 +46,10 @@ class ChaosConfig(Settings):
     mixed: bool = Field(
         True, description="After the single faults, one run with several of them at once."
     )
+    together: bool = Field(
+        False,
+        description="Inject the faults together in one run (seeded offsets), not one run each.",
+    )
     regular_workers: int = Field(
         2, ge=1, le=8, description="Generator workers in the regular pool (the long tail has one)."
     )

@@ -28,7 +28,7 @@ import random
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,13 +44,15 @@ from app.chaos.stage import Stage, write_lengths
 from app.chaos.storefaults import missing_letters
 from app.chaos.watch import Watch
 from app.demo import role_env
+from app.warmstart import quiet_transformers
 from srl.errors import SrlError
 from srl.kafka import create_topics
 from srl.tinymodel import TinyModelSpec, build_tiny_model
 
 WARMUP_TIMEOUT_S = 300.0  # six processes starting on a busy 2-core machine
-STORE_MB = 1024
-JOIN_WAIT_S = 30.0  # the tmpfs store of a run with store-disk-full
+STORE_MB = 1024  # the tmpfs store of a run with store-disk-full
+JOIN_WAIT_S = 30.0  # how long a generator may take to report before the next one starts
+MIX_WINDOW_S = 15.0  # faults injected together start within this long of each other
 
 
 @dataclass
@@ -79,6 +81,7 @@ class Suite:
         """The model, the lengths file and the broker; the broker stops on exit."""
         self.out.mkdir(parents=True, exist_ok=True)
         self.progress.phase("setup", "tiny model, broker, namespaces")
+        quiet_transformers()
         model = self.out / "model"
         if not (model / "config.json").exists():
             build_tiny_model(model, TinyModelSpec(), seed=0)
@@ -98,13 +101,20 @@ class Suite:
     def run(self) -> dict[str, Any]:
         rows: list[Row] = []
         with self.prepared():
-            for name in self.cfg.schedule():
-                rows += self.run_faults(name, [(name, 0.0)])
+            if self.cfg.together:
+                rows += self.run_faults("together", self.offsets(self.cfg.schedule()))
+            else:
+                for name in self.cfg.schedule():
+                    rows += self.run_faults(name, [(name, 0.0)])
             if self.cfg.mixed:
                 names = mixed_faults(self.rng, self.available())
-                plan = [(n, round(self.rng.uniform(0, 15), 1)) for n in names]
-                rows += self.run_faults("mixed", sorted(plan, key=lambda p: p[1]))
+                rows += self.run_faults("mixed", self.offsets(names))
         return result(self.cfg.max_staleness, rows, {"seed": self.cfg.seed})
+
+    def offsets(self, names: Iterable[str]) -> list[tuple[str, float]]:
+        """``names`` at seeded offsets within ``MIX_WINDOW_S`` of the warm-up's end."""
+        plan = [(n, round(self.rng.uniform(0, MIX_WINDOW_S), 1)) for n in names]
+        return sorted(plan, key=lambda p: p[1])
 
     def available(self) -> set[str]:
         return {n for n in FAULTS if self.why_not(n) is None}
