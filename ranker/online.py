@@ -15,7 +15,9 @@ Loop, in this order:
 3. publish the version (``ranker.publish``: files, manifest last);
 4. only then commit the consumer offsets of the chunks that went into it.
 
-A record that does not decode goes to the DLQ and is counted. Prompt tokens are turned back
+A record that does not decode goes to the DLQ and is counted. The consumer is a static member
+of its group (``group.instance.id``), so a restarted ranker gets its partitions back at once
+(``tests/e2e/test_ranker_restart.py``). Prompt tokens are turned back
 into text with the policy's tokenizer (``--model DIR``), because the dispatcher predicts from
 the rendered prompt text.
 """
@@ -186,9 +188,13 @@ def run_online(
     use_schema_registry(cfg)
     wait_for_broker(cfg)
     layout = Layout.from_config(cfg)
+    # static membership: a restarted ranker takes its predecessor's place at once (a broker
+    # that never evicts a SIGKILLed member, as the embedded one, would otherwise keep the
+    # partitions with the dead one for good); a second ranker in the group fences the first
+    gid = cfg.group_id()
     with (
         Producer(cfg, "ranker") as producer,
-        make_consumer(cfg, cfg.group_id(), "ranker") as consumer,
+        make_consumer(cfg, gid, "ranker", **{"group.instance.id": f"{gid}-0"}) as consumer,
     ):
         run = _OnlineRun(cfg, layout, consumer, producer)
         consumer.subscribe([layout.trajectories])
