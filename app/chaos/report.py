@@ -1,7 +1,8 @@
 """What ``srl chaos`` shows: one row per fault injected, as JSON or a table, and its progress.
 
 Owns :class:`Row` (the acceptance of one fault: recovered within :data:`RECOVERY_BOUND_S`,
-nothing lost, nothing trained twice, nothing published twice, staleness never above k),
+nothing lost, trained twice, published twice or dropped as stale, staleness never above k,
+every step of the run trained),
 ``result`` (the ``--json`` document: ``{"k": K, "faults": [{"fault", "recovered_s", "lost",
 "trained_twice", "max_staleness", …}, …]}``), ``table`` (the human view) and
 :class:`Progress` (one line per phase on stderr; a live line on a terminal). Used by
@@ -27,6 +28,7 @@ class Row:
     trained_twice: int
     max_staleness: int
     published_twice: int = 0
+    dropped: int = 0  # dropped as stale: the paced pipeline drops none unless a fault made it
     complete: bool = True  # the run did all its steps (a stalled pipeline fails every row)
     note: str = ""
     skipped: str | None = None
@@ -40,6 +42,7 @@ class Row:
             and self.lost == 0
             and self.trained_twice == 0
             and self.published_twice == 0
+            and self.dropped == 0
             and self.max_staleness <= k
             and self.complete
         )
@@ -52,6 +55,7 @@ class Row:
             "trained_twice": self.trained_twice,
             "max_staleness": self.max_staleness,
             "published_twice": self.published_twice,
+            "dropped": self.dropped,
             "run_complete": self.complete,
             "ok": self.ok(k),
             "note": self.note,
@@ -82,7 +86,7 @@ def table(res: dict[str, Any]) -> str:
         console.print(t)
     notes = [f"{r['fault']}: {r.get('skipped') or r['note']}" for r in res["faults"] if not r["ok"]]
     head = f"k = {res['k']}; acceptance: recovered <= {RECOVERY_BOUND_S:g} s, lost 0, trained "
-    head += "twice 0, published twice 0, staleness <= k, every step of the run trained\n"
+    head += "twice 0, published twice 0, dropped 0, staleness <= k, every step trained\n"
     return head + cap.get() + ("\n".join(notes) + "\n" if notes else "")
 
 

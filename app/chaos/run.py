@@ -237,6 +237,7 @@ def make_row(
         audit.trained_twice,
         audit.max_staleness,
         audit.published_twice,
+        audit.dropped,
         finished,
         note.strip("; "),
         inj.skipped,

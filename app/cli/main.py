@@ -377,8 +377,11 @@ def chaos(cfg: ChaosConfig, as_json: bool, soak: float | None) -> None:
     run ends in an audit from the topics; one row per fault: seconds to recover, samples lost,
     trained twice, the highest staleness. Exit 1 when a row fails. See docs/reliability.md.
     """
+    import signal
+
     from app.chaos.report import Progress, table
 
+    signal.signal(signal.SIGTERM, _interrupted)  # stop every role and the broker, as Ctrl-C does
     progress = Progress()
     if soak is not None:
         from app.chaos.soak import run_soak
@@ -394,6 +397,10 @@ def chaos(cfg: ChaosConfig, as_json: bool, soak: float | None) -> None:
         click.echo(table(res))
     if not all(r["ok"] or "skipped" in r for r in res["faults"]):
         raise click.exceptions.Exit(1)
+
+
+def _interrupted(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 # -- ranker (app/cli/ranker.py) ----------------------------------------------------------------

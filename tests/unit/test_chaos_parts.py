@@ -121,6 +121,7 @@ def test_unfinished_runs_leave_ungenerated_samples_pending_and_poison_apart() ->
         (Row("f", 1.0, 0, 0, 0, published_twice=1), False),
         (Row("f", None, 0, 0, 0, skipped="no root"), False),
         (Row("f", 1.0, 0, 0, 0, complete=False), False),
+        (Row("f", 1.0, 0, 0, 0, dropped=3), False),
     ],
 )
 def test_row_acceptance(row: Row, ok: bool) -> None:
