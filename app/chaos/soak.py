@@ -19,6 +19,7 @@ every published version stays in the store, so a long run would hold them all in
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -91,7 +92,7 @@ def run_soak(cfg: ChaosConfig, seconds: float, progress: Progress) -> dict[str, 
     with suite.prepared():
         names = [n for n in FAULTS if n in suite.available() and n not in LEFT_OUT]
         random.Random(cfg.seed).shuffle(names)
-        count = int(seconds // cfg.fault_every_s)
+        count = math.ceil(seconds / cfg.fault_every_s) - 1  # the last one before the end
         order = [names[i % len(names)] for i in range(count)]
         planned = [
             Planned(n, (i + 1) * cfg.fault_every_s, Injection(n)) for i, n in enumerate(order)
@@ -112,15 +113,20 @@ def run_soak(cfg: ChaosConfig, seconds: float, progress: Progress) -> dict[str, 
 def _soak_loop(
     sc: Scene, planned: list[Planned], seconds: float, cfg: ChaosConfig, progress: Progress
 ) -> list[dict[str, Any]]:
+    """Faults at their offsets and a sample every ``SAMPLE_S`` for ``seconds``; then, with no
+    new fault, until the injected ones have recovered (or timed out)."""
     t0 = time.monotonic()
     series: list[dict[str, Any]] = []
     next_sample = t0
-    while (now := time.monotonic()) - t0 < seconds:
-        advance(sc, planned, t0, cfg.recover_timeout_s)
+    while True:
+        now = time.monotonic()
+        running = now - t0 < seconds
+        started = planned if running else [p for p in planned if p.thread is not None]
+        if not advance(sc, started, t0, cfg.recover_timeout_s) and not running:
+            return series
         if now >= next_sample:
             next_sample += SAMPLE_S
-            series.append(sample(sc, t0))
-            s = series[-1]
+            series.append(s := sample(sc, t0))
             progress.phase(
                 "soak",
                 f"{s['t_s']:.0f}/{seconds:g} s, step {s['step']}, "
@@ -128,4 +134,3 @@ def _soak_loop(
                 f"checkpoint {s['checkpoint_mb']} MB, broker {s['broker_data_mb']} MB",
             )
         time.sleep(0.25)
-    return series

@@ -87,19 +87,26 @@ def plot(cols: dict[str, list[float | None]], summary: dict[str, Any], path: Pat
     import matplotlib.pyplot as plt
 
     t = [float(x or 0) / 60 for x in cols["t_s"]]
-    fig, ax = plt.subplots(1, 3, figsize=(16, 4.8))
-    for k, v in cols.items():
+
+    def y(key: str) -> list[float]:
+        return [np.nan if x is None else float(x) for x in cols[key]]
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8))
+    ax = axes.ravel()
+    for k in cols:
         if k.startswith("rss_mb."):
-            ax[0].plot(t, [np.nan if x is None else x for x in v], label=k.removeprefix("rss_mb."))
-    ax[0].set(title="resident memory of every role", xlabel="minutes", ylabel="MB")
+            ax[0].plot(t, y(k), label=k.removeprefix("rss_mb."))
+    ax[0].set(title="resident memory of every role", ylabel="MB")
     ax[0].legend(fontsize=7)
-    ax[1].plot(t, [np.nan if x is None else x for x in cols["checkpoint_mb"]], color="C3")
-    ax[1].set(title="newest complete checkpoint", xlabel="minutes", ylabel="MB")
-    ax[2].plot(t, [np.nan if x is None else x for x in cols["broker_data_mb"]], label="broker data")
-    ax[2].plot(t, [np.nan if x is None else x for x in cols["store_mb"]], label="object store")
-    ax[2].set(title="broker data and object store on disk", xlabel="minutes", ylabel="MB")
-    ax[2].legend(fontsize=8)
+    ax[1].plot(t, y("checkpoint_mb"), color="C3")
+    ax[1].set(title="newest complete checkpoint (model, optimizer, ledger)", ylabel="MB")
+    ax[2].plot(t, y("broker_data_mb"), color="C0")
+    ax[2].set(title="broker data directory", ylabel="MB")
+    ax[3].plot(t, y("store_mb"), color="C1")
+    ax[3].set(title="object store (every published version, checkpoints)", ylabel="MB")
     for a in ax:
+        a.set_xlabel("minutes")
+        a.set_ylim(0, max(1e-3, a.get_ylim()[1]) * 1.15)  # from zero: growth shows as it is
         for f in summary["faults"]:
             a.axvline(f["at_s"] / 60, color="grey", alpha=0.25, lw=0.8)
     fig.suptitle(
@@ -109,7 +116,7 @@ def plot(cols: dict[str, list[float | None]], summary: dict[str, Any], path: Pat
         fontsize=11,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
