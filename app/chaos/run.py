@@ -100,6 +100,7 @@ class Suite:
 
     def run(self) -> dict[str, Any]:
         rows: list[Row] = []
+        load = [round(os.getloadavg()[0], 2)]
         with self.prepared():
             if self.cfg.together:
                 rows += self.run_faults("together", self.offsets(self.cfg.schedule()))
@@ -109,7 +110,8 @@ class Suite:
             if self.cfg.mixed:
                 names = mixed_faults(self.rng, self.available())
                 rows += self.run_faults("mixed", self.offsets(names))
-        return result(self.cfg.max_staleness, rows, {"seed": self.cfg.seed})
+        load.append(round(os.getloadavg()[0], 2))
+        return result(self.cfg.max_staleness, rows, {"seed": self.cfg.seed, "load1": load})
 
     def offsets(self, names: Iterable[str]) -> list[tuple[str, float]]:
         """``names`` at seeded offsets within ``MIX_WINDOW_S`` of the warm-up's end."""
@@ -228,6 +230,8 @@ def make_row(
         note += f"; not dead-lettered: {', '.join(missing)}"
     if not finished:
         note += f"; the trainer did {audit.steps} of {steps} steps"
+    if sc.watch.error:
+        note += f"; the topic watch failed: {sc.watch.error}"
     rec = None if p.recovered is None else max(0.0, p.recovered - inj.end)
     detail = audit.to_dict() | {"crashes": crashes, "injected_at": round(inj.start, 3)}
     return Row(

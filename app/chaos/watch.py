@@ -1,9 +1,9 @@
 """What a chaos run's topics say while it runs: the facts every recovery condition is read from.
 
-Owns :class:`Watch`, a thread that reads the run's metrics, trajectories, prompts, weights and
+Owns :class:`Watch`, a thread that reads the run's metrics, trajectories, prompts and
 dead-letter topics as they grow (:class:`Tail`) and keeps, with the time each happened (the
-writer's timestamp, wall-clock seconds): the trainer's steps, published and announced
-versions, each generator's loaded and refused versions, the online ranker's versions, the
+writer's timestamp, wall-clock seconds): the trainer's steps, published versions, each
+generator's loaded and refused versions, the online ranker's versions, the
 steps the dispatcher released, which trajectories are open (chunks seen, no last chunk) and
 when each was finished, and every dead letter by origin. Injections are stamped with
 ``time.time()`` on the same machine, so the two compare directly. Nothing here decides
@@ -19,14 +19,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from schemas.records import (
     MetricEvent,
     PromptTask,
     SchemaError,
     TrajectoryChunk,
-    WeightsAnnouncement,
     decode_as,
 )
 from srl.config import CommonConfig
@@ -89,7 +87,6 @@ class Seen:
 
     steps: list[tuple[float, int]] = field(default_factory=list)
     published: list[tuple[float, int]] = field(default_factory=list)
-    announced: list[tuple[float, int]] = field(default_factory=list)
     loaded: list[tuple[float, str, int]] = field(default_factory=list)
     refused: list[tuple[float, str, int, str]] = field(default_factory=list)
     ranker: list[float] = field(default_factory=list)
@@ -114,7 +111,6 @@ class Watch(threading.Thread):
         self.handlers: dict[str, Callable[[Message], None]] = {}
         self.handlers[lay.metrics] = self._metric
         self.handlers[lay.trajectories] = self._chunk
-        self.handlers[lay.weights] = self._announcement
         self.handlers[lay.dlq] = self._dead_letter
         for b in lay.buckets:
             self.handlers[lay.prompts(b)] = self._task
@@ -174,11 +170,6 @@ class Watch(threading.Thread):
             t = task.created_ms / 1000.0
             self.seen.released[task.step] = min(t, self.seen.released.get(task.step, t))
 
-    def _announcement(self, m: Message) -> None:
-        a = decode_as(m.value() or b"", WeightsAnnouncement)
-        if a.run == self.cfg.run:
-            self.seen.announced.append((a.created_ms / 1000.0, a.version))
-
     def _dead_letter(self, m: Message) -> None:
         raw = m.headers() or []
         headers = {k: _text(v) for k, v in (raw.items() if isinstance(raw, dict) else raw)}
@@ -222,8 +213,3 @@ def _text(v: str | bytes | None) -> str:
 
 def first_after(times: Iterable[float], t: float) -> float | None:
     return min((x for x in times if x > t), default=None)
-
-
-def latest(pairs: Iterable[tuple[float, Any]]) -> Any:
-    """The value of the newest ``(time, value)`` pair (None if none)."""
-    return max(pairs, default=(0.0, None), key=lambda p: p[0])[1]
