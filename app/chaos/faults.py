@@ -1,26 +1,23 @@
-"""The faults: how each is injected into a running pipeline, and when its role has recovered.
+"""The faults of the processes: how each is injected into a running pipeline, and when its
+role has recovered.
 
-Owns :data:`CATALOGUE`: per fault name (``app.chaos.config.FAULTS``) an injector, which does
-the fault to the :class:`Scene` and stamps the :class:`Injection` (``start``, ``end``: wall
-clock, ``end`` is when a lasting fault is lifted), and a check, which reads the run's topics
-(``app.chaos.watch``) and returns the time the role had recovered, or None while it has not.
-``recovered_s = recovered - end``. The recovery each one waits for (docs/reliability.md):
+Owns :class:`Scene` (what an injector may act on), :class:`Injection` (one fault as it
+happened) and the injectors and checks of the generator, trainer, dispatcher, ranker and
+broker faults (the data faults are ``app.chaos.storefaults``'s; ``app.chaos.catalogue`` names
+them all). An injector does the fault and stamps ``start`` and ``end`` (wall clock; ``end``
+is when a lasting fault is lifted); a check reads the run's topics (``app.chaos.watch``) and
+returns the time the role had recovered, or None while it has not: ``recovered_s = recovered
+- end``. What each waits for (docs/reliability.md):
 
 * a generator SIGKILLed (restarted after 1 s, as a process manager would), SIGSTOPped for
   longer than its session timeout, or cut off by a partition: every trajectory it had in
-  flight is finished (resumed from its published prefix by whoever owns its partition now),
-  then the trainer completes a step;
+  flight is finished (resumed from its published prefix by whoever owns its partition now)
+  and a step released after the fault is trained;
 * the trainer SIGKILLed mid-step or mid-checkpoint (restarted after 1 s): it completes a step;
 * the dispatcher SIGKILLed: a step it released after its restart is trained;
 * the online ranker SIGKILLed: it publishes a version again;
 * the broker SIGKILLed and restarted on its port and data: every generator reports again and
-  the trainer completes a step;
-* a weights version corrupted or deleted between its write and its followers' fetch: every
-  generator refused it (and said why), then loaded a newer one;
-* the object store full during a publish: a version is published and a step completed after
-  the space is back;
-* poison records on every input topic: each is in the dead-letter topic, no role exited, and
-  the trainer completes a step.
+  a step released after the restart is trained.
 
 Injectors never wait longer than the run allows (``Scene.halt``), and only signal processes
 of the run's :class:`~app.chaos.cast.Cast` or its broker, by pid.
