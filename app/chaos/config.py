@@ -61,7 +61,13 @@ class ChaosConfig(Settings):
     groups_per_step: int = Field(4, ge=1, le=256, description="Groups per optimizer step.")
     group_size: int = Field(8, ge=2, le=64, description="Samples per prompt (GRPO group).")
     time_scale: float = Field(
-        1.0, gt=0, le=100, description="Pace of the sim engine: factor on PTL(BS) per token."
+        4.0,
+        gt=0,
+        le=100,
+        description=(
+            "Pace of the sim engine: factor on PTL(BS) per token (4: a 64-token answer takes "
+            "about 2 s, so generator faults meet trajectories in flight)."
+        ),
     )
     recover_timeout_s: float = Field(
         90.0, gt=0, description="Give up waiting for a role's recovery after this long."

@@ -41,6 +41,7 @@ from app.chaos.watch import Watch, first_after
 from consumers.checkpoint import MARKER
 
 POLL_S = 0.0005  # how often the checkpoint and weights injectors look at the store
+INFLIGHT_WAIT_S = 60.0  # a generator fault waits this long at most for work in flight
 
 
 @dataclass
@@ -91,8 +92,15 @@ def _worker(name: str) -> str:
 
 
 def _begin(sc: Scene, inj: Injection, workers: list[str]) -> None:
-    with sc.watch.lock:
-        inj.inflight = sc.watch.open_on(workers)
+    """Wait (bounded) until one of ``workers`` has a trajectory in flight, so that the fault
+    catches work that must be resumed; note what was in flight and stamp the start."""
+
+    def inflight() -> bool:
+        with sc.watch.lock:
+            inj.inflight = sc.watch.open_on(workers)
+        return bool(inj.inflight)
+
+    sc.until(inflight, INFLIGHT_WAIT_S, 0.02)
     inj.start = inj.end = time.time()
 
 
