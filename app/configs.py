@@ -1,5 +1,5 @@
 """Settings of the app layer's own commands: ``srl top``, ``srl smoke``, ``srl bench
-dataplane`` and ``srl-producer bench``.
+dataplane``, ``srl-producer bench``, ``srl serve`` and ``srl bench serve``.
 
 Each class is composed of the shared groups of :mod:`srl.config` that its command reads, and
 nothing else, so its generated CLI options (``app/cli/options.py``) are exactly the command's.
@@ -9,12 +9,24 @@ The roles' configs live beside the roles (``producers/config.py``, ``consumers/c
 
 from __future__ import annotations
 
-from typing import ClassVar
+import os
+import socket
+from pathlib import Path
+from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from producers.config import EngineSettings
-from srl.config import ProducerSettings, RegistrySettings, RunStoreConfig, TopicsConfig
+from srl.config import (
+    NAME_PATTERN,
+    CommonConfig,
+    ProducerSettings,
+    RegistrySettings,
+    RunStoreConfig,
+    TopicsConfig,
+    cli,
+)
+from srl.errors import ConfigError
 
 
 class TopConfig(TopicsConfig, RunStoreConfig, RegistrySettings):
@@ -38,3 +50,98 @@ class EngineBenchConfig(ProducerSettings, TopicsConfig, RegistrySettings, Engine
         le=65_536,
         description="The large batch: most sequences decoded together (continuous batching).",
     )
+
+
+class ServeConfig(CommonConfig, EngineSettings):
+    """``srl serve``: one engine (the generator's: hf, sim, vllm, built by
+    ``producers.engines.make_engine`` from these same engine settings) behind an
+    OpenAI-compatible HTTP API. docs/serving.md explains each setting."""
+
+    section: ClassVar[str] = "serve"
+
+    host: str = Field(
+        "127.0.0.1", description="Address to listen on (loopback by default; put a proxy in front)."
+    )
+    port: int = Field(8000, ge=0, le=65535, description="TCP port; 0: any free port.")
+    model_name: str | None = Field(
+        None,
+        description="Model id clients send and /v1/models lists; null: the model directory's name "
+        "(sim: 'sim').",
+    )
+    follow_run: str | None = Field(
+        None,
+        pattern=NAME_PATTERN,
+        description="The run whose weights are served (the lead, when several trainers learn "
+        "from the served traffic); null: run.",
+    )
+    publish: bool = Field(
+        True,
+        description="Publish every served completion, chunk by chunk, to {prefix}.trajectories "
+        "(false: serve only, e.g. to measure what publishing costs).",
+    )
+    worker_id: str | None = Field(
+        None, description="Id on published chunks and metrics; null: host-pid-serve."
+    )
+    default_max_tokens: int = Field(
+        256, ge=1, le=1_000_000, description="max_tokens of a request that gives none."
+    )
+    max_n: int = Field(16, ge=1, le=1024, description="Most choices (n) one request may ask for.")
+    max_pending: int = Field(
+        1024,
+        ge=1,
+        description="Most choices running or waiting; a request beyond it gets 429 (retry later).",
+    )
+    stats_interval_s: float = Field(
+        5.0, gt=0, description="How often serve_stats metric events are emitted."
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM: how long running requests may finish before the server closes.",
+        json_schema_extra=cli("--drain-timeout"),
+    )
+
+    @model_validator(mode="after")
+    def _engine_needs(self) -> ServeConfig:
+        if self.engine in ("hf", "vllm") and not self.model:
+            raise ConfigError(f"engine {self.engine} needs --model DIR (policy version 0)")
+        return self
+
+    @property
+    def served_model(self) -> str:
+        """The model id of the API."""
+        if self.model_name:
+            return self.model_name
+        return Path(self.model).name if self.model else self.engine
+
+    @property
+    def weights_run(self) -> str:
+        """The run whose weights are served."""
+        return self.follow_run or self.run
+
+    @property
+    def worker_name(self) -> str:
+        return self.worker_id or f"{socket.gethostname()}-{os.getpid()}-serve"
+
+
+class ServeBenchConfig(ProducerSettings, TopicsConfig, EngineSettings):
+    """``srl bench serve``: the engine and Kafka settings handed to each ``srl serve`` it starts
+    (publishing off, then on); the sim engine by default."""
+
+    section: ClassVar[str] = "serve"
+
+    engine: Literal["hf", "sim", "vllm"] = Field(
+        "sim",
+        description="Generation backend; sim: modelled decode time, so the figure is the "
+        "server's and the data plane's.",
+    )
+    max_batch: int = Field(
+        16, ge=1, le=65_536, description="Most sequences decoded together (continuous batching)."
+    )
+    seed: int | None = Field(0, description="Sampling seed of the servers' engines.")
+
+    @model_validator(mode="after")
+    def _engine_needs(self) -> ServeBenchConfig:
+        if self.engine in ("hf", "vllm") and not self.model:
+            raise ConfigError(f"--engine {self.engine} needs --model DIR")
+        return self

@@ -49,6 +49,13 @@ class DemoConfig(KafkaSettings):
         "runs/demo", description="Directory for the report, logs, store and broker data."
     )
     mode: Literal["sync", "stream", "async"] = Field("async", description="Pipeline mode.")
+    serve: bool = Field(
+        False,
+        description=(
+            "Learn from served traffic instead: srl serve and the trainer, a client sending the "
+            "task's prompts with programmatic feedback, no dispatcher (docs/serving.md)."
+        ),
+    )
     max_staleness: int = Field(1, ge=0, le=1000, description="k for --mode async.")
     reward: str = Field("app.task:demo_reward", description="Reward module:function.")
     seed: int = Field(0, description="Seed of the prompts, sampling and training.")

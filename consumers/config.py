@@ -8,11 +8,12 @@ in-process.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from srl.config import CommonConfig
+from srl.config import NAME_PATTERN, CommonConfig, cli
 from srl.errors import ConfigError
 from srl.topics import trainer_group
 
@@ -35,6 +36,40 @@ class TrainConfig(CommonConfig):
     group_id: str | None = Field(
         None,
         description="Consumer group on the trajectories topic; null: srl-trainer-{run}.",
+    )
+    start_from: str = Field(
+        "earliest",
+        description=(
+            "Where a trainer whose group has no committed offsets yet starts reading: earliest, "
+            "latest, or a time (ISO 8601, or ms since the epoch). A restart resumes from its "
+            "commits."
+        ),
+        json_schema_extra=cli("--from", metavar="earliest|latest|TIME"),
+    )
+    lead_run: str | None = Field(
+        None,
+        pattern=NAME_PATTERN,
+        description=(
+            "The run whose weights the generators and srl serve follow (their --follow-run); "
+            "null or this run: this trainer is the lead. Another run learns off-policy from the "
+            "lead's samples: no staleness bound (versions of another lineage), importance "
+            "correction as always (docs/trainer.md)."
+        ),
+    )
+    feedback_window_s: float = Field(
+        60.0,
+        ge=0,
+        description=(
+            "How long a served trajectory waits for its feedback ({prefix}.feedback), and feedback "
+            "for its trajectory; 0: read no feedback, score served trajectories by --reward."
+        ),
+    )
+    feedback_missing: Literal["dlq", "reward"] = Field(
+        "dlq",
+        description=(
+            "A served trajectory without feedback in the window: dlq (outcome no_feedback, to the "
+            "dead-letter queue) or reward (scored by --reward)."
+        ),
     )
     # -- algorithm --------------------------------------------------------------------
     advantage: Literal["grpo", "rloo"] = Field(
@@ -156,6 +191,12 @@ class TrainConfig(CommonConfig):
             raise ValueError(f"expected module:function, got {v!r}")
         return v
 
+    @field_validator("start_from")
+    @classmethod
+    def _start(cls, v: str) -> str:
+        start_ms(v)
+        return v
+
     # Cross-field rules raise ConfigError (not ValueError), so pydantic passes the one-line
     # message through unchanged instead of wrapping it.
     @model_validator(mode="after")
@@ -178,8 +219,42 @@ class TrainConfig(CommonConfig):
             )
         if self.backend == "deepspeed" and self.dtype != "float32":
             raise ConfigError("dtype: the deepspeed backend trains in float32 only in this build")
+        if self.feedback_window_s >= self.expire_s:
+            raise ConfigError(
+                f"--feedback-window-s {self.feedback_window_s:g} must be under --expire-s "
+                f"{self.expire_s:g} (a group waits that long for its samples)"
+            )
         return self
 
     @property
     def consumer_group(self) -> str:
         return self.group_id or trainer_group(self.run)
+
+    @property
+    def staleness_bound(self) -> int | None:
+        """k for the gate; None for a trainer that is not the lead (its samples' versions
+        belong to the lead's lineage, not to its own)."""
+        lead = self.lead_run is None or self.lead_run == self.run
+        return self.max_staleness if lead else None
+
+    @property
+    def start_ms(self) -> int | str:
+        """``start_from`` as ``"earliest"``, ``"latest"`` or ms since the epoch."""
+        return start_ms(self.start_from)
+
+
+def start_ms(v: str) -> int | str:
+    """``earliest``/``latest`` as they are, a time as ms since the epoch; ValueError otherwise."""
+    if v in ("earliest", "latest"):
+        return v
+    if v.isdigit():
+        return int(v)
+    try:
+        t = datetime.fromisoformat(v)
+    except ValueError:
+        raise ValueError(
+            f"expected earliest, latest, ms since the epoch or an ISO 8601 time, got {v!r}"
+        ) from None
+    if t.tzinfo is None:
+        t = t.astimezone()  # a time without a zone is local time
+    return int(t.timestamp() * 1000)

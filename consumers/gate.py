@@ -13,8 +13,11 @@ Owns which samples of a complete group may train the update ``v → v+1``:
   correction;
 * samples whose reward failed never train and never enter the baseline.
 
-A trajectory from another run's policy lineage (a second trainer reading the lead's stream)
-may have ``b > v``; its staleness is negative and it passes.
+A trainer that is not the lead (``lead_run``: the generators and ``srl serve`` follow another
+run) gates with ``k = None``: its samples' versions number the lead's lineage, not its own, so
+``v − b`` measures nothing and no bound applies; every scored sample trains, with the loss's
+importance correction against the chunks' behaviour log-probs (docs/trainer.md, "Several
+trainers on one stream").
 
 ``v − b`` counts the updates between ``b`` and the weights being trained. After a restart from
 a checkpoint older than the newest published version, the versions published after that
@@ -38,8 +41,10 @@ def staleness(v: int, b: int, skipped: frozenset[int] = frozenset()) -> int:
     return v - b - sum(1 for o in skipped if b < o <= v)
 
 
-def admissible(v: int, b: int, k: int, skipped: frozenset[int] = frozenset()) -> bool:
-    return staleness(v, b, skipped) <= k
+def admissible(v: int, b: int, k: int | None, skipped: frozenset[int] = frozenset()) -> bool:
+    """Whether the update ``v → v+1`` may use a sample of behaviour version ``b``; ``k`` None:
+    ``b`` is another lineage's version, no bound."""
+    return k is None or staleness(v, b, skipped) <= k
 
 
 @dataclass
@@ -51,6 +56,7 @@ class Admitted:
     train: list[Sample] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)  # aligned with ``train``
     stale: list[Sample] = field(default_factory=list)
+    lineage: bool = True  # False: the samples' versions are another run's (no staleness)
     skipped: frozenset[int] = frozenset()  # versions that are no update of these weights
 
     @property
@@ -67,14 +73,14 @@ def group_advantages(kind: Literal["grpo", "rloo"], rewards: list[float]) -> lis
 def gate_group(
     group: Group,
     v: int,
-    k: int,
+    k: int | None,
     policy: Literal["drop", "correct"] = "drop",
     advantage: Literal["grpo", "rloo"] = "grpo",
     skipped: frozenset[int] = frozenset(),
 ) -> Admitted:
     """Split a complete group's scored samples into trained (with advantages) and stale."""
     scored = group.scored()
-    out = Admitted(group, v, skipped=skipped)
+    out = Admitted(group, v, lineage=k is not None, skipped=skipped)
     fresh = [admissible(v, s.traj.behaviour_version, k, skipped) for s in scored]
     if policy == "drop" and not all(fresh):
         out.stale = scored

@@ -28,6 +28,7 @@ only through ``consumers.train_engine.TrainEngine``. Called by ``app.cli.consume
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 import time
@@ -44,6 +45,7 @@ from consumers.distributed import Dist, follow
 from consumers.durable import Durable
 from consumers.engine import resolve_device
 from consumers.engine_deepspeed import check_supported
+from consumers.feedback import FeedbackPath
 from consumers.gate import gate_group
 from consumers.groups import Group, GroupBuffer, Sample
 from consumers.intake import Intake, Invalid
@@ -63,6 +65,7 @@ from srl.kafka import (
     make_consumer,
     position_group,
     share_positions,
+    start_group_at,
 )
 from srl.metrics import Metrics
 from srl.stores import store_from_config
@@ -129,16 +132,44 @@ def commit(consumer: Consumer, tracker: OffsetTracker) -> None:
         log.warning("offset commit failed (records will be re-read and deduplicated): %s", e)
 
 
-def open_consumers(cfg: TrainConfig) -> tuple[Consumer, Consumer]:
-    """The trainer's member of its group, and the client that shares its read positions."""
+def open_consumers(cfg: TrainConfig, topics: list[str]) -> tuple[Consumer, Consumer]:
+    """The trainer's member of its group, and the client that shares its read positions.
+    A group that has committed nothing yet (a trainer added to a running run) first gets the
+    starting positions of ``--from``."""
+    gid = cfg.consumer_group
+    try:
+        start_group_at(cfg, gid, topics, cfg.start_ms)
+    except KafkaException as e:  # the consumer's auto.offset.reset (earliest) applies instead
+        log.warning("--from %s: cannot commit the starting positions: %s", cfg.start_from, e)
     # static membership: a restarted trainer takes its predecessor's place at once instead
     # of waiting for the group to notice the dead member; a second trainer in the same
     # group fences the first rather than splitting the partitions (and the groups) with it
-    gid = cfg.consumer_group
     consumer = make_consumer(cfg, gid, "trainer", **{"group.instance.id": f"{gid}-rank0"})
     # how far we have read, for the generators' backlog bound (committed offsets trail
     # behind every unfinished trajectory and every checkpoint interval)
     return consumer, make_consumer(cfg, position_group(gid), "trainer-position")
+
+
+def scored(scorer: Scorer, metrics: Metrics, traj: Trajectory) -> Sample:
+    """``traj`` with its ``--reward``; a reward that fails is counted and logged, not raised."""
+    s = scorer.score(traj)
+    if s.error is not None:
+        metrics.incr("reward_failures")
+        log.warning("reward failed for %s: %s", traj.trajectory_id, s.error)
+    return Sample(traj, s.reward, s.error)
+
+
+def log_step(step: int, values: dict[str, float], loss: float) -> None:
+    log.info(
+        "step %d v%d loss %.4f reward %.3f samples %d tokens/s %.0f idle %.2fs",
+        step,
+        values["policy_version"],
+        loss,
+        values["reward_mean"],
+        values["samples"],
+        values["tokens_per_s"],
+        values["idle_s"],
+    )
 
 
 class Trainer:
@@ -170,6 +201,9 @@ class Trainer:
         self.intake = Intake(
             self.outcomes, engine.max_length, cfg.expire_s, self.producer, self.metrics
         )
+        self.score = functools.partial(scored, self.scorer, self.metrics)
+        args = (self.producer, self.metrics, self.outcomes, self.groups, self.score, self._at)
+        self.feedback = FeedbackPath(cfg, *args)
         self.stopping = False
         self.last_record: float | None = None  # None until the group assigns us partitions
         self.step_started = time.monotonic()
@@ -187,17 +221,19 @@ class Trainer:
         specs = self.layout.specs()
         create_topics(self.cfg, [s for s in specs if not self.layout.is_task_topic(s.name)])
         self._recover()
-        self.consumer, self.sharer = open_consumers(self.cfg)
+        topics = [self.layout.trajectories] + [self.layout.feedback] * self.feedback.enabled
+        self.consumer, self.sharer = open_consumers(self.cfg, topics)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            self.consumer.subscribe([self.layout.trajectories], on_assign=self._on_assign)
+            self.consumer.subscribe(topics, on_assign=self._on_assign)
             while not self._done():
                 t0 = time.monotonic()
                 msgs = self.consumer.next_batch(500, 0.2)
                 now = time.monotonic()
                 self.idle_s += now - t0
                 for msg in msgs:
-                    traj = self.intake.add(msg)
+                    fb = msg.topic() != topics[0]  # a feedback record: the sample it rewards
+                    traj = self.feedback.add(msg, now) if fb else self.intake.add(msg)
                     if traj is None:
                         continue
                     group = self._group(traj)
@@ -243,11 +279,16 @@ class Trainer:
         return bool(idle)
 
     # -- trajectories → groups --------------------------------------------------------------
-    def _group(self, traj: Trajectory | Invalid) -> Group | None:
-        """The group ``traj`` completes: scored, or (invalid) decided and its slot filled so
+    def _group(self, traj: Trajectory | Invalid | Sample) -> Group | None:
+        """The group ``traj`` completes: rewarded (by feedback for a served trajectory, which
+        may wait for it: ``consumers.feedback``), or (invalid) decided and its slot filled so
         the rest of the group (and its step) is not held until expiry."""
-        if not isinstance(traj, Invalid):
-            return self.groups.add(self._score(traj))
+        if isinstance(traj, Trajectory):
+            waits = self.feedback.waits_for(traj)
+            sample = self.feedback.sample(traj, time.monotonic()) if waits else self.score(traj)
+            return None if sample is None else self.groups.add(sample)
+        if isinstance(traj, Sample):
+            return self.groups.add(traj)
         c = traj.chunk
         step = self.step + 1
         self._count(
@@ -257,12 +298,9 @@ class Trainer:
             c.prompt_id, c.sample_index, c.group_size, c.trajectory_id, step=(c.step, c.step_groups)
         )
 
-    def _score(self, traj: Trajectory) -> Sample:
-        scored = self.scorer.score(traj)
-        if scored.error is not None:
-            self.metrics.incr("reward_failures")
-            log.warning("reward failed for %s: %s", traj.trajectory_id, scored.error)
-        return Sample(traj, scored.reward, scored.error)
+    def _at(self) -> tuple[int, int]:
+        """Where a decision outside a step lands: the open step, the current version."""
+        return self.step + 1, self.version
 
     # -- groups → steps -------------------------------------------------------------------------
     def _plan(self, group: Group) -> None:
@@ -286,7 +324,7 @@ class Trainer:
         # judged against the weights it trains (after a restart, versions published past the
         # checkpoint are no update of them: consumers.durable, "skipped")
         adm = gate_group(
-            group, d.lineage, cfg.max_staleness, cfg.stale_policy, cfg.advantage, d.skipped
+            group, d.lineage, cfg.staleness_bound, cfg.stale_policy, cfg.advantage, d.skipped
         )
         self.stale_in_step += len(adm.stale)
         if not adm.trains:  # nothing of it will train: finalize the whole group now
@@ -335,16 +373,7 @@ class Trainer:
             self.durable.publish(self.step)
         values["policy_version"] = self.version
         self.metrics.emit("train_step", values, step=self.step)
-        log.info(
-            "step %d v%d loss %.4f reward %.3f samples %d tokens/s %.0f idle %.2fs",
-            self.step,
-            self.version,
-            stats.loss,
-            values["reward_mean"],
-            values["samples"],
-            values["tokens_per_s"],
-            values["idle_s"],
-        )
+        log_step(self.step, values, stats.loss)
         if self.step % self.cfg.checkpoint_every == 0:
             self._checkpoint()
         self.metrics.flush_counters(self.step)
@@ -373,7 +402,7 @@ class Trainer:
             group = self._expire_partial(p)
             if group is not None:
                 self._plan(group)
-        for g in self.groups.expire():
+        for g in [*self.groups.expire(), *self.feedback.expire(now, self.consumer)]:
             self._plan(g)
         self._steps()  # a step whose groups stopped arriving completes by expiry
         self.metrics.incr(
@@ -396,7 +425,9 @@ class Trainer:
         self._emit_samples(self.outcomes.window)
         self.producer.flush()
         self.intake.tracker.release(self.outcomes.undurable)
+        self.feedback.tracker.release(self.outcomes.undurable)
         commit(self.consumer, self.intake.tracker)
+        commit(self.consumer, self.feedback.tracker)
         self.outcomes.checkpointed()
         self.dirty = False
         self.metrics.incr("checkpoints")
@@ -417,12 +448,7 @@ class Trainer:
             self._emit_samples(self.replay_events)
             self.producer.flush()
         self.durable.reannounce()
-        log.info(
-            "trainer at step %d, policy version %d, %d trajectories in the ledger",
-            self.step,
-            self.version,
-            len(self.outcomes.ledger),
-        )
+        log.info("at step %d, v%d; ledger %d", self.step, self.version, len(self.outcomes.ledger))
 
     def _shutdown(self) -> None:
         if self.batcher.groups:

@@ -238,6 +238,14 @@ class GenerateConfig(CommonConfig, EngineSettings):
     worker_id: str | None = Field(
         None, description="Id on chunks and metrics; null: host-pid-pool."
     )
+    follow_run: str | None = Field(
+        None,
+        pattern=NAME_PATTERN,
+        description=(
+            "The run whose weights this worker loads and whose trainer bounds its backlog (the "
+            "lead, when several trainers learn from one stream); null: run."
+        ),
+    )
     max_staleness: int = Field(
         1,
         ge=0,
@@ -264,7 +272,9 @@ class GenerateConfig(CommonConfig, EngineSettings):
         ),
     )
     backlog_group: str | None = Field(
-        None, description="Consumer group whose lag is the backlog; null: srl-trainer-{run}."
+        None,
+        description="Consumer group whose lag is the backlog; null: the followed run's trainer "
+        "group, srl-trainer-{run}.",
     )
     migrate_to: str | None = Field(
         None,
@@ -325,8 +335,13 @@ class GenerateConfig(CommonConfig, EngineSettings):
         return self.group_id or pool_group(self.topic_prefix, self.pool)
 
     @property
+    def weights_run(self) -> str:
+        """The run whose weights are loaded (the lead's)."""
+        return self.follow_run or self.run
+
+    @property
     def trainer_group(self) -> str:
-        return self.backlog_group or trainer_group(self.run)
+        return self.backlog_group or trainer_group(self.weights_run)
 
     @property
     def worker_name(self) -> str:

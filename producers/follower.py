@@ -3,7 +3,8 @@ versions.
 
 Owns a generator's view of the policy versions. What must hold:
 
-* Only announcements of this run count, and versions only move forward; the newest announced
+* Only announcements of the followed run count (``run``: the lead's, ``--follow-run``; by
+  default the config's own), and versions only move forward; the newest announced
   version is fetched (intermediate ones are skipped), its manifest and every file verified
   by sha256 (``srl.weights.load_manifest`` / ``fetch_tensors``) in this thread, off the decode
   loop. Nothing is unpickled.
@@ -50,9 +51,15 @@ class Ready:
 
 class WeightFollower:
     def __init__(
-        self, cfg: CommonConfig, layout: Layout, store: ObjectStore, current: int = 0
+        self,
+        cfg: CommonConfig,
+        layout: Layout,
+        store: ObjectStore,
+        current: int = 0,
+        run: str | None = None,
     ) -> None:
         self.cfg, self.layout, self.store = cfg, layout, store
+        self.run = run or cfg.run  # whose announcements count
         self.loaded = current  # version the engine runs (set by the worker after a swap)
         self.announced: dict[int, WeightsAnnouncement] = {}
         self.refused: dict[int, str] = {}
@@ -147,7 +154,7 @@ class WeightFollower:
             log.warning("weights topic offset %d: unreadable announcement (%s)", msg.offset(), e)
             ann = None
         with self._cond:
-            if ann is not None and ann.run == self.cfg.run and ann.version > self.loaded:
+            if ann is not None and ann.run == self.run and ann.version > self.loaded:
                 self.announced.setdefault(ann.version, ann)
             self._position = (msg.offset() or 0) + 1
             self._cond.notify_all()

@@ -152,7 +152,9 @@ class GeneratorWorker:
         self.producer = stack.enter_context(Producer(self.cfg, "generator"))
         self.metrics = Metrics(self.producer, self.layout, self.cfg.run, self.summary.worker_id)
         self.outlet.open(self.producer, self.metrics)
-        self.follower = WeightFollower(self.cfg, self.layout, store_from_config(self.cfg)).start()
+        store = store_from_config(self.cfg)
+        self.follower = WeightFollower(self.cfg, self.layout, store, run=self.cfg.weights_run)
+        self.follower.start()
         stack.callback(self.follower.stop)
         # the furthest of the trainer's read position (shared by the trainer) and its
         # committed offsets (a trainer that shares no position still bounds us)

@@ -6,6 +6,7 @@ turns dicts into bytes and back, ``records.py`` holds the typed dataclasses.
 
 from schemas.codec import Codec, SchemaError
 from schemas.records import (
+    Feedback,
     MetricEvent,
     PromptTask,
     ResumePrefix,
@@ -22,6 +23,7 @@ from schemas.records import (
 
 __all__ = [
     "Codec",
+    "Feedback",
     "MetricEvent",
     "PromptTask",
     "ResumePrefix",

@@ -1,13 +1,13 @@
-"""Typed records for the four message kinds, and the packing of token arrays.
+"""Typed records for the five message kinds, and the packing of token arrays.
 
 Each record is a frozen dataclass mirroring its ``.avsc`` file field for field; the field
 comments there say what each value and each null means. Conversion is explicit:
 ``rec.to_dict()`` / ``Cls.from_dict(d)``, and ``encode(rec)`` / ``decode(data)`` go through
 the process-wide :class:`~schemas.codec.Codec` (or one you pass). For a flat schema (every
-field primitive: ``TrajectoryChunk``, ``WeightsAnnouncement``) they skip the dict: ``encode``
-hands the record itself to the compiled writer, and ``decode_as`` has the compiled reader
-fill a new record's slots directly: no dict and no ``__init__`` per record, the cost that
-dominates a small chunk (figures in docs/benchmarks.md, "Data plane").
+field primitive: ``TrajectoryChunk``, ``WeightsAnnouncement``, ``Feedback``) they skip the
+dict: ``encode`` hands the record itself to the compiled writer, and ``decode_as`` has the
+compiled reader fill a new record's slots directly: no dict and no ``__init__`` per record,
+the cost that dominates a small chunk (figures in docs/benchmarks.md, "Data plane").
 
 Token ids travel as packed little-endian int32 and log-probs as little-endian float32
 (``pack_tokens`` / ``unpack_tokens`` / ``pack_logprobs`` / ``unpack_logprobs``).
@@ -214,8 +214,21 @@ class MetricEvent(Record):
     ts_ms: int = field(default_factory=now_ms)
 
 
+@dataclass(frozen=True, slots=True)
+class Feedback(Record):
+    avro_name: ClassVar[str] = "srl.Feedback"
+    trajectory_id: str
+    completion_id: str
+    choice_index: int
+    reward: float
+    source: str
+    metadata: str | None = None
+    created_ms: int = field(default_factory=now_ms)
+
+
 RECORD_TYPES: dict[str, type[Record]] = {
-    cls.avro_name: cls for cls in (PromptTask, TrajectoryChunk, WeightsAnnouncement, MetricEvent)
+    cls.avro_name: cls
+    for cls in (PromptTask, TrajectoryChunk, WeightsAnnouncement, MetricEvent, Feedback)
 }
 
 _default_codec: Codec | None = None

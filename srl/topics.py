@@ -8,6 +8,8 @@ Owns the naming every role and every monitoring tool relies on:
   trainer-backlog bound (a fresh task ahead of it in one queue would block it)
 * ``{prefix}.trajectories``: token chunks; partitions are grouped by length bucket
 * ``{prefix}.weights``: weights announcements, compacted, key = run
+* ``{prefix}.feedback``: applications' rewards of served completions (``srl serve``), key =
+  trajectory id; trainers join them to the served trajectories
 * ``{prefix}.metrics``: metric events from every role
 * ``{prefix}.dlq``: records that could not be decoded or used, with the reason in headers
 
@@ -93,6 +95,10 @@ class Layout:
         return f"{self.prefix}.weights"
 
     @property
+    def feedback(self) -> str:
+        return f"{self.prefix}.feedback"
+
+    @property
     def metrics(self) -> str:
         return f"{self.prefix}.metrics"
 
@@ -127,6 +133,7 @@ class Layout:
                 self.trajectories, self.trajectory_partition_count, {"max.message.bytes": "1048576"}
             ),
             TopicSpec(self.weights, 1, {"cleanup.policy": "compact"}),
+            TopicSpec(self.feedback, 1, {}),
             TopicSpec(self.metrics, 1, {}),
             TopicSpec(self.dlq, 1, {}),
         ]

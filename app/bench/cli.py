@@ -15,12 +15,12 @@ from app.cli.common import echo_json
 from app.cli.options import ConfigGroup, with_config
 
 if TYPE_CHECKING:
-    from app.configs import StreamConfig
+    from app.configs import ServeBenchConfig, StreamConfig
 
 
 @click.group(cls=ConfigGroup)
 def bench() -> None:
-    """Benchmarks (docs/benchmarks.md): data plane, weights, pipeline modes."""
+    """Benchmarks (docs/benchmarks.md): data plane, weights, pipeline modes, serving."""
 
 
 @bench.command("dataplane")
@@ -277,3 +277,57 @@ def _pipeline_line(mode: str, m: dict[str, Any]) -> str:
         f"(generated {m['mean_generated_tokens']:.0f})  {m['fraction_of_bound']:.0%} of bound  "
         f"gen idle {m['gen_idle']:.0%}  staleness max {m['staleness_max']}"
     )
+
+
+# -- serve (app/bench/serve.py) ------------------------------------------------------------------
+@bench.command("serve")
+@with_config("app.configs:ServeBenchConfig")
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(1, 100_000),
+    default=64,
+    show_default=True,
+    help="Tokens per completion.",
+)
+@click.option(
+    "--requests",
+    type=click.IntRange(1, 1_000_000),
+    default=200,
+    show_default=True,
+    help="Requests per phase (the same prompts in every phase).",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 100_000),
+    help="Saturation: requests in flight. Default 2 x max_batch.",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(1, 20),
+    default=1,
+    show_default=True,
+    help="Runs of each mode, alternating; the best rate and the median latencies count.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def serve_bench(
+    cfg: ServeBenchConfig,
+    max_tokens: int,
+    requests: int,
+    concurrency: int | None,
+    repeats: int,
+    as_json: bool,
+) -> None:
+    """srl serve with publishing to Kafka off against on: requests/s, TTFT, ITL.
+
+    The same engine and prompts in both modes, at saturation and at half the publish-off
+    saturated rate; overhead_rps and overhead_itl_p50 are the fractional losses with
+    publishing on. Starts an embedded broker on a free port unless bootstrap_servers is given.
+    """
+    from app.bench.serve import Plan, run, text_report
+
+    external = "bootstrap_servers" in cfg.model_fields_set
+    r = run(cfg, external, Plan(max_tokens, requests, concurrency, repeats))
+    if as_json:
+        echo_json(r)
+    else:
+        click.echo(text_report(r))

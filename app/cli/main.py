@@ -340,8 +340,16 @@ def demo(cfg: DemoConfig, as_json: bool) -> None:
     --steps steps with live progress, stops every process it started, and writes
     OUT/report.json and OUT/report.png. With --bootstrap it uses that broker instead of the
     embedded one (its topics stay; a fresh topic prefix unless --topic-prefix is given).
-    See docs/demo.md.
+    --serve learns from served traffic instead: srl serve, the trainer and a client that
+    rates each answer, no dispatcher. See docs/demo.md and docs/serving.md.
     """
+    if cfg.serve:
+        from app.servedemo import run_serve_demo
+        from app.servedemo import summary as serve_summary
+
+        report = run_serve_demo(cfg)
+        echo_json(report) if as_json else click.echo(serve_summary(report))
+        return
     from app.demo import run_demo
 
     report = run_demo(cfg)
@@ -416,7 +424,14 @@ def _add_bench() -> None:
     cli.add_command(bench)
 
 
+def _add_serve() -> None:
+    from app.cli.serve import serve
+
+    cli.add_command(serve)
+
+
 _add_ranker()
 _add_bench()
+_add_serve()
 
 main = run_main(cli, "srl")

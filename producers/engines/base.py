@@ -54,6 +54,7 @@ class Request:
     prefix: Sequence[int] = ()  # completion tokens already generated (resume); prefilled
     priority: float = 0.0  # admission order: higher first (the predicted length)
     target_length: int | None = None  # sim engine only: the oracle completion length
+    seed: int | None = None  # this request's own sampling seed (srl serve); None: the engine's
 
     def check(self) -> None:
         if not self.prompt_ids and not self.prefix:

@@ -15,6 +15,9 @@ batch works, and what must hold:
   length of sequences long gone.
 * Each step feeds each row its last sampled token and samples one more; every emitted token
   carries its behaviour log-prob (``producers.engines.sampling``) and the engine's version.
+* A request with its own ``seed`` (``srl serve``) draws from its own generator, so its tokens do
+  not depend on what else is sampled; the logits may still differ in the last bits with the
+  batch's shape (best effort, like OpenAI's ``seed``).
 * ``load_weights`` checks names and shapes against the model before copying anything, so a
   version that does not fit is refused and the old weights stay intact. The KV cache of
   running sequences is kept across a swap (in-flight update, as PipelineRL does); the tokens
@@ -94,6 +97,7 @@ class HFEngine(Engine):
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+        self.seeded: dict[str, torch.Generator] = {}  # generators of requests with a seed
         self.rows: list[_Row] = []
         self.cache: Any = None
         self.mask: torch.Tensor | None = None  # [B, T] 1 = real token, 0 = left padding
@@ -126,6 +130,9 @@ class HFEngine(Engine):
                 out += self._decode()
             while self.waiting and len(self.rows) < self.max_batch:
                 out += self._admit(self._next_waiting())
+        if self.seeded:  # forget the generators of finished and aborted requests
+            live = {r.request.key for r in self.rows}
+            self.seeded = {k: g for k, g in self.seeded.items() if k in live}
         return out
 
     def _abort_running(self, key: str) -> bool:
@@ -224,8 +231,25 @@ class HFEngine(Engine):
 
         temp = torch.tensor([r.temperature for r in reqs], device=self.device)
         top_p = torch.tensor([r.top_p for r in reqs], device=self.device)
-        tokens, logprobs = sample(logits, temp, top_p, self.generator)
-        return tokens.tolist(), logprobs.tolist()
+        if all(r.seed is None for r in reqs):
+            tokens, logprobs = sample(logits, temp, top_p, self.generator)
+            return tokens.tolist(), logprobs.tolist()
+        out_t, out_lp = [], []  # a seeded request draws from its own generator, row by row
+        for i, r in enumerate(reqs):
+            gen = self.generator if r.seed is None else self._generator_of(r)
+            t, lp = sample(logits[i : i + 1], temp[i : i + 1], top_p[i : i + 1], gen)
+            out_t.append(int(t[0]))
+            out_lp.append(float(lp[0]))
+        return out_t, out_lp
+
+    def _generator_of(self, req: Request) -> torch.Generator:
+        import torch
+
+        gen = self.seeded.get(req.key)
+        if gen is None:
+            assert req.seed is not None
+            gen = self.seeded[req.key] = torch.Generator(self.device).manual_seed(req.seed)
+        return gen
 
     def _finish(self, row: _Row, token: int) -> str | None:
         if token in self.eos_ids:

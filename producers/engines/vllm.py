@@ -127,6 +127,7 @@ class VLLMEngine(Engine):
             temperature=req.temperature,
             top_p=req.top_p,
             logprobs=0,
+            seed=req.seed,
             max_tokens=req.max_new_tokens - len(req.prefix),
             output_kind=RequestOutputKind.DELTA,
         )

@@ -1,7 +1,8 @@
 """Topics, offsets and lag: administration and the reads every monitoring path shares.
 
 * ``create_topics``: the layout's topics (``srl.topics``), created if missing;
-* ``watermarks`` / ``committed_offsets``: one-shot reads;
+* ``watermarks`` / ``committed_offsets``: one-shot reads; ``start_group_at``: where a group
+  that has committed nothing starts (``--from latest|TIME`` of a trainer added to a run);
 * ``Lag``: per-partition lag of consumer groups, in the columns of ``kafka-consumer-groups.sh``
   (``log_end_offset - current_offset``); the one lag computation of the generators' backlog
   bound, the demo's progress line and the monitor. A partition no group has committed counts
@@ -101,6 +102,31 @@ def committed_offsets(
     with Consumer(base_settings(cfg, "offsets") | {"group.id": group_id} | cfg.kafka) as c:
         tps = c.committed([TopicPartition(t, p) for t, p in partitions], timeout=timeout_s)
         return {(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None) for tp in tps}
+
+
+def start_group_at(
+    cfg: KafkaSettings, group_id: str, topics: Sequence[str], start: int | str
+) -> dict[tuple[str, int], int]:
+    """Commit a starting position for ``group_id`` on every partition of ``topics`` it has
+    committed nothing on: the high watermark (``"latest"``) or the first record at or after
+    ``start`` ms since the epoch (the high watermark where none is); ``"earliest"`` commits
+    nothing (srl consumers start there). Partitions with a commit are left alone, so a
+    restarted member resumes where it was. Returns what was committed."""
+    if start == "earliest":
+        return {}
+    timeout_s = cfg.connect_timeout_s
+    with Consumer(base_settings(cfg, "start") | {"group.id": group_id} | cfg.kafka) as c:
+        parts = c.partitions_of(list(topics), timeout_s)
+        mine = c.committed(parts, timeout=timeout_s)
+        todo = [TopicPartition(tp.topic, tp.partition) for tp in mine if tp.offset < 0]
+        if not todo:
+            return {}
+        at = {(tp.topic, tp.partition): c.get_watermark_offsets(tp, timeout_s)[1] for tp in todo}
+        if isinstance(start, int):
+            found = c.offsets_for_times([TopicPartition(t, p, start) for t, p in at], timeout_s)
+            at |= {(tp.topic, tp.partition): tp.offset for tp in found if tp.offset >= 0}
+        c.commit_sync([TopicPartition(t, p, off) for (t, p), off in at.items()])
+        return at
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ OWN: dict[str, set[str]] = {
         "--bootstrap",  # handed to the simulated roles' configs, which the bench builds itself
         "--json",
     },
+    "srl bench serve": {"--max-tokens", "--requests", "--concurrency", "--repeats", "--json"},
     "srl bench weights": {"--sizes", "--repeats", "--swaps", "--json"},
     "srl broker start": {"--port", "--data-dir"},
     "srl broker status": {"--data-dir", "--json"},
@@ -103,6 +104,7 @@ OWN: dict[str, set[str]] = {
         "--json",
     },
     "srl ranker train": {"--demo", "--online", "--max-versions", "--idle-timeout", "--seed"},
+    "srl serve": set(),
     "srl smoke": {"--trajectories"},
     "srl store init": set(),
     "srl top": {

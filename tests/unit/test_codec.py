@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from schemas.codec import SCHEMA_DIR, Codec, SchemaError, SchemaVersion, crc64_avro
 from schemas.flat import compile_flat, flat_fields
 from schemas.records import (
+    Feedback,
     MetricEvent,
     PromptTask,
     ResumePrefix,
@@ -167,6 +168,8 @@ def test_round_trip_every_record_type() -> None:
             values={"loss": 0.5},
             labels={"a": "b"},
         ),
+        Feedback("t1", "cmpl-1", 2, -0.5, "host-1-serve", '{"app": "x"}', created_ms=5),
+        Feedback("t2", "chatcmpl-2", 0, 1.0, "host-1-serve"),
     ]
     for rec in records:
         assert decode(encode(rec)) == rec
@@ -370,6 +373,27 @@ def test_record_objects_go_straight_through_the_flat_path_and_stay_frozen() -> N
 )
 def test_flat_announcement_path_matches_fastavro(record: dict) -> None:
     parsed, (read, write) = _fastavro("srl.WeightsAnnouncement")
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, parsed, record)
+    assert write(record) == buf.getvalue() and read(buf.getvalue()) == record
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.fixed_dictionaries(
+        {
+            "trajectory_id": _text,
+            "completion_id": _text,
+            "choice_index": _i32,
+            "reward": st.floats(allow_nan=False),
+            "metadata": st.none() | _text,
+            "source": _text,
+            "created_ms": _i64,
+        }
+    )
+)
+def test_flat_feedback_path_matches_fastavro(record: dict) -> None:
+    parsed, (read, write) = _fastavro("srl.Feedback")
     buf = io.BytesIO()
     fastavro.schemaless_writer(buf, parsed, record)
     assert write(record) == buf.getvalue() and read(buf.getvalue()) == record

@@ -56,6 +56,7 @@ def test_specs_cover_every_topic_and_compact_weights() -> None:
         "p.resume.gt4096",
         "p.trajectories",
         "p.weights",
+        "p.feedback",
         "p.metrics",
         "p.dlq",
     }

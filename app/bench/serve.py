@@ -1,0 +1,293 @@
+"""``srl bench serve``: what publishing served completions to Kafka costs ``srl serve``.
+
+Owns the serving figures of docs/serving.md and docs/benchmarks.md. One broker (embedded
+unless ``--bootstrap``), the same engine settings and the same prompts for both modes:
+
+* ``publish_off``: ``srl serve --no-publish`` as a child process;
+* ``publish_on``: ``srl serve`` publishing every choice, chunk by chunk, to the trajectories
+  topic (the default);
+
+and in each mode two phases (``app.bench.serveload``), each on a freshly started, warmed-up
+server: ``saturation`` (closed loop, more requests in flight than the engine's batch) and
+``rate`` (open loop at half the best *publish-off* saturated rate, the same rate for both
+modes; every saturation phase runs first). Results:
+
+* ``overhead_rps`` = 1 − rps(on) / rps(off) at saturation;
+* ``overhead_itl_p50`` = p50 ITL(on) / p50 ITL(off) − 1 at the fixed rate (also
+  ``overhead_ttft_p50``); a positive figure is a loss with publishing on.
+
+Each phase also records the server process's CPU seconds (``/proc``): ``cpu_ms_per_request``,
+for information only (it includes idle wake-ups, which a busier machine batches, so it is no
+steadier than wall time); the broker's CPU is not counted. With ``repeats`` > 1 the modes
+alternate (off, on, on, off, …); rates are the best over repeats, latencies the median
+(``_combine``).
+
+The default engine is ``sim`` (decode time modelled as ``PTL(BS)``, see
+``producers.engines.sim``), so the figure isolates the server and its data plane: the result
+says ``simulated`` and every text line says SIMULATED. ``--engine hf --model DIR`` runs a
+real model; the engine and Kafka settings are ``app.configs.ServeBenchConfig``'s, handed to
+every server. Called by ``app.bench.cli``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Coroutine, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from app.bench.serveload import Load, fixed_rate, saturation, warm_up
+from app.configs import ServeBenchConfig
+from srl.broker import EmbeddedBroker, free_port
+from srl.errors import SrlError
+from srl.kafka import create_topics
+
+MODES = ("publish_off", "publish_on")
+SIM_LABEL = (
+    "SIMULATED engine: decode steps sleep PTL(BS) x time_scale; HTTP, text, chunking and "
+    "Kafka are real"
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The load of every phase (the engine and Kafka settings are the config's)."""
+
+    max_tokens: int = 64  # tokens per completion
+    requests: int = 200  # per phase
+    concurrency: int | None = None  # saturation: requests in flight; None: 2 x max_batch
+    repeats: int = 1
+    prompt_seed: int = 0
+
+    def in_flight(self, cfg: ServeBenchConfig) -> int:
+        return self.concurrency or 2 * cfg.max_batch
+
+
+def bench_prompts(n: int, seed: int) -> tuple[str, ...]:
+    rng = random.Random(seed)
+    return tuple(
+        f"request {i}: " + "".join(rng.choice("abcdefghij ") for _ in range(24)) for i in range(n)
+    )
+
+
+def _optional(flag: str, value: object) -> list[str]:
+    return [] if value is None else [flag, str(value)]
+
+
+def engine_args(cfg: ServeBenchConfig) -> list[str]:
+    """The engine settings as ``srl serve`` options."""
+    args = ["--engine", cfg.engine, "--device", cfg.device, "--max-batch", str(cfg.max_batch)]
+    args += ["--chunk-tokens", str(cfg.chunk_tokens), "--time-scale", str(cfg.time_scale)]
+    args += ["--sim-tokens-per-step", str(cfg.sim_tokens_per_step)]
+    args += ["--sim-vocab", str(cfg.sim_vocab), "--scale", str(cfg.length_scale)]
+    args += _optional("--model", cfg.model) + _optional("--dtype", cfg.dtype)
+    args += _optional("--threads", cfg.threads) + _optional("--seed", cfg.seed)
+    return args + _optional("--lengths", cfg.lengths)
+
+
+def kafka_args(cfg: ServeBenchConfig) -> list[str]:
+    """The broker, topics and producer settings as ``srl serve`` options."""
+    args = ["--bootstrap", cfg.bootstrap_servers, "--topic-prefix", cfg.topic_prefix]
+    args += ["--compression", cfg.compression, "--linger-ms", str(cfg.linger_ms)]
+    args += ["--bucket-bounds", ",".join(str(b) for b in cfg.bucket_bounds)]
+    args += ["--partitions-per-bucket", str(cfg.partitions_per_bucket)]
+    args += ["--prompt-partitions", str(cfg.prompt_partitions)]
+    args += ["--connect-timeout-s", str(cfg.connect_timeout_s)]
+    for k, v in cfg.kafka.items():
+        args += ["-X", f"{k}={v}"]
+    return args
+
+
+def _serve_args(cfg: ServeBenchConfig, store: str, port: int, publish: bool) -> list[str]:
+    args = [sys.executable, "-c", "from app.cli.main import main; main()", "serve"]
+    args += kafka_args(cfg) + engine_args(cfg) + ["--store", store, "--port", str(port)]
+    args += ["--model-name", "bench", "--publish" if publish else "--no-publish"]
+    return args + ["--max-n", "1", "--drain-timeout", "5"]
+
+
+def _health(port: int) -> dict[str, Any] | None:
+    import httpx
+
+    try:
+        r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    except httpx.HTTPError:
+        return None
+    return dict(r.json()) if r.status_code == 200 else None
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux ``/proc``; 0.0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.contextmanager
+def serve_process(
+    cfg: ServeBenchConfig, store: str, publish: bool, timeout_s: float = 180
+) -> Iterator[tuple[int, int]]:
+    """A ``srl serve`` child on a free port, healthy: ``(port, pid)``; SIGTERM on exit."""
+    port = free_port()
+    with tempfile.TemporaryFile("w+") as log:
+        args = _serve_args(cfg, store, port, publish)
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while _health(port) is None:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise SrlError(f"srl serve did not start: {log.read()[-2000:]}")
+                time.sleep(0.2)
+            yield port, proc.pid
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def _measured(pid: int, phase: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+    """Run one load phase; add the server's CPU time over it."""
+    cpu0 = process_cpu_s(pid)
+    result = asyncio.run(phase)
+    cpu = process_cpu_s(pid) - cpu0
+    per_request = cpu / result["requests"] * 1000 if result["requests"] else 0.0
+    return result | {"server_cpu_s": round(cpu, 3), "cpu_ms_per_request": round(per_request, 3)}
+
+
+KEEP = ("published_chunks", "delivery_failures", "tokens", "completions", "policy_version")
+
+
+def _phase(
+    cfg: ServeBenchConfig, plan: Plan, store: str, publish: bool, rate: float | None
+) -> dict[str, Any]:
+    """One server, warmed up, one phase: saturation (``rate`` None) or the fixed rate."""
+    with serve_process(cfg, store, publish) as (port, pid):
+        prompts = bench_prompts(plan.requests, plan.prompt_seed)
+        load = Load(f"http://127.0.0.1:{port}/v1", "bench", prompts, plan.max_tokens)
+        asyncio.run(warm_up(load, cfg.max_batch))
+        in_flight = plan.in_flight(cfg)
+        if rate is None:
+            result = _measured(pid, saturation(load, in_flight))
+        else:
+            result = _measured(pid, fixed_rate(load, rate, in_flight * 4))
+        server = _health(port) or {}
+    return result | {"server": {k: server.get(k) for k in KEEP}}
+
+
+HIGHER_IS_BETTER = ("rps", "events_per_s")
+WORST_COUNTS = ("errors", "delivery_failures")
+
+
+def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs of the same shape, leaf by leaf: the highest rate (other load on the machine only
+    ever lowers it), the most errors, the median of the rest (latencies: a starved server
+    raises them, a starved client bunches events and lowers them)."""
+    out: dict[str, Any] = {}
+    for key, first in runs[0].items():
+        values = [r[key] for r in runs]
+        if isinstance(first, dict):
+            out[key] = _combine(values)
+        elif not isinstance(first, int | float) or isinstance(first, bool):
+            out[key] = first
+        elif key in HIGHER_IS_BETTER or key in WORST_COUNTS:
+            out[key] = max(values)
+        else:
+            out[key] = round(statistics.median(values), 3)
+    return out
+
+
+def overheads(off: dict[str, Any], on: dict[str, Any]) -> dict[str, float | None]:
+    """Fractional losses with publishing on (0.03 = 3 %)."""
+
+    def loss(a: float, b: float, higher_is_better: bool) -> float | None:
+        if not a or not b:
+            return None
+        return round(1 - b / a if higher_is_better else b / a - 1, 4)
+
+    return {
+        "overhead_rps": loss(off["saturation"]["rps"], on["saturation"]["rps"], True),
+        "overhead_itl_p50": loss(off["rate"]["itl_ms_p50"], on["rate"]["itl_ms_p50"], False),
+        "overhead_ttft_p50": loss(off["rate"]["ttft_ms_p50"], on["rate"]["ttft_ms_p50"], False),
+    }
+
+
+def _order(r: int) -> tuple[str, ...]:
+    """Modes in alternating order, so a drift of the machine's load favours neither."""
+    return MODES if r % 2 == 0 else MODES[::-1]
+
+
+def run(cfg: ServeBenchConfig, external: bool, plan: Plan) -> dict[str, Any]:
+    """Every saturation phase, then every fixed-rate phase at half the best publish-off
+    saturated rate; modes alternate; combined figures and overheads."""
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        m: {"saturation": [], "rate": []} for m in MODES
+    }
+    with contextlib.ExitStack() as stack:
+        if not external:
+            broker = stack.enter_context(EmbeddedBroker())
+            cfg = cfg.model_copy(update={"bootstrap_servers": broker.bootstrap})
+        prefix = f"{cfg.topic_prefix}.benchserve{uuid.uuid4().hex[:6]}"
+        store = f"file://{stack.enter_context(tempfile.TemporaryDirectory())}"
+        cfg = cfg.model_copy(update={"topic_prefix": prefix})
+        create_topics(cfg)
+        for r in range(plan.repeats):
+            for mode in _order(r):
+                runs[mode]["saturation"].append(_phase(cfg, plan, store, mode == MODES[1], None))
+        rate = 0.5 * max(x["rps"] for x in runs["publish_off"]["saturation"])
+        for r in range(plan.repeats):
+            for mode in _order(r):
+                runs[mode]["rate"].append(_phase(cfg, plan, store, mode == MODES[1], rate))
+    off, on = ({p: _combine(runs[m][p]) for p in ("saturation", "rate")} for m in MODES)
+    simulated = cfg.engine == "sim"
+    settings: dict[str, Any] = {"engine": cfg.engine, "model": cfg.model}
+    settings |= {"max_batch": cfg.max_batch}
+    settings |= {"chunk_tokens": cfg.chunk_tokens, "time_scale": cfg.time_scale}
+    settings |= asdict(plan) | {"concurrency": plan.in_flight(cfg), "rate_rps": round(rate, 3)}
+    return {
+        "engine": cfg.engine,
+        "simulated": simulated,
+        "label": SIM_LABEL if simulated else f"{cfg.engine} engine, model {cfg.model}",
+        "settings": settings,
+        "publish_off": off,
+        "publish_on": on,
+        **overheads(off, on),
+        "runs": runs,
+    }
+
+
+def text_report(r: dict[str, Any]) -> str:
+    """The human-readable lines of ``srl bench serve`` (without --json)."""
+    lines = [("SIMULATED " if r["simulated"] else "") + f"srl serve, engine {r['engine']}:"]
+    for mode in MODES:
+        s, p = r[mode]["saturation"], r[mode]["rate"]
+        lines.append(
+            f"  {mode:<11} saturation {s['rps']:.2f} req/s (TTFT p50 {s['ttft_ms_p50']} ms, "
+            f"ITL p50 {s['itl_ms_p50']} ms)  at {p['target_rps']:.2f} req/s: TTFT p50/p99 "
+            f"{p['ttft_ms_p50']}/{p['ttft_ms_p99']} ms, ITL p50/p99 {p['itl_ms_p50']}/"
+            f"{p['itl_ms_p99']} ms"
+        )
+    pct = {
+        k: "n/a" if r[k] is None else f"{r[k]:.1%}" for k in ("overhead_rps", "overhead_itl_p50")
+    }
+    lines.append(
+        f"  publishing costs {pct['overhead_rps']} of requests/s at saturation and "
+        f"{pct['overhead_itl_p50']} of p50 inter-token latency at half of it"
+    )
+    return "\n".join(lines)

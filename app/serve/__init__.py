@@ -1,0 +1,16 @@
+"""``srl serve``: an OpenAI-compatible HTTP server whose every completion is also training data.
+
+One engine (the generator's: hf, sim, vllm) behind ``POST /v1/completions`` and
+``POST /v1/chat/completions``, following the run's weights like a generator worker; each served
+choice is published, chunk by chunk, to ``{prefix}.trajectories`` exactly like dispatched work
+(source ``serve``). docs/serving.md is the user's guide. Modules, from the wire inwards:
+
+* ``app.configs.ServeConfig``: the settings (the ``[serve]`` table);
+* ``protocol``: OpenAI request models, validation, response bodies and chunks (pure);
+* ``http``: the FastAPI app and the bridge to the engine thread;
+* ``jobs``: what crosses between them (a job and its events);
+* ``core``: the engine thread (continuous batching over every request, weights swaps);
+* ``text``: detokenization, stop strings, chat prompts (pure);
+* ``publish``: served choices as trajectory chunks;
+* ``run``: the process (engine, follower, producer, uvicorn).
+"""

@@ -1,0 +1,153 @@
+"""Served completions → ``{prefix}.trajectories``, exactly as dispatched work is published.
+
+Owns how a served choice becomes a trajectory in the log. What must hold:
+
+* the same ``producers.chunker.Chunker`` cuts it (a chunk every ``chunk_tokens`` tokens and a
+  last one, behaviour log-probs and policy version per chunk, a chunk never mixes versions),
+  and the same partitioning places it: key = trajectory id, partition =
+  ``Layout.partition_for(bucket, trajectory_id)``, bucket = the one of the request's
+  ``max_tokens`` (the bound on its length: serving has no length prediction);
+* the ``n`` choices of one request are one group: ``prompt_id`` = ``task_id`` = the completion
+  id, ``group_size`` = n, ``sample_index`` = the choice index, trajectory id
+  ``producers.recovery.trajectory_id_for(completion_id, index)``;
+* the seq-0 chunk's ``metadata`` is ``{"source": "serve", "completion_id": …, "request":
+  {…}}`` (``serve_metadata``), so any consumer tells served traffic from dispatched work and
+  keeps what the application asked for;
+* a delivery failure is counted by the producer (``failures``) and reported by the engine
+  loop (log line, ``/health``, ``serve_stats``), never dropped silently;
+* tokens wait in a per-trajectory buffer and reach the chunker a chunk at a time (a full
+  chunk, a new policy version, the end, or a weight swap), which cuts exactly the chunks
+  token-by-token calls would, for a list append per token on the decode loop.
+
+With publishing off (``producer=None``) every method does nothing. Called by the engine
+thread of ``app.serve.core`` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from app.serve.jobs import Job
+from producers.chunker import Chunker, TrajectoryStart
+from schemas.records import TrajectoryChunk, encode, pack_tokens
+from srl.kafka import Producer
+from srl.topics import Layout
+
+SOURCE = "serve"
+
+
+def serve_metadata(completion_id: str, request: dict[str, Any]) -> str:
+    """The seq-0 metadata JSON of a served trajectory."""
+    return orjson.dumps(
+        {"source": SOURCE, "completion_id": completion_id, "request": request}
+    ).decode()
+
+
+def trajectory_start(
+    job: Job, index: int, trajectory_id: str, prompt_ids: list[int], layout: Layout
+) -> TrajectoryStart:
+    """Choice ``index`` of ``job`` as the chunker's trajectory."""
+    return TrajectoryStart(
+        trajectory_id=trajectory_id,
+        prompt_id=job.completion_id,
+        task_id=job.completion_id,
+        sample_index=index,
+        group_size=job.sampling.n,
+        bucket=layout.bucket_for(job.sampling.max_tokens),
+        prompt_tokens=pack_tokens(prompt_ids),
+        metadata=serve_metadata(job.completion_id, job.request),
+    )
+
+
+@dataclass
+class _Pending:
+    version: int = -1
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+class Publisher:
+    """Chunks of served trajectories into the producer (or nowhere, when off)."""
+
+    def __init__(
+        self, producer: Producer | None, layout: Layout, chunk_tokens: int, worker_id: str
+    ) -> None:
+        self.producer = producer
+        self.layout = layout
+        self.chunk_tokens = chunk_tokens
+        self.chunker = Chunker(chunk_tokens, worker_id)
+        self.chunks = 0
+        self._pending: dict[str, _Pending] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.producer is not None
+
+    @property
+    def failures(self) -> int:
+        """Records the broker did not take (chunks and metric events)."""
+        return self.producer.failed if self.producer is not None else 0
+
+    @property
+    def last_error(self) -> str:
+        errors = self.producer.errors if self.producer is not None else []
+        return errors[-1] if errors else ""
+
+    def open(self, job: Job, index: int, trajectory_id: str, prompt_ids: list[int]) -> None:
+        if self.producer is not None:
+            self.chunker.open(trajectory_start(job, index, trajectory_id, prompt_ids, self.layout))
+            self._pending[trajectory_id] = _Pending()
+
+    def add(
+        self,
+        trajectory_id: str,
+        tokens: list[int],
+        logprobs: list[float],
+        version: int,
+        finish_reason: str | None = None,
+    ) -> None:
+        """Tokens of one trajectory, all sampled by ``version``; the end with a finish reason."""
+        if self.producer is None:
+            return
+        p = self._pending[trajectory_id]
+        if p.tokens and p.version != version:
+            self._drain(trajectory_id, p)
+        p.version = version
+        p.tokens += tokens
+        p.logprobs += logprobs
+        if finish_reason is not None:
+            self._drain(trajectory_id, p, finish_reason)
+            del self._pending[trajectory_id]
+        elif len(p.tokens) >= self.chunk_tokens:
+            self._drain(trajectory_id, p)
+
+    def flush_open(self) -> None:
+        """Every open partial chunk (before a weight swap: no chunk mixes versions)."""
+        if self.producer is not None:
+            for tid, p in self._pending.items():
+                self._drain(tid, p)
+            for chunk in self.chunker.flush_all():
+                self._produce(chunk)
+
+    def poll(self) -> None:
+        if self.producer is not None:
+            self.producer.poll(0)
+
+    def _drain(self, tid: str, p: _Pending, finish_reason: str | None = None) -> None:
+        chunks = self.chunker.add(tid, p.tokens, p.logprobs, p.version, finish_reason)
+        p.tokens, p.logprobs = [], []
+        for chunk in chunks:
+            self._produce(chunk)
+
+    def _produce(self, chunk: TrajectoryChunk) -> None:
+        assert self.producer is not None
+        self.producer.produce(
+            self.layout.trajectories,
+            encode(chunk),
+            key=chunk.trajectory_id,
+            partition=self.layout.partition_for(chunk.bucket, chunk.trajectory_id),
+        )
+        self.chunks += 1
