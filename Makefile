@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast lint typecheck install install-dev clean
+.PHONY: demo test test-fast chaos lint typecheck install install-dev clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ test: install-dev
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/mypy
 	$(BIN)/python -m pytest --slow $(PYTEST_ARGS)
+
+# The fault-injection suite's full schedule, each fault alone then mixed (docs/reliability.md;
+# the network partition and the full disk need root). `make test` runs a bounded form of it.
+chaos: install
+	$(BIN)/srl chaos
 
 test-fast: install-dev
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -176,7 +176,7 @@ class Fleet:
                     r.proc.wait(10)
 
 
-def _script(name: str, *args: str) -> list[str]:
+def console_script(name: str, *args: str) -> list[str]:
     """The console script installed beside this interpreter (the same venv), else on PATH."""
     here = Path(sys.executable).parent / name
     found = str(here) if here.exists() else shutil.which(name)
@@ -201,8 +201,13 @@ def _toml_key(k: str) -> str:
     return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else _toml_value(k)
 
 
-def _toml(top: dict[str, Any], tables: dict[str, dict[str, Any]]) -> str:
-    lines = ["# Written by `srl demo`: every role of this run reads it (docs/configuration.md)."]
+def toml_text(
+    top: dict[str, Any], tables: dict[str, dict[str, Any]], written_by: str = "srl demo"
+) -> str:
+    """A config file every role of a run reads: top-level keys, then one table per role."""
+    lines = [
+        f"# Written by `{written_by}`: every role of this run reads it (docs/configuration.md)."
+    ]
     lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in top.items() if v is not None]
     for name, table in tables.items():
         lines += ["", f"[{name}]"]
@@ -301,16 +306,16 @@ class Plan:
         if c.kafka:  # librdkafka settings (security …) reach every role
             tables = {"kafka": dict(c.kafka)} | tables
         path = self.out / "srl.toml"
-        path.write_text(_toml(top, tables))
+        path.write_text(toml_text(top, tables))
         return path
 
     def roles(self, config_file: Path) -> list[Role]:
         c, logs, conf = self.cfg, self.out / "logs", ["--config", str(config_file)]
         return [
-            Role("trainer", _script("srl-consumer", "train", *conf), logs / "trainer.log"),
+            Role("trainer", console_script("srl-consumer", "train", *conf), logs / "trainer.log"),
             Role(
                 "gen-regular",
-                _script(
+                console_script(
                     "srl-producer",
                     "generate",
                     *conf,
@@ -339,7 +344,7 @@ class Plan:
             ),
             Role(
                 "gen-longtail",
-                _script(
+                console_script(
                     "srl-producer",
                     "generate",
                     *conf,
@@ -354,5 +359,9 @@ class Plan:
                 ),
                 logs / "gen-longtail.log",
             ),
-            Role("dispatcher", _script("srl-producer", "dispatch", *conf), logs / "dispatcher.log"),
+            Role(
+                "dispatcher",
+                console_script("srl-producer", "dispatch", *conf),
+                logs / "dispatcher.log",
+            ),
         ]

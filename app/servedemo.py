@@ -37,7 +37,15 @@ import orjson
 from app import report as rep
 from app import task, warmstart
 from app.demo import Watcher, _broker, _fresh, _policy_v0, click_echo, demo_prefix, role_env
-from app.demoplan import DEMO_BUCKET_BOUNDS, DemoConfig, DemoError, Fleet, Role, _script, _toml
+from app.demoplan import (
+    DEMO_BUCKET_BOUNDS,
+    DemoConfig,
+    DemoError,
+    Fleet,
+    Role,
+    console_script,
+    toml_text,
+)
 from srl.broker import free_port
 from srl.config import CommonConfig
 from srl.kafka import create_topics, wait_for_broker
@@ -149,14 +157,14 @@ class ServePlan:
         if c.kafka:
             tables = {"kafka": dict(c.kafka)} | tables
         path = self.out / "srl.toml"
-        path.write_text(_toml(top, tables))
+        path.write_text(toml_text(top, tables))
         return path
 
     def roles(self, conf: Path) -> list[Role]:
         logs, args = self.out / "logs", ["--config", str(conf)]
         return [
-            Role("trainer", _script("srl-consumer", "train", *args), logs / "trainer.log"),
-            Role("serve", _script("srl", "serve", *args), logs / "serve.log"),
+            Role("trainer", console_script("srl-consumer", "train", *args), logs / "trainer.log"),
+            Role("serve", console_script("srl", "serve", *args), logs / "serve.log"),
         ]
 
 

@@ -7,6 +7,10 @@ Owns three counters that survive a restart, and the writes that move them:
   after the checkpoint it resumes from;
 * ``lineage``: the version the weights really descend from (a manifest's ``parent_version``),
   which lags ``version`` after a restart from an older checkpoint; saved with checkpoints;
+* ``skipped``: the versions published after the checkpoint a restart resumed from (a crash
+  between a publish and its checkpoint): they exist and followers may run them, but they
+  are no update of the weights trained from then on, so the staleness gate does not count
+  them (``consumers.gate.staleness``); saved with checkpoints;
 * ``number``: checkpoint numbers, one past the highest in the store, complete or not
   (create-only writes never meet an interrupted one again).
 
@@ -62,6 +66,8 @@ class Durable:
         self.number = ckpts.highest_number(store, cfg.run)
         self.lineage = int(ckpt.extra.get("lineage", ckpt.version)) if ckpt else 0
         self.version = max(ckpt.version if ckpt else 0, ckpts.newest_published(store, cfg.run))
+        before = ckpt.extra.get("skipped", []) if ckpt else []
+        self.skipped = frozenset(before) | frozenset(range(self.lineage + 1, self.version + 1))
 
     def publish(self, step: int) -> bool:
         """Version ``version + 1`` from the engine's weights: files, manifest, announcement.
@@ -129,7 +135,11 @@ class Durable:
                 events=outcomes.window,
                 model=self.engine.tensors(),
                 optimizer=self._optimizer_state(),
-                extra={"lineage": self.lineage, **outcomes.ledger.saved_extra()},
+                extra={
+                    "lineage": self.lineage,
+                    "skipped": sorted(self.skipped),
+                    **outcomes.ledger.saved_extra(),
+                },
             )
         except StoreError as e:
             return self._refused("checkpoint", self.number, step, e)

@@ -17,7 +17,13 @@ A trainer that is not the lead (``lead_run``: the generators and ``srl serve`` f
 run) gates with ``k = None``: its samples' versions number the lead's lineage, not its own, so
 ``v − b`` measures nothing and no bound applies; every scored sample trains, with the loss's
 importance correction against the chunks' behaviour log-probs (docs/trainer.md, "Several
-trainers on one stream"). Pure; called by the trainer.
+trainers on one stream").
+
+``v − b`` counts the updates between ``b`` and the weights being trained. After a restart from
+a checkpoint older than the newest published version, the versions published after that
+checkpoint (``skipped``) exist but are no update of the weights trained from then on: they
+are not counted (``staleness``), so the samples in flight are judged by the updates they
+really lag. Pure; called by the trainer.
 """
 
 from __future__ import annotations
@@ -29,14 +35,16 @@ from consumers.groups import Group, Sample
 from consumers.losses import advantages
 
 
-def staleness(v: int, b: int) -> int:
-    return v - b
+def staleness(v: int, b: int, skipped: frozenset[int] = frozenset()) -> int:
+    """Updates from behaviour version ``b`` to the trained weights ``v``; versions in
+    ``skipped`` are no update of these weights."""
+    return v - b - sum(1 for o in skipped if b < o <= v)
 
 
-def admissible(v: int, b: int, k: int | None) -> bool:
+def admissible(v: int, b: int, k: int | None, skipped: frozenset[int] = frozenset()) -> bool:
     """Whether the update ``v → v+1`` may use a sample of behaviour version ``b``; ``k`` None:
     ``b`` is another lineage's version, no bound."""
-    return k is None or staleness(v, b) <= k
+    return k is None or staleness(v, b, skipped) <= k
 
 
 @dataclass
@@ -49,6 +57,7 @@ class Admitted:
     advantages: list[float] = field(default_factory=list)  # aligned with ``train``
     stale: list[Sample] = field(default_factory=list)
     lineage: bool = True  # False: the samples' versions are another run's (no staleness)
+    skipped: frozenset[int] = frozenset()  # versions that are no update of these weights
 
     @property
     def trains(self) -> bool:
@@ -67,11 +76,12 @@ def gate_group(
     k: int | None,
     policy: Literal["drop", "correct"] = "drop",
     advantage: Literal["grpo", "rloo"] = "grpo",
+    skipped: frozenset[int] = frozenset(),
 ) -> Admitted:
     """Split a complete group's scored samples into trained (with advantages) and stale."""
     scored = group.scored()
-    out = Admitted(group, v, lineage=k is not None)
-    fresh = [admissible(v, s.traj.behaviour_version, k) for s in scored]
+    out = Admitted(group, v, lineage=k is not None, skipped=skipped)
+    fresh = [admissible(v, s.traj.behaviour_version, k, skipped) for s in scored]
     if policy == "drop" and not all(fresh):
         out.stale = scored
         return out

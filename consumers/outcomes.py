@@ -140,10 +140,15 @@ def sample_event(
 
 
 def sample_values(
-    s: Sample, version: int, advantage: float | None = None, lineage: bool = True
+    s: Sample,
+    version: int,
+    advantage: float | None = None,
+    lineage: bool = True,
+    skipped: frozenset[int] = frozenset(),
 ) -> dict[str, float]:
     """A finished sample's event values at policy version ``version``; ``lineage`` False: its
-    behaviour version is another run's (no staleness)."""
+    behaviour version is another run's (no staleness); ``skipped``: versions that are no
+    update of its weights (``consumers.gate.staleness``)."""
     t = s.traj
     v: dict[str, float] = {
         "behaviour_version": t.behaviour_version,
@@ -154,7 +159,7 @@ def sample_values(
         "workers": len(t.workers),
     }
     if lineage:
-        v["staleness"] = staleness(version, t.behaviour_version)
+        v["staleness"] = staleness(version, t.behaviour_version, skipped)
     if s.reward is not None:
         v["reward"] = s.reward
     if advantage is not None:
@@ -218,15 +223,22 @@ class Outcomes:
     def gated(self, adm: Admitted, step: int, version: int) -> list[Event]:
         """A gated group, whole: trained (with advantages), dropped as stale, failed rewards."""
         out = [
-            self._sample(s, "trained", step, sample_values(s, version, a, adm.lineage))
+            self._sample(s, "trained", step, sample_values(s, version, a, adm.lineage, adm.skipped))
             for s, a in zip(adm.train, adm.advantages, strict=True)
         ]
         out += [
-            self._sample(s, "dropped_stale", step, sample_values(s, version)) for s in adm.stale
+            self._sample(
+                s, "dropped_stale", step, sample_values(s, version, None, True, adm.skipped)
+            )
+            for s in adm.stale
         ]
         out += [
             self._sample(
-                s, "failed_reward", step, sample_values(s, version, None, adm.lineage), s.error
+                s,
+                "failed_reward",
+                step,
+                sample_values(s, version, None, adm.lineage, adm.skipped),
+                s.error,
             )
             for s in adm.group.failed()
         ]
@@ -275,8 +287,8 @@ def step_values(
     """
     trained = [s for adm in groups for s in adm.train]
     rewards = [float(s.reward) for s in trained if s.reward is not None]
-    own = [s for adm in groups if adm.lineage for s in adm.train]  # staleness: own versions only
-    stale = [staleness(version, s.traj.behaviour_version) for s in own]
+    own = [(adm, s) for adm in groups if adm.lineage for s in adm.train]  # own versions only
+    stale = [staleness(adm.version, s.traj.behaviour_version, adm.skipped) for adm, s in own]
     step_time = max(elapsed_s, 1e-9)
     return {
         "loss": stats.loss,

@@ -324,12 +324,15 @@ class Trainer:
         if not group.complete:  # expired before all its samples arrived: nothing of it trains
             self._count(*self.outcomes.expired_group(group, self.step + 1, self.version))
             return
+        d, cfg = self.durable, self.cfg
+        # judged against the weights it trains (after a restart, versions published past the
+        # checkpoint are no update of them: consumers.durable, "skipped")
         adm = gate_group(
-            group, self.version, self.cfg.staleness_bound, self.cfg.stale_policy, self.cfg.advantage
+            group, d.lineage, cfg.staleness_bound, cfg.stale_policy, cfg.advantage, d.skipped
         )
         self.stale_in_step += len(adm.stale)
         if not adm.trains:  # nothing of it will train: finalize the whole group now
-            self._count(*self.outcomes.gated(adm, self.step + 1, self.version))
+            self._count(*self.outcomes.gated(adm, self.step + 1, d.lineage))
             return
         for rows in self.batcher.add(adm):
             self._run(rows)
@@ -365,7 +368,7 @@ class Trainer:
         self.step += 1
         self.dirty = True
         for adm in b.groups:  # outcomes at the version the step trained from
-            self._count(*self.outcomes.gated(adm, self.step, self.version))
+            self._count(*self.outcomes.gated(adm, self.step, adm.version))
         elapsed = time.monotonic() - self.step_started
         values = step_values(
             b.groups, b.loss_tokens, stats, self.version, elapsed, self.idle_s, self.stale_in_step

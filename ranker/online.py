@@ -19,8 +19,10 @@ A record that is not a usable chunk goes to the DLQ with the reason and is count
 run goes on: oversized, undecodable, another record type (``srl.metrics.read_record``), a
 chunk with negative positions or version, or prompt tokens outside the tokenizer
 (``chunk_defect``), or a policy version no run has published (``srl.weights.KnownVersions``).
-Prompt tokens are turned back into text with the policy's tokenizer (``--model DIR``),
-because the dispatcher predicts from the rendered prompt text.
+The consumer is a static member of its group (``group.instance.id``), so a restarted ranker
+gets its partitions back at once (``tests/e2e/test_ranker_restart.py``). Prompt tokens are
+turned back into text with the policy's tokenizer (``--model DIR``), because the dispatcher
+predicts from the rendered prompt text.
 """
 
 from __future__ import annotations
@@ -207,9 +209,13 @@ def run_online(
     use_schema_registry(cfg)
     wait_for_broker(cfg)
     layout = Layout.from_config(cfg)
+    # static membership: a restarted ranker takes its predecessor's place at once (a broker
+    # that never evicts a SIGKILLed member, as the embedded one, would otherwise keep the
+    # partitions with the dead one for good); a second ranker in the group fences the first
+    gid = cfg.group_id()
     with (
         Producer(cfg, "ranker") as producer,
-        make_consumer(cfg, cfg.group_id(), "ranker") as consumer,
+        make_consumer(cfg, gid, "ranker", **{"group.instance.id": f"{gid}-0"}) as consumer,
     ):
         run = _OnlineRun(cfg, layout, consumer, producer)
         consumer.subscribe([layout.trajectories])

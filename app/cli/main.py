@@ -15,6 +15,7 @@ from app.cli.common import GROUP_SETTINGS, echo_json, run_main, setup_logging
 from app.cli.options import ConfigGroup, with_config
 
 if TYPE_CHECKING:
+    from app.chaos.config import ChaosConfig
     from app.configs import StreamConfig, TopConfig
     from app.demoplan import DemoConfig
     from srl.config import StoreSettings, TopicsConfig
@@ -358,6 +359,56 @@ def demo(cfg: DemoConfig, as_json: bool) -> None:
         from app.demo import summary
 
         click.echo(summary(report))
+
+
+@cli.command()
+@with_config("app.chaos.config:ChaosConfig")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the rows as JSON (docs/reliability.md)."
+)
+@click.option(
+    "--soak",
+    type=click.FloatRange(60, 7 * 86_400),
+    default=None,
+    metavar="SECONDS",
+    help="Instead: one run this long with a fault every --fault-every-s; RSS, checkpoint and "
+    "broker sizes sampled, plotted and written to OUT/soak.{json,csv,png}.",
+)
+def chaos(cfg: ChaosConfig, as_json: bool, soak: float | None) -> None:
+    """Fault injection: a real pipeline on the embedded broker, faults on a seeded schedule.
+
+    Runs the demo's pipeline (sim engine generators in two pools, the real trainer on the tiny
+    model, the dispatcher, the online ranker) once per fault, then once with several at once:
+    SIGKILL, SIGSTOP and a network partition of generators, SIGKILL of the trainer mid-step and
+    mid-checkpoint, of the dispatcher and of the ranker, a broker restart, weights corrupted or
+    deleted after publishing, a full object store, poison records on every input topic. Each
+    run ends in an audit from the topics; one row per fault: seconds to recover, samples lost,
+    trained twice, the highest staleness. Exit 1 when a row fails. See docs/reliability.md.
+    """
+    import signal
+
+    from app.chaos.report import Progress, table
+
+    signal.signal(signal.SIGTERM, _interrupted)  # stop every role and the broker, as Ctrl-C does
+    progress = Progress()
+    if soak is not None:
+        from app.chaos.soak import run_soak
+
+        res = run_soak(cfg, soak, progress)
+    else:
+        from app.chaos.run import Suite
+
+        res = Suite(cfg, progress).run()
+    if as_json:
+        echo_json(res)
+    else:
+        click.echo(table(res))
+    if not all(r["ok"] or "skipped" in r for r in res["faults"]):
+        raise click.exceptions.Exit(1)
+
+
+def _interrupted(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 # -- ranker (app/cli/ranker.py) ----------------------------------------------------------------

@@ -4,7 +4,10 @@
 surfaced (``flush`` raises), flush on exit of a ``with`` block. A record produced with its own
 ``on_delivery`` callback is its caller's to account for: a failure goes to that callback and
 is not raised again by ``flush`` (a generator's chunks: its outlet decides what a failure
-means, e.g. nothing for a task it has abandoned).
+means, e.g. nothing for a task it has abandoned). A producer that librdkafka declares failed
+for good (a fatal error: an idempotent producer whose acknowledged records the broker lost, as
+a SIGKILLed embedded broker does, or one fenced by another) raises one ``SrlError`` from
+``produce``, ``poll`` and ``flush``; its owner exits and is restarted.
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import confluent_kafka
-from confluent_kafka import KafkaError
+from confluent_kafka import KafkaError, KafkaException
 
 from srl.config import ProducerSettings
 from srl.errors import SrlError
-from srl.kafka.settings import producer_settings, wait_for_broker
+from srl.kafka.settings import describe, producer_settings, wait_for_broker
 
 log = logging.getLogger("srl.kafka")
 
@@ -56,7 +59,8 @@ class Producer:
         log.debug("producer error: %s", err.str())
 
     def _counted(self, err: KafkaError | None, _msg: Any, handled: bool = False) -> None:
-        with self._lock:
+        self._take_lock()
+        try:
             if err is None:
                 self.delivered += 1
             elif handled:  # its producer's callback accounts for it
@@ -65,6 +69,32 @@ class Producer:
                 self.failed += 1
                 if len(self.errors) < 100:
                     self.errors.append(err.str())
+        finally:
+            self._lock.release()
+
+    def _take_lock(self) -> None:
+        """Take the counters' lock in a delivery report. After a fatal error confluent-kafka
+        serves the reports with that error still pending, so the first call in them raises
+        SystemError, after the lock was taken: give it back before the error goes on (it
+        was left held, and the next flush waited for it forever)."""
+        try:
+            self._lock.acquire()
+        except SystemError:
+            self._lock.release()
+            raise
+
+    def _failed_for_good(self, e: BaseException) -> SrlError:
+        """The error a producer that librdkafka declared failed raises (``e``: what surfaced)."""
+        cause = e.__context__ if isinstance(e, SystemError) and e.__context__ else e
+        return SrlError(
+            f"the producer to {self.cfg.bootstrap_servers} failed for good: {describe(cause)} "
+            "(a broker that lost records it had acknowledged, or a fenced producer)"
+        )
+
+    @staticmethod
+    def _fatal(e: KafkaException) -> bool:
+        err = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
+        return err is not None and (err.fatal() or err.code() == KafkaError._FATAL)
 
     def produce(
         self,
@@ -87,16 +117,26 @@ class Producer:
 
         p = self._p
         part = -1 if partition is None else partition
-        while True:
-            try:
-                p.produce(topic, value, key, partition=part, on_delivery=cb, headers=headers)
-                break
-            except BufferError:
-                p.poll(0.05)  # local queue full: serve callbacks, then retry
-        p.poll(0)
+        try:
+            while True:
+                try:
+                    p.produce(topic, value, key, partition=part, on_delivery=cb, headers=headers)
+                    break
+                except BufferError:
+                    p.poll(0.05)  # local queue full: serve callbacks, then retry
+            p.poll(0)
+        except SystemError as e:
+            raise self._failed_for_good(e) from None
+        except KafkaException as e:
+            if self._fatal(e):
+                raise self._failed_for_good(e) from None
+            raise
 
     def poll(self, timeout: float = 0) -> int:
-        return int(self._p.poll(timeout))
+        try:
+            return int(self._p.poll(timeout))
+        except SystemError as e:
+            raise self._failed_for_good(e) from None
 
     def warm(self, topics: Iterable[str], timeout_s: float = 10.0) -> None:
         """Fetch ``topics``' metadata now, not at the first record (a fresh producer holds its
@@ -115,7 +155,10 @@ class Producer:
         since the last flush (callers that handle failures per record catch it).
         """
         timeout_s = max(10.0, self.cfg.connect_timeout_s * 4) if timeout_s is None else timeout_s
-        left = self._p.flush(timeout_s)
+        try:
+            left = self._p.flush(timeout_s)
+        except SystemError as e:
+            raise self._failed_for_good(e) from None
         last = f": {self.errors[-1]}" if self.errors else ""
         if left:
             raise SrlError(

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
+from pathlib import Path
 
 import pytest
 
 from app.smoke import synthetic_chunks
 from schemas.records import TrajectoryChunk, decode_as, encode
+from srl import broker
 from srl.broker import free_port
 from srl.config import CommonConfig, load_config
 from srl.errors import BrokerUnavailable, SrlError
@@ -237,3 +242,40 @@ def test_quiet_tail_reads_every_record_in_order_while_idle_in_between(cfg: Commo
         assert got == [b"r0", b"r1", b"r2"]
     finally:
         c.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_producer_fails_with_one_error_when_the_broker_lost_what_it_acknowledged(
+    tmp_path: Path,
+) -> None:
+    """The embedded broker SIGKILLed and restarted on its data loses the records it
+    acknowledged in its last ~0.5 s (docs/broker.md), so an idempotent producer's next
+    sequence number is refused for good (librdkafka's fatal OUT_OF_ORDER_SEQUENCE_NUMBER).
+    confluent-kafka still serves the delivery reports with that error pending, and the
+    first method call in a callback raises SystemError: the counting callback left its lock
+    held and the next flush hung forever (found by ``srl chaos``, broker-restart: the
+    dispatcher and a generator hung). Now the producer fails with one SrlError."""
+    data = tmp_path / "broker"
+    port = free_port()
+    info = broker.start(port, data)
+    try:
+        cfg = load_config(CommonConfig, cli={"bootstrap_servers": f"127.0.0.1:{port}"}, env={})
+        create_topics(cfg)
+        time.sleep(1.0)  # the topics are on disk
+        p = Producer(cfg, "test")
+        with pytest.raises(SrlError, match="for good"):
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                for _ in range(10):
+                    p.produce(Layout.from_config(cfg).metrics, b"x" * 100, key="k")
+                p.flush(30)
+                if info is not None and time.monotonic() > deadline - 58:
+                    os.kill(info.pid, signal.SIGKILL)  # mid-stream: the last ~0.5 s are lost
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(info.pid, 0)
+                    broker.stop(data)
+                    info = None
+                    broker.start(port, data)
+                time.sleep(0.01)
+    finally:
+        broker.stop(data)

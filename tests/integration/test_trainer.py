@@ -14,10 +14,17 @@ from consumers import checkpoint as ckpts
 from consumers.config import TrainConfig
 from consumers.trainer import run_trainer
 from schemas.records import TrajectoryChunk
-from srl.kafka import committed_offsets, create_topics, position_group, watermarks
+from srl.kafka import Producer, committed_offsets, create_topics, position_group, watermarks
 from srl.stores import store_from_config
 from srl.topics import Layout
-from srl.weights import latest_announcement, load_manifest, materialize
+from srl.weights import (
+    announce,
+    fetch_tensors,
+    latest_announcement,
+    load_manifest,
+    materialize,
+    publish,
+)
 from tests.chunks import (
     group_chunks,
     metric_events,
@@ -339,3 +346,41 @@ def test_a_long_run_keeps_checkpoints_flat_and_a_new_group_trains_nothing_twice(
         if e.labels["outcome"] == "trained"
     }
     assert len(trained) == len({t for t, _ in trained}) == 60, "a trajectory trained twice"
+
+
+def test_a_restart_after_a_version_it_never_checkpointed_trains_the_steps_in_flight(
+    make_cfg: Any, tiny_model: Path
+) -> None:
+    """Killed between publishing v3 and checkpointing step 3 (found by ``srl chaos``,
+    trainer-kill-checkpoint), the trainer restarts from step 2's checkpoint: its weights are
+    v2's and v3 stays in the store, never an ancestor of what it trains next. Its next update
+    is the third from v0, so step 3's samples (b = 1) and step 4's (b = 2) are within k = 1 of
+    the weights they train and must train. Counting the orphan v3 as an update made them
+    2 behind and dropped them as stale, step after step, until the generators caught up."""
+    reward = "consumers.rewards:first_line_match"
+    cfg = train_cfg(make_cfg, tiny_model, max_staleness=1, groups_per_step=1, reward=reward)
+    layout = Layout.from_config(cfg)
+    create_topics(cfg)
+    produce(cfg, stepped_group("a", 1, versions=0) + stepped_group("b", 2, versions=0))
+    assert run_trainer(cfg.model_copy(update={"max_steps": 2})).version == 2
+    store = store_from_config(cfg)
+    ann = latest_announcement(cfg, layout, cfg.run)
+    assert ann is not None and ann.version == 2
+    orphan = publish(
+        store,
+        cfg.run,
+        3,
+        fetch_tensors(store, load_manifest(store, ann)),
+        trainer_step=3,
+        parent_version=2,
+    )
+    with Producer(cfg, "test-trainer") as p:
+        announce(p, layout, orphan)  # ... and the trainer died before its checkpoint
+
+    produce(cfg, stepped_group("c", 3, versions=1) + stepped_group("d", 4, versions=2))
+    result = run_trainer(cfg.model_copy(update={"max_steps": 4}))
+    assert result.outcomes == {"trained": 16} and result.steps == 4 and result.version == 5
+    events = [e for e in metric_events(cfg, "sample") if e.labels["prompt_id"] in ("c", "d")]
+    assert {e.labels["outcome"] for e in events} == {"trained"}
+    # staleness counts the updates the trained weights are ahead of b (v3 is not one of them)
+    assert {e.labels["prompt_id"]: e.values["staleness"] for e in events} == {"c": 1.0, "d": 1.0}

@@ -84,6 +84,7 @@ OWN: dict[str, set[str]] = {
     "srl broker start": {"--port", "--data-dir"},
     "srl broker status": {"--data-dir", "--json"},
     "srl broker stop": {"--data-dir"},
+    "srl chaos": {"--json", "--soak"},
     "srl demo": {"--json"},
     "srl init-model": {"--out", "--seed", "--steps", "--force"},
     "srl ranker eval": {"--version", "--demo", "--seed", "--pairs-out", "--json"},

@@ -100,7 +100,7 @@ def test_publish_save_and_a_restart_that_continues_after_the_newest_version(
     assert (c.step, c.version, c.extra) == (
         1,
         1,
-        {"lineage": 1, "ledger_floor": {}, "outcome_totals": totals},
+        {"lineage": 1, "skipped": [], "ledger_floor": {}, "outcome_totals": totals},
     )
     assert c.ledger == {"a": ["trained", 1], "b": ["invalid", 2, {}]}
     assert c.events == outcomes.window
@@ -109,12 +109,15 @@ def test_publish_save_and_a_restart_that_continues_after_the_newest_version(
     # from v1 (the weights it really loads); v2 is announced again; checkpoint 2 is next
     again, producer2, _ = durable(tmp_path, c)
     assert (again.version, again.lineage, again.number) == (2, 1, 1)
+    assert again.skipped == {2}  # published past checkpoint 1: no update of v1's weights
     again.reannounce()
     assert announced(producer2) == [(2, 1)]
     again.publish(step=2)
     assert announced(producer2)[-1] == (3, 1)
     again.save(2, Outcomes(Ledger(c.ledger), 30.0))
     assert ckpts.complete(again.store, "r") == [1, 2]
+    extra = ckpts.load(again.store, "r", 2).extra
+    assert (extra["lineage"], extra["skipped"]) == (3, [2])
 
 
 def test_publish_emits_weights_published(tmp_path: Path) -> None:

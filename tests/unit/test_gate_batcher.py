@@ -8,7 +8,7 @@ import pytest
 
 from consumers.assembler import Assembler, Trajectory
 from consumers.batcher import StepBatcher, fits, pack, padded_cost
-from consumers.gate import admissible, gate_group
+from consumers.gate import admissible, gate_group, staleness
 from consumers.groups import Group, GroupBuffer, Sample
 from consumers.rewards import Scorer, contains_answer, exact_match, load_reward
 from srl.errors import ConfigError
@@ -58,6 +58,16 @@ def test_idle_groups_expire() -> None:
 def test_gate_is_v_minus_b_at_most_k() -> None:
     assert admissible(5, 4, 1) and admissible(5, 5, 0) and not admissible(5, 3, 1)
     assert admissible(2, 7, 0)  # another lineage's versions: negative staleness passes
+
+
+def test_versions_skipped_by_a_restart_are_no_update() -> None:
+    # restarted from v2's checkpoint with v3 in the store, the trainer published v4 from v2:
+    # v4 is the third update, so b = 2 is one behind, not two; the orphan v3 counts as v2
+    skipped = frozenset({3})
+    assert staleness(4, 2, skipped) == 1 and admissible(4, 2, 1, skipped)
+    assert staleness(4, 3, skipped) == 1 and staleness(2, 3, skipped) == -1
+    assert staleness(6, 2, skipped) == 3 and not admissible(6, 2, 1, skipped)
+    assert staleness(4, 2) == 2 and not admissible(4, 2, 1)
 
 
 def test_drop_policy_drops_the_whole_group_if_any_sample_is_stale() -> None:

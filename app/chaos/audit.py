@@ -1,0 +1,232 @@
+"""The audit of a chaos run, read back from its topics after every role has stopped.
+
+Owns the numbers of a run's rows. Like the demo's report (``app.report``), nothing comes from
+the roles' own summaries:
+
+* the prompt topics say which samples were asked for: each task's ``(prompt_id, sample)``;
+* the trajectories topic says what was generated: a trajectory is *complete* when its chunks
+  ``0..last`` are all there; a chunk published twice with different tokens (two workers
+  writing one trajectory: a zombie after SIGCONT) is a *conflict*;
+* the trainer's ``sample`` events (metrics topic) say what became of each trajectory, at
+  which step and at what staleness; the trainer group's committed offsets say what it has
+  made durable.
+
+Every sample asked for gets one verdict, so ``asked = trained + dropped + failed + pending +
+lost`` (``generated`` counts complete trajectories). A sample is *lost* when it was not
+trained, not dropped as stale, did not fail on its own account (reward error, invalid
+record) and is not pending, which includes a trajectory the trainer gave up on
+(``expired``: its generator died and nobody finished it) and one never generated although
+its step was trained. *Pending*: generated at or after the trainer's committed offset, or
+not generated yet while its step is still ahead of the trainer: a continued run trains it.
+A sample trained at two steps or under two trajectory ids is *trained twice*. Records of the
+poison fault (``POISON_PREFIX`` ids) are left out here; the poison fault's check looks for
+them in the dead-letter topic (``app.chaos.storefaults``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.report import metric_events, read_all
+from schemas.records import PromptTask, SchemaError, TrajectoryChunk, decode_as
+from srl.config import CommonConfig
+from srl.kafka import committed_offsets
+from srl.topics import Layout, trainer_group
+
+POISON_PREFIX = "chaos-poison"
+Sample = tuple[str, int]  # (prompt_id, sample index)
+
+
+@dataclass
+class Traj:
+    """What the trajectories topic holds of one trajectory."""
+
+    sample: Sample
+    partition: int
+    first_offset: int
+    chunks: dict[int, bytes] = field(default_factory=dict)  # seq -> tokens
+    last_seq: int | None = None
+    conflict: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return self.last_seq is not None and set(self.chunks) == set(range(self.last_seq + 1))
+
+
+@dataclass
+class Audit:
+    """One run's numbers (see the module docstring)."""
+
+    asked: int = 0
+    generated: int = 0
+    trained: int = 0
+    dropped: int = 0
+    failed: int = 0
+    expired: int = 0
+    pending: int = 0
+    lost: int = 0
+    trained_twice: int = 0
+    published_twice: int = 0
+    max_staleness: int = 0
+    steps: int = 0
+    lost_examples: list[str] = field(default_factory=list)
+    poison_decided: dict[str, str] = field(default_factory=dict)  # poison trajectory -> outcome
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def read_tasks(cfg: CommonConfig) -> dict[Sample, int | None]:
+    """Every sample asked for (poison left out), with the trainer step its task was released for."""
+    layout = Layout.from_config(cfg)
+    asked: dict[Sample, int | None] = {}
+    for bucket in layout.buckets:
+        for _p, _o, value in read_all(cfg, layout.prompts(bucket)):
+            try:
+                task = decode_as(value, PromptTask)
+            except SchemaError:
+                continue
+            if task.prompt_id.startswith(POISON_PREFIX):
+                continue
+            for i in task.samples():
+                asked[(task.prompt_id, i)] = task.step
+    return asked
+
+
+def fold(seen: dict[str, Traj], partition: int, offset: int, c: TrajectoryChunk) -> None:
+    """Add one chunk to what is known of its trajectory (a copy with other tokens is a
+    conflict; one with the same tokens a harmless duplicate)."""
+    t = seen.get(c.trajectory_id)
+    if t is None:
+        t = seen[c.trajectory_id] = Traj((c.prompt_id, c.sample_index), partition, offset)
+    t.first_offset = min(t.first_offset, offset)
+    old = t.chunks.setdefault(c.seq, c.tokens)
+    t.conflict = t.conflict or old != c.tokens
+    if c.is_last:
+        t.last_seq = c.seq
+
+
+def read_trajectories(cfg: CommonConfig) -> dict[str, Traj]:
+    seen: dict[str, Traj] = {}
+    for p, o, value in read_all(cfg, Layout.from_config(cfg).trajectories):
+        try:
+            fold(seen, p, o, decode_as(value, TrajectoryChunk))
+        except SchemaError:
+            continue
+    return seen
+
+
+def decisions(events: list[Any]) -> dict[str, dict[int, tuple[str, int]]]:
+    """Per trajectory: ``{step: (outcome, staleness)}`` (a restarted trainer's repeats collapse)."""
+    out: dict[str, dict[int, tuple[str, int]]] = defaultdict(dict)
+    for e in events:
+        if e.kind == "sample" and e.labels.get("trajectory_id"):
+            staleness = int(e.values.get("staleness", 0))
+            out[e.labels["trajectory_id"]][int(e.step or 0)] = (e.labels["outcome"], staleness)
+    return out
+
+
+def audit_run(cfg: CommonConfig, finished: bool) -> Audit:
+    """The audit of the run on ``cfg``'s topics; ``finished``: the trainer did all its steps."""
+    events = metric_events(cfg, cfg.run)
+    trajs = read_trajectories(cfg)
+    steps = max((int(e.step) for e in events if e.kind == "train_step" and e.step), default=0)
+    layout = Layout.from_config(cfg)
+    done = committed_offsets(
+        cfg, trainer_group(cfg.run), [(layout.trajectories, t.partition) for t in trajs.values()]
+    )
+    committed = {p: off for (_t, p), off in done.items()}
+    return tally(read_tasks(cfg), trajs, decisions(events), committed, steps, finished)
+
+
+def tally(
+    asked: dict[Sample, int | None],
+    trajs: dict[str, Traj],
+    decided: dict[str, dict[int, tuple[str, int]]],
+    committed: dict[int, int | None],
+    steps: int,
+    finished: bool,
+) -> Audit:
+    """The numbers (pure): every asked sample's verdict, the trajectories' conflicts, the
+    highest staleness trained, the poison trajectories' outcomes."""
+    a = Audit(steps=steps, asked=len(asked))
+    by_sample: dict[Sample, list[str]] = defaultdict(list)
+    for tid, t in trajs.items():
+        if t.sample[0].startswith(POISON_PREFIX):
+            last = max(decided.get(tid, {}).items(), default=(0, ("", 0)))[1][0]
+            a.poison_decided[tid] = last or "undecided"
+            continue
+        by_sample[t.sample].append(tid)
+        a.generated += int(t.complete)
+        a.published_twice += int(t.conflict)
+    a.max_staleness = max((d[1] for _step, d in _trained(decided, trajs)), default=0)
+    for sample, step in asked.items():
+        verdict = _verdict(sample, step, by_sample, trajs, decided, committed, steps, finished)
+        _count(a, sample, verdict)
+    return a
+
+
+def _trained(
+    decided: dict[str, dict[int, tuple[str, int]]], trajs: dict[str, Traj]
+) -> list[tuple[int, tuple[str, int]]]:
+    """Every (step, (outcome, staleness)) that trained a non-poison trajectory."""
+    return [
+        (step, d)
+        for tid, by_step in decided.items()
+        if tid in trajs and not trajs[tid].sample[0].startswith(POISON_PREFIX)
+        for step, d in by_step.items()
+        if d[0] == "trained"
+    ]
+
+
+def _verdict(
+    sample: Sample,
+    step: int | None,
+    by_sample: dict[Sample, list[str]],
+    trajs: dict[str, Traj],
+    decided: dict[str, dict[int, tuple[str, int]]],
+    committed: dict[int, int | None],
+    last_step: int,
+    finished: bool,
+) -> str:
+    """One asked sample's fate: trained, trained-twice, dropped, failed, pending or lost-…"""
+    tids = by_sample.get(sample, [])
+    outcomes = [(tid, s, d[0]) for tid in tids for s, d in decided.get(tid, {}).items()]
+    trained = [(tid, s) for tid, s, o in outcomes if o == "trained"]
+    if trained:
+        return "trained-twice" if len(trained) > 1 else "trained"
+    final = {o for _tid, _s, o in outcomes}
+    for outcome, verdict in (
+        ("dropped_stale", "dropped"),
+        ("failed_reward", "failed"),
+        ("invalid", "failed"),
+        ("expired", "lost-expired"),
+    ):
+        if outcome in final:
+            return verdict
+    complete = [trajs[t] for t in tids if trajs[t].complete]
+    if complete:
+        ahead = any((committed.get(t.partition) or 0) <= t.first_offset for t in complete)
+        return "pending" if ahead else "lost-passed"
+    if not finished or step is None or step > last_step:
+        return "pending"
+    return "lost-never-generated"
+
+
+def _count(a: Audit, sample: Sample, verdict: str) -> None:
+    if verdict in ("trained", "trained-twice"):
+        a.trained += 1
+        a.trained_twice += int(verdict == "trained-twice")
+    elif verdict == "dropped":
+        a.dropped += 1
+    elif verdict == "failed":
+        a.failed += 1
+    elif verdict == "pending":
+        a.pending += 1
+    else:
+        a.lost += 1
+        a.expired += int(verdict == "lost-expired")
+        if len(a.lost_examples) < 5:
+            a.lost_examples.append(f"{sample[0]}#{sample[1]}: {verdict.removeprefix('lost-')}")

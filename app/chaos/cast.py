@@ -1,0 +1,202 @@
+"""The processes of a chaos run: every role, and the broker, started, signalled and stopped by pid.
+
+Owns :class:`Cast`, a small supervisor: each role is a real subprocess (the installed
+``srl-producer`` / ``srl-consumer`` / ``srl`` scripts) in its own session, optionally inside a
+network namespace (``ip netns exec``, which execs, so the pid is the role's). What holds:
+
+* only processes this run started are signalled, by their process group (== their pid);
+* a role that exits non-zero on its own is restarted after ``RESTART_DELAY_S`` as a process
+  manager would, and the exit is counted as a crash; one that exits 0 is finished (the
+  trainer after its last step, the dispatcher after its last prompt);
+* a role a fault holds down (killed, or stopped) is left alone until the fault restarts it;
+* ``stop`` sends SIGTERM to everything still running, waits, then SIGKILLs what is left.
+
+:class:`Broker` is the embedded broker as a killable process: ``srl.broker.start`` on a fixed
+port and data directory, SIGKILL by pid, and a restart on the same port and data. Used by
+``app.chaos.stage`` and the injectors of ``app.chaos.faults``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from srl import broker as embedded
+
+log = logging.getLogger("app.chaos")
+
+RESTART_DELAY_S = 1.0  # a crashed role comes back after this long, as under a process manager
+STOP_GRACE_S = 20.0
+
+
+@dataclass
+class Proc:
+    """One role: how to start it and what became of it."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    prefix: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", NS]
+    popen: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    crashes: list[tuple[float, int]] = field(default_factory=list)  # (wall time, exit code)
+    held: bool = False  # a fault holds it down: the supervisor leaves it alone
+    finished: bool = False  # exited 0 on its own
+    exited_at: float | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.popen is None else self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def tail(self, n: int = 8) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+class Cast:
+    """The roles of one run; see the module docstring."""
+
+    def __init__(self, env: dict[str, str], cwd: Path) -> None:
+        self.env, self.cwd = env, cwd
+        self.procs: dict[str, Proc] = {}
+        self.lock = threading.RLock()
+
+    def add(self, proc: Proc) -> Proc:
+        with self.lock:
+            self.procs[proc.name] = proc
+            self._spawn(proc)
+        return proc
+
+    def _spawn(self, p: Proc) -> None:
+        p.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with p.log_path.open("ab") as out:
+            out.write(f"\n--- start {p.starts + 1} at {time.strftime('%H:%M:%S')} ---\n".encode())
+            out.flush()
+            p.popen = subprocess.Popen(
+                [*p.prefix, *p.argv],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,
+            )
+        p.starts += 1
+        p.held, p.finished, p.exited_at = False, False, None
+        log.info("started %s (pid %d)", p.name, p.popen.pid)
+
+    def signal(self, name: str, sig: int) -> int | None:
+        """Send ``sig`` to the role's process group; its pid, or None if it was not running."""
+        with self.lock:
+            p = self.procs[name]
+            if not p.alive():
+                return None
+            assert p.popen is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.popen.pid, sig)
+            return p.popen.pid
+
+    def kill(self, name: str) -> int | None:
+        """SIGKILL the role and hold it down (``restart`` brings it back); its pid."""
+        with self.lock:
+            p = self.procs[name]
+            p.held = True
+            pid = self.signal(name, signal.SIGKILL)
+            if p.popen is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.popen.wait(10)
+            return pid
+
+    def restart(self, name: str) -> None:
+        with self.lock:
+            p = self.procs[name]
+            if p.alive():
+                return
+            self._spawn(p)
+
+    def supervise(self) -> None:
+        """Note roles that exited; restart the crashed ones (see the module docstring)."""
+        now = time.time()
+        with self.lock:
+            for p in self.procs.values():
+                if p.popen is None or p.held or p.finished:
+                    continue
+                rc = p.popen.poll()
+                if rc is None:
+                    continue
+                if p.exited_at is None:
+                    p.exited_at = now
+                    if rc == 0:
+                        p.finished = True
+                        continue
+                    p.crashes.append((now, rc))
+                    log.warning("%s exited with %d:\n%s", p.name, rc, p.tail())
+                elif now - p.exited_at >= RESTART_DELAY_S:
+                    self._spawn(p)
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM every running role (SIGCONT first: a stopped one could not exit), wait up
+        to ``grace_s``, then SIGKILL what is left."""
+        with self.lock:
+            running = [p for p in self.procs.values() if p.alive()]
+            for p in running:
+                p.held = True
+                self.signal(p.name, signal.SIGCONT)
+                self.signal(p.name, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for p in running:
+                assert p.popen is not None
+                try:
+                    p.popen.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in %.0f s; killing it", p.name, grace_s)
+                    self.signal(p.name, signal.SIGKILL)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        p.popen.wait(10)
+
+    def crashes(self) -> dict[str, int]:
+        with self.lock:
+            return {p.name: len(p.crashes) for p in self.procs.values() if p.crashes}
+
+
+class Broker:
+    """The embedded broker as a process the suite may SIGKILL and restart (same port, data)."""
+
+    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+        self.data_dir = data_dir
+        self.port = port or embedded.free_port()
+        self.pid: int | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.pid = embedded.start(self.port, self.data_dir).pid
+
+    def kill(self) -> None:
+        """SIGKILL by pid, then reap it (it is our child) and forget its state file."""
+        if self.pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(self.pid, 0)
+        embedded.stop(self.data_dir)  # the pid is dead: only drops broker.json
+        self.pid = None
+
+    def stop(self) -> None:
+        embedded.stop(self.data_dir)
+        self.pid = None

@@ -1,0 +1,60 @@
+"""Every fault the suite knows: its injector, its recovery check, its role, what it needs.
+
+Owns :data:`CATALOGUE` (one :class:`Fault` per name of ``app.chaos.config.FAULTS``, checked at
+import) and :func:`mixed_faults`, the seeded choice of faults injected together in the mixed
+run (at most one per role, so that two faults never fight over one process). The injectors
+and checks are ``app.chaos.faults``'s and ``app.chaos.storefaults``'s.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from app.chaos import faults as f
+from app.chaos import storefaults as s
+from app.chaos.config import FAULTS
+
+MIXED_ROLES = 4  # faults injected together in the mixed run
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    inject: Callable[[f.Scene, f.Injection], None]
+    check: Callable[[f.Scene, f.Injection], float | None]
+    role: str  # the part of the system it hits; the mixed run takes at most one per role
+    needs: str | None = None  # "netns" (the generators' namespace) or "disk" (a tmpfs store)
+
+
+CATALOGUE: dict[str, Fault] = {
+    x.name: x
+    for x in (
+        Fault("generator-kill", f.kill_generator, f.inflight_done, "generator"),
+        Fault("generator-stop", f.stop_generator, f.inflight_done, "generator"),
+        Fault("generator-partition", f.partition, f.inflight_done, "generator", "netns"),
+        Fault("trainer-kill-step", f.kill_trainer_mid_step, f.trainer_stepped, "trainer"),
+        Fault(
+            "trainer-kill-checkpoint", f.kill_trainer_mid_checkpoint, f.trainer_stepped, "trainer"
+        ),
+        Fault("dispatcher-kill", f.kill_role("dispatcher"), f.new_step_trained, "dispatcher"),
+        Fault("ranker-kill", f.kill_role("ranker"), f.ranker_published, "ranker"),
+        Fault("broker-restart", f.restart_broker, f.all_back, "broker"),
+        Fault("weights-corrupt", s.spoil_weights(False), s.refused_then_newer, "store"),
+        Fault("weights-delete", s.spoil_weights(True), s.refused_then_newer, "store"),
+        Fault("store-disk-full", s.fill_store, s.published_again, "store", "disk"),
+        Fault("poison", s.write_poison, s.poison_handled, "topics"),
+    )
+}
+assert tuple(CATALOGUE) == FAULTS, "app.chaos.config.FAULTS and the catalogue disagree"
+
+
+def mixed_faults(rng: random.Random, available: set[str]) -> list[str]:
+    """``MIXED_ROLES`` faults of different roles, drawn from ``available``."""
+    by_role: dict[str, list[str]] = {}
+    for name in FAULTS:
+        if name in available:
+            by_role.setdefault(CATALOGUE[name].role, []).append(name)
+    roles = rng.sample(sorted(by_role), min(MIXED_ROLES, len(by_role)))
+    return [rng.choice(by_role[r]) for r in roles]
