@@ -38,7 +38,7 @@ def test_a_generator_reports_a_refused_partition_as_a_failed_commit(make_cfg: An
     layout = Layout.from_config(cfg)
     create_topics(cfg)
     prompts = layout.prompts(layout.buckets[0])
-    intake = Intake(cfg, [prompts], lambda _tps, _states: True)
+    intake = Intake(cfg, [prompts], lambda _tps, _states: True, lambda _states: None)
     good, missing = (prompts, 0), (prompts, 999)
     for tp in (good, missing):
         intake.tracker.add(tp, 3)
