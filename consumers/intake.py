@@ -109,14 +109,15 @@ class Intake:
         }
         consumer.assign_from(partitions, low)
 
-    def checkpointed(self, decided: set[str]) -> int:
-        """After a checkpoint and its commit: ``decided`` (now durable in the ledger, its
-        records released before the commit) no longer remembered by the assembler; the ledger
-        pruned to what the committed offsets can still deliver again. Returns how many ledger
-        entries were pruned."""
+    def checkpointed(self, decided: set[str], step: int) -> int:
+        """After the checkpoint of trainer step ``step`` and its commit: ``decided`` (now
+        durable in the ledger, its records released before the commit) no longer remembered by
+        the assembler; the ledger pruned to what the committed offsets can still deliver again
+        and the last ``REMEMBER_STEPS`` steps' decisions (``Ledger.prune``). Returns how many
+        ledger entries were pruned."""
         self.assembler.forget(decided)
         committed = {p: off for (_t, p), off in self.tracker.committed.items()}
-        return self.outcomes.ledger.prune(committed)
+        return self.outcomes.ledger.prune(committed, step)
 
     def _decode(self, msg: Any) -> TrajectoryChunk | None:
         """The chunk, or None after dead-lettering a record that is not one (oversized,

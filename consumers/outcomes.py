@@ -38,6 +38,8 @@ from consumers.train_engine import StepStats
 
 Event = dict[str, Any]  # a sample event: {"labels": {...}, "values": {...}, "step": int}
 REASON_CHARS = 300  # a reason label is cut to this many characters
+# a decision is remembered for at least this many steps, whatever the committed offsets say
+REMEMBER_STEPS = 16
 
 
 class Ledger:
@@ -52,6 +54,17 @@ class Ledger:
     offsets, from which a restart re-reads. ``floor`` is the committed offsets of the last
     prune (saved with the checkpoint): records below it are finished and never needed again.
     Entries of old checkpoints, saved without offsets, are kept.
+
+    An entry also stays for ``REMEMBER_STEPS`` steps after its decision, committed offsets or
+    not: a copy of a trajectory can come *after* the commit, at a new offset, when the broker
+    forgot records it had acknowledged (the embedded broker after a SIGKILL, docs/broker.md)
+    and a task went out or was read again: the same task id gives the same trajectory ids
+    (``producers.dispatcher.task_id_for``, ``producers.recovery.trajectory_id_for``), and such a
+    copy is published within seconds of the roles' restart, while the trainer is at most a few
+    steps on (k + 1 steps of tasks are out at a time). Without this, a pruned id's copy would
+    train again (``srl chaos``'s broker-restart: 32 samples trained twice). The ledger holds at
+    most ``REMEMBER_STEPS`` steps of trajectories plus what is in flight, so a checkpoint's size
+    stays bounded.
     """
 
     def __init__(
@@ -99,15 +112,18 @@ class Ledger:
         self.entries[tid] = [outcome, step, self._where.pop(tid, {})]
         self.totals[outcome] = self.totals.get(outcome, 0) + 1
 
-    def prune(self, committed: Mapping[int, int]) -> int:
+    def prune(self, committed: Mapping[int, int], step: int) -> int:
         """Drop every entry whose records all lie below ``committed`` (partition → committed
-        offset); returns how many were dropped."""
+        offset) and that was decided before the last ``REMEMBER_STEPS`` steps (``step``: the
+        trainer's); returns how many were dropped."""
         self.floor.update({str(p): off for p, off in committed.items()})
-        floor = self.floor
+        floor, before = self.floor, step - REMEMBER_STEPS + 1
         gone = [
             tid
             for tid, e in self.entries.items()
-            if len(e) > 2 and all(off < floor.get(p, -1) for p, off in e[2].items())
+            if len(e) > 2
+            and e[1] < before
+            and all(off < floor.get(p, -1) for p, off in e[2].items())
         ]
         for tid in gone:
             del self.entries[tid]

@@ -433,7 +433,7 @@ class Trainer:
         self.feedback.tracker.release(self.outcomes.undurable)
         commit(self.consumer, self.intake.tracker)
         commit(self.consumer, self.feedback.tracker)
-        pruned = self.intake.checkpointed(self.outcomes.undurable)
+        pruned = self.intake.checkpointed(self.outcomes.undurable, self.step)
         self.outcomes.checkpointed()
         self.dirty = False
         self.metrics.incr("checkpoints")

@@ -12,14 +12,29 @@ first reads every prompt topic back and keeps, for its run (:class:`Published`):
   the middle of is completed *in the same step* (its ``step_groups`` counted every prompt of
   the window, and the trainer's step waits for all of them);
 * the newest step published, so new windows are numbered after it (and after the newest
-  step the trainer announced), never into a step that already has its groups.
+  step the trainer announced), never into a step that already has its groups;
+* which tasks were *generated*, read from the trajectories topic since the newest task found
+  (less ``SLACK_MS`` for clocks apart): a broker that is SIGKILLed forgets the records it
+  acknowledged in its last ~0.5 s (docs/broker.md), so the newest tasks may be gone from the
+  prompt topics although workers read and generated them before the crash. Task ids are
+  deterministic (``producers.dispatcher.task_id_for``) and a chunk carries its task id (and,
+  at seq 0, its step's stamp), so a task whose every sample is complete on the topic counts
+  as published, in the step its chunks say. Sending it again would generate and train its
+  samples twice (measured by ``srl chaos``'s ``broker-restart``: four groups trained twice,
+  once in their step and again, under new random task ids, in a step numbered after the
+  newest surviving one). A forgotten task that was started but not finished goes out again
+  under the same task and trajectory ids: it is generated again from seq 0 (``srl.lineage``
+  decides which copy's chunks count, a newer pool epoch's first), and the trainer, which
+  dedupes by trajectory id (``consumers.outcomes.Ledger``), trains one copy.
 
 What must hold: no prompt is lost (a window published in part is completed) and none is
-dispatched twice, or twice into a step, as long as the restarted dispatcher plans the same
-source with the same settings (``groups_per_step``, ``tasks_per_group``, ``epochs``). Two
-dispatchers of one run running *at the same time* are not fenced: run one.
+dispatched twice (nor sent again once generated, above), or twice into a step, as long as
+the restarted dispatcher plans the same source with the same settings
+(``groups_per_step``, ``tasks_per_group``, ``epochs``). Two dispatchers of one run running
+*at the same time* are not fenced: run one.
 
-Called by ``producers.dispatcher.run_dispatcher``; :meth:`Published.rest` is pure.
+Called by ``producers.dispatcher.run_dispatcher``; :meth:`Published.rest` and
+:meth:`Published.generated` are pure.
 """
 
 from __future__ import annotations
@@ -29,7 +44,8 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from schemas.records import PromptTask, SchemaError, decode_as
+from producers.recovery import trajectory_id_for
+from schemas.records import PromptTask, SchemaError, TrajectoryChunk, decode_as
 from srl.config import TopicsConfig
 from srl.kafka import read_range
 from srl.topics import Layout
@@ -37,6 +53,7 @@ from srl.topics import Layout
 log = logging.getLogger("srl.dispatch")
 
 TaskKey = tuple[str, tuple[int, ...] | None]  # (prompt_id, sample_indices)
+SLACK_MS = 30_000  # trajectories are read back from the newest task found, less this
 
 
 @dataclass(frozen=True)
@@ -55,22 +72,46 @@ class Published:
     keys: set[TaskKey] = field(default_factory=set)
     step_of: dict[str, Stamp] = field(default_factory=dict)  # prompt id -> its step's stamp
     last_step: int = 0
+    newest_ms: int | None = None  # creation time of the newest task found
+    complete: set[str] = field(default_factory=set)  # trajectory ids complete on the topic
+    chunk_stamp: dict[str, Stamp] = field(default_factory=dict)  # task id -> from its seq 0
 
     def add(self, task: PromptTask) -> None:
         self.keys.add((task.prompt_id, task.sample_indices))
+        self.newest_ms = max(self.newest_ms or task.created_ms, task.created_ms)
         if task.step is not None and task.step_groups is not None:
             self.step_of[task.prompt_id] = Stamp(task.step, task.step_groups, task.min_version)
             self.last_step = max(self.last_step, task.step)
 
+    def chunk(self, c: TrajectoryChunk) -> None:
+        """A chunk read back from the trajectories topic: its trajectory is complete once its
+        last chunk is there (an idempotent producer leaves no gap before it); seq 0 carries
+        its task's step (its ``min_version``: the chunk's own version is no older)."""
+        if c.is_last:
+            self.complete.add(c.trajectory_id)
+        if c.seq == 0 and c.step is not None and c.step_groups is not None:
+            old = self.chunk_stamp.get(c.task_id)
+            version = min(c.policy_version, old.min_version or 0) if old else c.policy_version
+            self.chunk_stamp[c.task_id] = Stamp(c.step, c.step_groups, version)
+
+    def generated(self, task: PromptTask) -> bool:
+        """Whether every sample of ``task`` (as planned now) is complete on the topic."""
+        return all(trajectory_id_for(task.task_id, i) in self.complete for i in task.samples())
+
     def rest(self, tasks: Iterable[PromptTask]) -> tuple[list[PromptTask], Stamp | None]:
-        """The tasks of a planned window not published yet, and the stamp of the step that its
-        published part went out in (None when none of it went out)."""
+        """The tasks of a planned window not published yet (nor generated), and the stamp of
+        the step that its published part went out in (None when none of it went out); a step
+        known only from chunks counts in ``last_step`` from here on."""
         todo, stamp = [], None
         for t in tasks:
-            if (t.prompt_id, t.sample_indices) not in self.keys:
+            if (t.prompt_id, t.sample_indices) in self.keys:
+                stamp = stamp or self.step_of.get(t.prompt_id)
+            elif self.generated(t):
+                stamp = stamp or self.chunk_stamp.get(t.task_id)
+            else:
                 todo.append(t)
-            elif stamp is None:
-                stamp = self.step_of.get(t.prompt_id)
+        if stamp is not None:
+            self.last_step = max(self.last_step, stamp.step)
         return todo, stamp
 
 
@@ -85,6 +126,12 @@ def read_published(
                 task = decode_as(msg.value() or b"", PromptTask)
                 if task.run == run:
                     out.add(task)
+    if out.newest_ms is not None:  # what workers generated of tasks the broker may have lost
+        since = out.newest_ms - SLACK_MS
+        chunks = read_range(cfg, layout.trajectories, since_ms=since, timeout_s=timeout_s)
+        for msg in chunks:
+            with contextlib.suppress(SchemaError):  # the trainer dead-letters bad chunks
+                out.chunk(decode_as(msg.value() or b"", TrajectoryChunk))
     if out.keys:
         log.info(
             "run %s: %d tasks already published (newest step %d): resuming after them",

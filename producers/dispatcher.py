@@ -84,6 +84,7 @@ if TYPE_CHECKING:
     from ranker.api import LengthPredictor
 
 log = logging.getLogger("srl.dispatch")
+_TASK_NAMESPACE = uuid.UUID("0b7c8f52-4d0e-4c59-a3e1-9f6d2b1e7a40")
 
 
 def plan_window(
@@ -114,11 +115,12 @@ def plan_window(
     tasks = []
     parts = split_group(cfg.group_size, cfg.tasks_per_group)
     for p, length, bucket in zip(prompts, lengths, buckets, strict=True):
+        prompt_id = p.prompt_id if epoch == 0 else f"{p.prompt_id}.e{epoch}"
         for indices in parts:
             tasks.append(
                 PromptTask(
-                    task_id=uuid.uuid4().hex,
-                    prompt_id=p.prompt_id if epoch == 0 else f"{p.prompt_id}.e{epoch}",
+                    task_id=task_id_for(cfg.run, prompt_id, indices),
+                    prompt_id=prompt_id,
                     prompt=p.text,
                     group_size=cfg.group_size,
                     max_new_tokens=cfg.max_new_tokens,
@@ -133,6 +135,16 @@ def plan_window(
                 )
             )
     return sorted(tasks, key=lambda t: -(t.predicted_length or 0))
+
+
+def task_id_for(run: str, prompt_id: str, indices: tuple[int, ...] | None) -> str:
+    """A task's id: uuid5 hex of its run, prompt id (which carries the pass) and sample indices,
+    so a dispatcher that plans the same window again gives the same id, and its samples the
+    same trajectory ids (``producers.recovery.trajectory_id_for``): a task sent again (its
+    record forgotten by the broker) is the same work under the same ids, which the trainer's
+    ledger recognises, never a second group of the same samples."""
+    which = "all" if indices is None else ",".join(map(str, indices))
+    return uuid.uuid5(_TASK_NAMESPACE, f"{run}/{prompt_id}/{which}").hex
 
 
 def split_group(group_size: int, tasks: int) -> list[tuple[int, ...] | None]:
@@ -293,8 +305,7 @@ class Windows:
         """A window per trainer step, from the step after the newest announced or published
         one, each released by ``release`` and stamped with its step and ``min_version``; the
         rest of a window a previous dispatcher published in part goes out in its step."""
-        step = max(anns.step, self.published.last_step) + 1  # the trainer's next new step
-        self.summary.first_step = step
+        step = 0  # numbered at the first new window, once the windows before it are known
         for window, tasks in self._planned(source, self.cfg.groups_per_step):
             t0 = time.monotonic()
             if (stamp := self._resumed(tasks)) is not None:
@@ -302,6 +313,9 @@ class Windows:
                 continue
             if not tasks:
                 continue
+            if not step:  # the trainer's next new step
+                step = max(anns.step, self.published.last_step) + 1
+                self.summary.first_step = step
             min_version = release(anns, step, k, self.cfg.barrier_timeout_s, self.stop)
             self.summary.versions_seen.append(min_version)
             stamped = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -13,12 +14,14 @@ from app.sources import load_source
 from producers.config import DispatchConfig
 from producers.dispatch_log import Published, Stamp
 from producers.dispatcher import plan_window, windows
+from producers.recovery import trajectory_id_for
 from producers.sources import SourcePrompt, make_predictor, read_jsonl, sim_prompts
 from ranker.predictor import BaselinePredictor, LengthPredictor, OraclePredictor
 from srl.config import load_config
 from srl.errors import ConfigError
 from srl.topics import Layout
 from srl.workload import LengthHistogram
+from tests.chunks import traj_chunks
 
 HIST = "/work/shared/data/streamrl_output_length_hist.csv"
 
@@ -149,3 +152,49 @@ def test_what_a_previous_dispatcher_published_is_skipped_and_its_window_kept_in_
     for t in todo:
         log.add(dataclasses.replace(t, step=5, step_groups=3, min_version=2))
     assert log.rest(again) == ([], Stamp(5, 3, 2))  # all of it went out
+
+
+def test_task_ids_are_the_same_when_the_same_window_is_planned_again() -> None:
+    """A task sent again (its record forgotten by a broker that was SIGKILLed) must carry the
+    same id, so its samples keep their trajectory ids; uuid4 ids gave the copy new ones, and
+    the trainer trained those samples twice (``srl chaos`` broker-restart)."""
+    layout = Layout(bucket_bounds=(100, 1000))
+    window = [SourcePrompt(f"p{i}", f"text {i}") for i in range(3)]
+    preds = np.array([50, 60, 700])
+
+    def ids(**kw: Any) -> list[str]:
+        c = cfg(group_size=4, tasks_per_group=2, run=kw.pop("run", "r"))
+        return sorted(t.task_id for t in plan_window(window, preds, layout, c, **kw))
+
+    assert ids() == ids() and len(set(ids())) == 6  # two tasks per group, each its own id
+    assert not set(ids()) & set(ids(run="other")) and not set(ids()) & set(ids(epoch=1))
+    assert ids() == ids(ranker_version=3)  # what is predicted does not name the work
+
+
+def test_a_task_generated_but_forgotten_by_the_broker_is_not_sent_again() -> None:
+    """The broker forgot the newest tasks' records, but workers had read and generated them:
+    their complete trajectories on the topic (same task ids) count as published, in the step
+    their seq 0 chunks carry; a task started but unfinished goes out again."""
+    layout = Layout(bucket_bounds=(100, 1000))
+    c = cfg(group_size=2, run="r")
+    window = [SourcePrompt(f"p{i}", f"text {i}") for i in range(3)]
+    tasks = plan_window(window, np.array([50, 60, 70]), layout, c)
+    log = Published()
+    log.add(dataclasses.replace(tasks[0], step=4, step_groups=3, min_version=3))  # kept
+    done, started = tasks[1], tasks[2]
+    for t, finished in ((done, True), (started, False)):
+        for i in t.samples():
+            tid = trajectory_id_for(t.task_id, i)
+            cs = traj_chunks(t.prompt_id, i, 2, [1], [5, 6, 7], chunk_tokens=2, trajectory_id=tid)
+            cs = [dataclasses.replace(x, task_id=t.task_id, step=4, step_groups=3) for x in cs]
+            [log.chunk(x) for x in (cs if finished else cs[:1])]
+    again = plan_window(window, np.array([50, 60, 70]), layout, c)
+    todo, stamp = log.rest(again)
+    assert [t.task_id for t in todo] == [started.task_id]
+    assert stamp == Stamp(4, 3, 3)
+    alone = Published()  # a whole window known from its trajectories alone
+    for i in done.samples():
+        tid = trajectory_id_for(done.task_id, i)
+        for x in traj_chunks(done.prompt_id, i, 2, [1], [5], trajectory_id=tid):
+            alone.chunk(dataclasses.replace(x, task_id=done.task_id, step=6, step_groups=1))
+    assert alone.rest([done]) == ([], Stamp(6, 1, 0)) and alone.last_step == 6

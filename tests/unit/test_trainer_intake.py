@@ -11,7 +11,7 @@ import pytest
 
 from consumers.assembler import Trajectory
 from consumers.intake import Intake, Invalid
-from consumers.outcomes import Ledger, Outcomes
+from consumers.outcomes import REMEMBER_STEPS, Ledger, Outcomes
 from schemas.records import TrajectoryChunk, encode
 from srl.metrics import Metrics
 from srl.topics import Layout
@@ -166,11 +166,12 @@ def test_a_consumer_error_is_skipped() -> None:
     assert it.tracker.committable() == {} and dlq.sent == []
 
 
-def checkpoint_and_commit(it: Intake) -> None:
-    """What the trainer does at a checkpoint: release, commit what may be, prune."""
+def checkpoint_and_commit(it: Intake, step: int) -> None:
+    """What the trainer does at a checkpoint of step ``step``: release, commit what may be,
+    prune."""
     it.tracker.release(it.outcomes.undurable)
     it.tracker.mark_committed(it.tracker.committable())
-    it.checkpointed(it.outcomes.undurable)
+    it.checkpointed(it.outcomes.undurable, step)
     it.outcomes.checkpointed()
 
 
@@ -195,7 +196,7 @@ def test_a_long_run_keeps_a_bounded_ledger_and_still_drops_what_a_restart_re_rea
             straggler = records([chunks(f"s{i}")[0]], first=len(log))
             log += straggler
             it.add(straggler[0])
-            checkpoint_and_commit(it)
+            checkpoint_and_commit(it, i)
             sizes.append(len(orjson.dumps(it.outcomes.ledger.entries)))
     assert max(sizes[5:]) <= 2 * min(sizes[5:]), f"ledger grows: {sizes[:3]} … {sizes[-3:]}"
     assert len(it.outcomes.ledger) < 40 and len(it.assembler.assembled) < 40
@@ -209,3 +210,23 @@ def test_a_long_run_keeps_a_bounded_ledger_and_still_drops_what_a_restart_re_rea
     replayed = [again.add(r) for r in log[committed:]]
     assert not [t for t in replayed if isinstance(t, Trajectory)], "a trajectory trained twice"
     assert extra["ledger_floor"] == {"0": committed}
+
+
+def test_a_copy_published_anew_after_the_commit_is_a_duplicate_for_remember_steps() -> None:
+    """A broker that forgot records it had acknowledged (the embedded broker after a SIGKILL)
+    can make a task go out or be read again after the trainer trained it and committed past
+    its records: the copy has the same trajectory ids (deterministic task ids) at new offsets.
+    Pruned by offset alone, the ledger no longer knew the id and the copy trained again
+    (``srl chaos`` broker-restart); it is remembered for ``REMEMBER_STEPS`` steps, then goes."""
+    it, _ = intake()
+    first = records(chunks("t"))
+    assert isinstance([it.add(r) for r in first][-1], Trajectory)
+    it.outcomes.invalid("t", "p", "le256", 5, "trained")  # any outcome, at step 5
+    checkpoint_and_commit(it, 5)
+    assert it.tracker.committed == {(TOPIC, 0): 2}  # the commit passed every record of "t"
+    copy = records(chunks("t"), first=2)  # the same trajectory, published anew
+    assert [it.add(r) for r in copy] == [None, None], "a trajectory trained twice"
+    checkpoint_and_commit(it, 5 + REMEMBER_STEPS - 1)
+    assert "t" in it.outcomes.ledger
+    checkpoint_and_commit(it, 5 + REMEMBER_STEPS)  # bounded: older decisions go
+    assert "t" not in it.outcomes.ledger and len(it.outcomes.ledger) == 0
