@@ -12,6 +12,7 @@ import torch
 
 from consumers import checkpoint as ckpts
 from consumers.config import TrainConfig
+from consumers.outcomes import REMEMBER_STEPS
 from consumers.trainer import run_trainer
 from schemas.records import TrajectoryChunk
 from srl.kafka import Producer, committed_offsets, create_topics, position_group, watermarks
@@ -331,10 +332,13 @@ def test_a_long_run_keeps_checkpoints_flat_and_a_new_group_trains_nothing_twice(
     store = store_from_config(cfg)
     ledgers = [ckpts.load(store, cfg.run, n).ledger for n in ckpts.complete(store, cfg.run)]
     sizes = [len(led) for led in ledgers]
-    # what a checkpoint keeps is bounded by what is in flight (decided since the last commit,
-    # or above a record still held on its partition), not by the run's length: here one
-    # step's group (unpruned: 2, 4, … 60)
-    assert len(sizes) >= 30 and max(sizes) <= 4, sizes
+    # what a checkpoint keeps is bounded by the last REMEMBER_STEPS steps' decisions and what
+    # is in flight (decided since the last commit, or above a record still held on its
+    # partition), not by the run's length: here 2 a step, flat after REMEMBER_STEPS steps
+    # (unpruned: 2, 4, … 60)
+    bound = 2 * REMEMBER_STEPS + 4
+    assert len(sizes) >= 30 and max(sizes) <= bound, sizes
+    assert min(sizes[REMEMBER_STEPS + 1 :]) >= 2 * REMEMBER_STEPS, sizes  # remembered
 
     again = run_trainer(cfg.model_copy(update={"group_id": "another-group"}))
     assert (again.steps, again.outcomes) == (30, {"trained": 60})
