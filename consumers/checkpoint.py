@@ -6,8 +6,8 @@ Owns what a restart resumes from. Layout: ``checkpoints/{run}/c{n:08d}/`` with
 * ``optimizer.safetensors`` + ``optimizer.json``: AdamW's per-parameter tensors and its
   param groups as JSON (no pickle anywhere: safetensors and JSON only);
 * ``state.json``: step, policy version, the dedupe ledger (trajectory id → outcome, step),
-  and the sample events of the window this checkpoint closes (re-emitted after a restart,
-  idempotent by trajectory id and step);
+  and the sample events of the window this checkpoint closes (a restart re-emits those of
+  every kept checkpoint, ``window_events``; idempotent by trajectory id and step);
 * ``CHECKPOINT.json`` **last**: every file with size and sha256. A directory without it is
   an interrupted write and is ignored; a file that fails its sha256 refuses the load.
 
@@ -177,6 +177,26 @@ def load(store: ObjectStore, run: str, n: int) -> Checkpoint:
         optimizer=optimizer_from_files(opt_t, data["optimizer.json"]),
         extra=state.get("extra", {}),
     )
+
+
+def window_events(store: ObjectStore, run: str, upto: int) -> list[dict[str, Any]]:
+    """The sample events of every complete checkpoint up to ``upto``, oldest first (only
+    ``state.json`` is read, checked against its marker): what a restarted trainer sends again.
+    Not just the newest one's: a broker that forgets the records it acknowledged in its last
+    ~0.5 s (the embedded one after a SIGKILL, docs/broker.md) can lose an older window's events
+    too, when a second checkpoint followed before the trainer's producer failed."""
+    out: list[dict[str, Any]] = []
+    for n in complete(store, run):
+        if n > upto:
+            break
+        base = prefix(run, n)
+        marker = orjson.loads(store.get(f"{base}/{MARKER}"))
+        [entry] = [f for f in marker["files"] if f["name"] == "state.json"]
+        body = store.get(f"{base}/state.json")
+        if hashlib.sha256(body).hexdigest() != entry["sha256"]:
+            raise StoreError(f"checkpoint {base}: state.json fails its sha256; refusing to load")
+        out += orjson.loads(body)["events"]
+    return out
 
 
 def prune(store: ObjectStore, run: str, keep: int) -> list[int]:

@@ -189,7 +189,8 @@ class Trainer:
         self.step = ckpt.step if ckpt else 0
         ledger = Ledger.restore(ckpt.ledger, ckpt.extra) if ckpt else Ledger()
         self.outcomes = Outcomes(ledger, cfg.expire_s)
-        self.replay_events = list(ckpt.events) if ckpt else []
+        # every kept checkpoint's window, not just this one's (``ckpts.window_events``)
+        self.replay_events = ckpts.window_events(store, cfg.run, ckpt.number) if ckpt else []
         self.dirty = False  # steps since the last checkpoint
         self.groups = GroupBuffer(cfg.expire_s)
         self.batcher = StepBatcher(cfg.micro_batch_tokens, not cfg.sync_barrier)
@@ -448,7 +449,7 @@ class Trainer:
             self.metrics.emit("sample", e["values"], e["labels"], step=e["step"])
 
     def _recover(self) -> None:
-        """After a restart: re-send the last window's events; re-announce the newest version."""
+        """After a restart: re-send the kept checkpoints' windows; announce the newest version."""
         if self.replay_events:
             self._emit_samples(self.replay_events)
             self.producer.flush()
