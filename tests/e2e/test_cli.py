@@ -162,6 +162,7 @@ HEAVY = {
     ("srl-producer", "generate"): ("--engine", "hf", "--model", "{model}"),
     ("srl-producer", "bench"): ("--engine", "hf", "--model", "{model}"),
     ("srl-producer", "dispatch"): ("--prompts", "{prompts}"),
+    ("srl", "serve"): ("--model", "{model}"),
 }
 
 
