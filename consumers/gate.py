@@ -23,7 +23,8 @@ trainers on one stream").
 a checkpoint older than the newest published version, the versions published after that
 checkpoint (``skipped``) exist but are no update of the weights trained from then on: they
 are not counted (``staleness``), so the samples in flight are judged by the updates they
-really lag. Pure; called by the trainer.
+really lag; samples of an orphan version count from its depth (``staleness``). Pure; called
+by the trainer.
 """
 
 from __future__ import annotations
@@ -37,7 +38,18 @@ from consumers.losses import advantages
 
 def staleness(v: int, b: int, skipped: frozenset[int] = frozenset()) -> int:
     """Updates from behaviour version ``b`` to the trained weights ``v``; versions in
-    ``skipped`` are no update of these weights."""
+    ``skipped`` are no update of these weights.
+
+    An orphan ``b`` (itself skipped) is as many updates past the checkpointed version ``L``
+    its run of skipped versions descends from as its place in that run: the dispatcher
+    released its step for that depth, so it is judged as its sibling of the same depth on the
+    new lineage (a run of adjacent skipped versions is taken as one chain from ``L``)."""
+    if b in skipped:
+        start = b
+        while start - 1 in skipped:
+            start -= 1
+        parent = start - 1
+        return staleness(v, parent, skipped) - (b - parent)
     return v - b - sum(1 for o in skipped if b < o <= v)
 
 

@@ -62,10 +62,16 @@ def test_gate_is_v_minus_b_at_most_k() -> None:
 
 def test_versions_skipped_by_a_restart_are_no_update() -> None:
     # restarted from v2's checkpoint with v3 in the store, the trainer published v4 from v2:
-    # v4 is the third update, so b = 2 is one behind, not two; the orphan v3 counts as v2
+    # v4 is the third update, so b = 2 is one behind, not two; the orphan v3 is one update
+    # past v2, as deep as v4
     skipped = frozenset({3})
     assert staleness(4, 2, skipped) == 1 and admissible(4, 2, 1, skipped)
-    assert staleness(4, 3, skipped) == 1 and staleness(2, 3, skipped) == -1
+    assert staleness(4, 3, skipped) == 0 and staleness(2, 3, skipped) == -1
+    # found by srl chaos (trainer killed after publishing v5, restarted from step 4's v4):
+    # step 7's samples came from the orphan v5 (depth 5) and train v7 (depth 6): one behind
+    assert staleness(7, 5, frozenset({5})) == 1 and admissible(7, 5, 1, frozenset({5}))
+    # a run of two orphans (v5, v6 from v4) beside the new lineage (v7, v8 from v4)
+    assert staleness(8, 6, frozenset({5, 6})) == 0 and staleness(8, 5, frozenset({5, 6})) == 1
     assert staleness(6, 2, skipped) == 3 and not admissible(6, 2, 1, skipped)
     assert staleness(4, 2) == 2 and not admissible(4, 2, 1)
 
