@@ -201,6 +201,18 @@ def _toml_key(k: str) -> str:
     return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else _toml_value(k)
 
 
+def toml_top(c: CommonConfig) -> dict[str, Any]:
+    """The top-level keys of a generated config file: what every role of one run shares."""
+    return {
+        "bootstrap_servers": c.bootstrap_servers,
+        "topic_prefix": c.topic_prefix,
+        "run": c.run,
+        "store": c.store,
+        "bucket_bounds": list(c.bucket_bounds),
+        "linger_ms": c.linger_ms,
+    }
+
+
 def toml_text(
     top: dict[str, Any], tables: dict[str, dict[str, Any]], written_by: str = "srl demo"
 ) -> str:
@@ -294,14 +306,7 @@ class Plan:
 
     def write(self) -> Path:
         c = self.common()
-        top = {
-            "bootstrap_servers": c.bootstrap_servers,
-            "topic_prefix": c.topic_prefix,
-            "run": c.run,
-            "store": c.store,
-            "bucket_bounds": list(c.bucket_bounds),
-            "linger_ms": c.linger_ms,
-        }
+        top = toml_top(c)
         tables = self.role_tables()
         if c.kafka:  # librdkafka settings (security …) reach every role
             tables = {"kafka": dict(c.kafka)} | tables

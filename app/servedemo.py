@@ -45,6 +45,7 @@ from app.demoplan import (
     Role,
     console_script,
     toml_text,
+    toml_top,
 )
 from srl.broker import free_port
 from srl.config import CommonConfig
@@ -141,10 +142,7 @@ class ServePlan:
 
     def write(self) -> Path:
         c, d = self.common(), self.cfg
-        top: dict[str, Any] = {"bootstrap_servers": c.bootstrap_servers}
-        top |= {"topic_prefix": c.topic_prefix}
-        top |= {"run": c.run, "store": c.store, "bucket_bounds": list(c.bucket_bounds)}
-        top |= {"linger_ms": c.linger_ms}
+        top = toml_top(c)
         train: dict[str, Any] = {"model": str(self.model_dir), "lr": d.lr}
         train |= {"groups_per_step": d.groups_per_step}
         train |= {"batching": "groups", "max_staleness": d.max_staleness, "max_steps": d.steps}

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from producers.config import GenerateConfig
 from schemas.records import TrajectoryChunk, encode, pack_logprobs, pack_tokens
 
 
@@ -152,3 +153,18 @@ def metric_events(cfg: Any, kind: str | None = None) -> list[Any]:
         decode_as(m.value(), MetricEvent) for m in read_topic(cfg, Layout.from_config(cfg).metrics)
     ]
     return [e for e in events if kind is None or e.kind == kind]
+
+
+def sim_generate_cfg(make_cfg: Any, **kw: Any) -> GenerateConfig:
+    """A fast sim-engine generator config for in-process worker tests (``kw`` overrides)."""
+    base = {
+        "engine": "sim",
+        "time_scale": 0.05,
+        "max_batch": 4,
+        "chunk_tokens": 16,
+        "seed": 0,
+        "stats_interval_s": 0.5,
+        "commit_interval_s": 0.2,
+        "drain_timeout_s": 5.0,
+    }
+    return make_cfg(GenerateConfig, **{**base, **kw})  # type: ignore[no-any-return]

@@ -24,7 +24,7 @@ from typing import Any
 
 from app.chaos.cast import Proc
 from app.chaos.config import ChaosConfig
-from app.demoplan import console_script, toml_text
+from app.demoplan import console_script, toml_text, toml_top
 from srl.config import CommonConfig
 
 BUCKET_BOUNDS = (16, 32)
@@ -127,16 +127,8 @@ class Stage:
 
     def write(self) -> Path:
         c = self.common()
-        top = {
-            "bootstrap_servers": c.bootstrap_servers,
-            "topic_prefix": c.topic_prefix,
-            "run": c.run,
-            "store": c.store,
-            "bucket_bounds": list(c.bucket_bounds),
-            "linger_ms": c.linger_ms,
-        }
         path = self.work / "srl.toml"
-        path.write_text(toml_text(top, self.tables(), written_by="srl chaos"))
+        path.write_text(toml_text(toml_top(c), self.tables(), written_by="srl chaos"))
         return path
 
     def procs(self, conf: Path) -> list[Proc]:

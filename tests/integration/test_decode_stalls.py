@@ -17,10 +17,10 @@ import pytest
 
 from producers import worker as worker_module
 from producers.backlog import GroupLag
-from producers.config import GenerateConfig
 from schemas.records import PromptTask, encode, pack_tokens
 from srl.kafka import Producer, create_topics
 from srl.topics import Layout
+from tests.chunks import sim_generate_cfg
 from tests.integration.test_generation import Trajectories, workers
 
 
@@ -38,20 +38,6 @@ def task(layout: Layout, i: int, length: int, predicted: int | None = None) -> P
     )
 
 
-def sim_cfg(make_cfg: Any, **kw: Any) -> GenerateConfig:
-    base = {
-        "engine": "sim",
-        "time_scale": 0.05,
-        "max_batch": 4,
-        "chunk_tokens": 16,
-        "seed": 0,
-        "stats_interval_s": 0.5,
-        "commit_interval_s": 0.2,
-        "drain_timeout_s": 5.0,
-    }
-    return make_cfg(GenerateConfig, **{**base, **kw})  # type: ignore[no-any-return]
-
-
 class HangingLag(GroupLag):
     """A real ``GroupLag`` whose every call hangs until ``release`` is set."""
 
@@ -67,7 +53,7 @@ class HangingLag(GroupLag):
 def test_the_decode_loop_goes_on_while_the_backlog_measurement_hangs(
     make_cfg: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cfg = sim_cfg(make_cfg, max_backlog_chunks=1000, worker_id="w")
+    cfg = sim_generate_cfg(make_cfg, max_backlog_chunks=1000, worker_id="w")
     layout = Layout.from_config(cfg)
     create_topics(cfg)
     monkeypatch.setattr(worker_module, "GroupLag", HangingLag)

@@ -18,10 +18,10 @@ from typing import Any
 import orjson
 
 from consumers.assembler import Assembler
-from producers.config import GenerateConfig
 from schemas.records import MIGRATED, PromptTask, encode, pack_tokens
 from srl.kafka import Producer, committed_offsets, create_topics, watermarks
 from srl.topics import Layout
+from tests.chunks import sim_generate_cfg
 from tests.integration.test_generation import Trajectories, events, workers
 
 STRAGGLER = 240  # tokens a straggler really needs; predicted: 20 → migrates after 41
@@ -41,24 +41,10 @@ def _task(layout: Layout, bucket: str, i: int, predicted: int, length: int) -> P
     )
 
 
-def _gen(make_cfg: Any, **kw: Any) -> GenerateConfig:
-    base = {
-        "engine": "sim",
-        "time_scale": 0.05,
-        "max_batch": 4,
-        "chunk_tokens": 16,
-        "seed": 0,
-        "stats_interval_s": 0.5,
-        "commit_interval_s": 0.2,
-        "drain_timeout_s": 5.0,
-    }
-    return make_cfg(GenerateConfig, **{**base, **kw})  # type: ignore[no-any-return]
-
-
 def test_a_straggler_moves_to_the_long_tail_pool_and_completes_exactly_once(
     make_cfg: Any, tmp_path: Path
 ) -> None:
-    regular_cfg = _gen(make_cfg, pool="regular", worker_id="reg")
+    regular_cfg = sim_generate_cfg(make_cfg, pool="regular", worker_id="reg")
     layout = Layout.from_config(regular_cfg)
     first, last = layout.buckets[0], layout.buckets[-1]
     regular_cfg = regular_cfg.model_copy(
@@ -66,7 +52,7 @@ def test_a_straggler_moves_to_the_long_tail_pool_and_completes_exactly_once(
     )
     # the long-tail pool is over its trainer-backlog bound all along (no trainer consumes):
     # fresh tasks wait, resume tasks (trajectories in flight) must not
-    longtail_cfg = _gen(
+    longtail_cfg = sim_generate_cfg(
         make_cfg, pool="longtail", worker_id="lt", buckets=(last,), max_backlog_chunks=1
     )
     create_topics(regular_cfg)

@@ -40,7 +40,7 @@ from srl.metrics import Metrics
 from srl.stores import store_from_config
 from srl.topics import Layout
 from srl.weights import announce, publish
-from tests.chunks import metric_events, produce
+from tests.chunks import metric_events, produce, sim_generate_cfg
 from tests.integration.test_ranker_online import _trajectory
 from tests.integration.test_trainer import make_groups, train_cfg
 from tests.poison import BIG, REASONS, check_reasons, dead_letters, kinds
@@ -107,18 +107,7 @@ def test_the_online_ranker_dead_letters_poison_and_publishes(make_cfg: Any) -> N
 
 
 def sim_cfg(make_cfg: Any, **kw: Any) -> GenerateConfig:
-    base = {
-        "engine": "sim",
-        "time_scale": 0.05,
-        "max_batch": 4,
-        "chunk_tokens": 16,
-        "seed": 0,
-        "stats_interval_s": 0.5,
-        "commit_interval_s": 0.2,
-        "drain_timeout_s": 5.0,
-        "idle_exit_s": 4.0,
-    }
-    return make_cfg(GenerateConfig, **{**base, **kw})  # type: ignore[no-any-return]
+    return sim_generate_cfg(make_cfg, **{"idle_exit_s": 4.0, **kw})
 
 
 def prompt_task(layout: Layout, i: int, **kw: Any) -> PromptTask:
