@@ -48,7 +48,8 @@ MAX_GROUP_SIZE = 1024  # samples of one prompt; a larger group is poison, not wo
 def task_target(task: PromptTask) -> int | None:
     """The task's target length (``metadata.sim_length``, if a number); BadTask for a group
     of more than ``MAX_GROUP_SIZE``, sample indices outside the group, a resume prefix with a
-    negative seq or version, or metadata that is not a JSON object."""
+    negative seq or version, a negative ``min_version``, or metadata that is not a JSON
+    object."""
     if not 1 <= task.group_size <= MAX_GROUP_SIZE:
         raise BadTask(f"task {task.task_id}: group of {task.group_size} (1..{MAX_GROUP_SIZE})")
     samples = task.samples()
@@ -60,6 +61,8 @@ def task_target(task: PromptTask) -> int | None:
         raise BadTask(
             f"task {task.task_id}: resume at seq {r.next_seq}, policy version {r.min_version}"
         )
+    if task.min_version is not None and task.min_version < 0:
+        raise BadTask(f"task {task.task_id}: min_version {task.min_version}")
     meta: Any = {}
     if task.metadata:
         try:
@@ -70,6 +73,16 @@ def task_target(task: PromptTask) -> int | None:
             raise BadTask(f"task {task.task_id}: metadata is not a JSON object")
     sim_length = meta.get("sim_length")
     return int(sim_length) if isinstance(sim_length, int | float) else None
+
+
+def check_versions(task: PromptTask, exists: Callable[[int, int | None], bool]) -> None:
+    """BadTask for a task stamped with a policy version no run has published (``exists``:
+    ``srl.weights.KnownVersions.exists``): its ``min_version`` (the newest announced version
+    when the dispatcher released it, so its manifest was written) or its resume prefix's."""
+    resumed = task.resume.min_version if task.resume is not None else None
+    for v in (task.min_version, resumed):
+        if v and not exists(v, task.created_ms):
+            raise BadTask(f"task {task.task_id}: policy version {v} was never published")
 
 
 def sample_plans(task: PromptTask) -> list[SamplePlan]:

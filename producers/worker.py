@@ -68,6 +68,7 @@ from producers.intake import Intake, pause_mode
 from producers.outlet import Outlet
 from producers.planning import (
     BadTask,
+    check_versions,
     prefix_query,
     recovered,
     request_for,
@@ -89,6 +90,7 @@ from srl.kafka import KafkaException, Message, Producer, create_topics, describe
 from srl.metrics import MAX_RECORD_BYTES, Metrics, dead_letter
 from srl.stores import store_from_config
 from srl.topics import Layout
+from srl.weights import KnownVersions
 
 log = logging.getLogger("srl.generate")
 
@@ -163,6 +165,7 @@ class GeneratorWorker:
         self.outlet.open(self.producer, self.metrics)
         store = store_from_config(self.cfg)
         self.follower = WeightFollower(self.cfg, self.layout, store, run=self.cfg.weights_run)
+        self.known = KnownVersions(store, floor=lambda: self.follower.latest)
         self.follower.start()
         stack.callback(self.follower.stop)
         # the furthest of the trainer's read position (shared by the trainer) and its
@@ -272,6 +275,7 @@ class GeneratorWorker:
                 raise BadTask(f"oversized: {len(value)} bytes > {MAX_RECORD_BYTES}")
             task = decode_as(value, PromptTask)
             target = task_target(task)  # a bad task is refused before the engine tokenizes
+            check_versions(task, self.known.exists)
             prompt_ids = (
                 unpack_tokens(task.prompt_tokens).tolist()
                 if task.prompt_tokens

@@ -131,6 +131,8 @@ def test_a_generator_dead_letters_poison_tasks_and_generates_on(make_cfg: Any) -
     good = prompt_task(layout, 0)
     bad = kinds(good, EVENT, prompt_task(layout, 9, prompt="x" * BIG))
     bad["huge group"] = encode(prompt_task(layout, 8, group_size=2**31 - 1))
+    bad["negative min_version"] = encode(prompt_task(layout, 10, min_version=-3))
+    bad["future min_version"] = encode(prompt_task(layout, 11, min_version=10**9, task_id="t11"))
     prompts, resumes = layout.prompts(good.bucket), layout.resumes(good.bucket)
     send(cfg, prompts, list(bad.values()))
     resume = ResumePrefix("t", 0, -1, pack_tokens([5]), 0, "migrated")
@@ -140,10 +142,12 @@ def test_a_generator_dead_letters_poison_tasks_and_generates_on(make_cfg: Any) -
             prompt_task(layout, 6, resume=dataclasses.replace(resume, next_seq=1, min_version=-2))
         )
     )
+    future = dataclasses.replace(resume, trajectory_id="f", next_seq=1, min_version=10**9)
+    back.append(encode(prompt_task(layout, 5, resume=future, task_id="t5")))
     send(cfg, resumes, back)
     send(cfg, prompts, [encode(good), encode(prompt_task(layout, 1))])
     summary = run_generator(cfg)
-    assert (summary.tasks, summary.trajectories, summary.dead_letters) == (2, 4, 8)
+    assert (summary.tasks, summary.trajectories, summary.dead_letters) == (2, 4, 11)
     check_reasons(
         dead_letters(cfg),
         {
@@ -151,6 +155,9 @@ def test_a_generator_dead_letters_poison_tasks_and_generates_on(make_cfg: Any) -
             "huge group": "group of 2147483647 (1..1024)",
             "negative seq": "resume at seq -1, policy version 0",
             "negative version": "resume at seq 1, policy version -2",
+            "negative min_version": "min_version -3",
+            "future min_version": "task t11: policy version 1000000000 was never published",
+            "future resume version": "task t5: policy version 1000000000 was never published",
         },
     )
     hw = watermarks(cfg, [prompts, resumes])

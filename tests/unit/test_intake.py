@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from producers.intake import Intake, held, pause_mode
 from producers.planning import (
     BadTask,
     Recovered,
+    check_versions,
     prefix_query,
     recovered,
     request_for,
@@ -83,6 +85,7 @@ TARGETS: list[tuple[dict[str, Any], int | None | str]] = [
         {"resume": ResumePrefix("t", 1, 2, pack_tokens([1]), -1, "migrated")},
         "task k: resume at seq 2, policy version -1",
     ),
+    ({"min_version": -1}, "task k: min_version -1"),
 ]
 
 
@@ -96,6 +99,23 @@ def test_task_target_reads_sim_length_and_refuses_bad_tasks(
         assert str(e.value) == expected
     else:
         assert task_target(task(**fields)) == expected
+
+
+def test_a_task_stamped_with_a_version_never_published_is_refused() -> None:
+    published = {0, 1, 2, 3}
+    seen: list[tuple[int, int | None]] = []
+
+    def exists(v: int, produced_ms: int | None) -> bool:
+        seen.append((v, produced_ms))
+        return v in published
+
+    prefix = ResumePrefix("t", 1, 2, pack_tokens([1]), 3, "migrated")
+    check_versions(task(min_version=3, resume=prefix), exists)
+    check_versions(task(), exists)  # unstamped: nothing to check
+    for bad in (task(min_version=9), task(min_version=2, resume=replace(prefix, min_version=7))):
+        with pytest.raises(BadTask, match="policy version [97] was never published"):
+            check_versions(bad, exists)
+        assert seen[-1][1] == bad.created_ms  # the store is listed again only if it is older
 
 
 PLANS: list[tuple[dict[str, Any], list[SamplePlan]]] = [
