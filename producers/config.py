@@ -329,6 +329,15 @@ class GenerateConfig(CommonConfig, EngineSettings):
             "Clock skew allowed when reading a redelivered task's chunks back by timestamp."
         ),
     )
+    refused_wait_s: float = Field(
+        60.0,
+        ge=0,
+        description=(
+            "A task released for a version this worker refused (corrupt or deleted weights) "
+            "waits this long for a newer good version before it starts on the older weights "
+            "(whose samples the trainer may then drop as stale)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> GenerateConfig:

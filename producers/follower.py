@@ -11,8 +11,9 @@ Owns a generator's view of the policy versions. What must hold:
 * A version that fails (bad hash, missing file, a manifest that does not match, or tensors
   the engine rejects) is **refused**: one log line, counted, reported to the worker as a
   ``weights_refused`` event, and the old weights stay in use. A refused version no longer
-  counts as ``latest`` for the staleness rule, so a bad upload cannot stall generation, and
-  the next good version is still taken (even one older than a bogus announced one).
+  counts as ``latest`` for the staleness rule, so a bad upload cannot stall generation (the
+  tasks released for it wait a bounded time for a newer version: ``producers.admission``),
+  and the next good version is still taken (even one older than a bogus announced one).
 * A record that is no announcement (oversized, undecodable, another record type, a negative
   version) is handed to the worker, which dead-letters it (:meth:`drain_poison`); the
   follower reads on.
@@ -68,6 +69,7 @@ class WeightFollower:
         self.loaded = current  # version the engine runs (set by the worker after a swap)
         self.announced: dict[int, WeightsAnnouncement] = {}
         self.refused: dict[int, str] = {}
+        self.refused_at: dict[int, float] = {}  # time.monotonic() of each refusal
         self.refusals: list[tuple[int, str]] = []  # not yet reported by the worker
         self.poison: list[Poison] = []  # unusable records, for the worker to dead-letter
         self._ready: Ready | None = None
@@ -104,6 +106,13 @@ class WeightFollower:
             ok = [v for v in self.announced if v not in self.refused]
         return max([self.loaded, *ok])
 
+    def refused_within(self, seconds: float) -> set[int]:
+        """Versions refused less than ``seconds`` ago (``producers.admission``: their tasks
+        wait for a newer good version)."""
+        since = time.monotonic() - seconds
+        with self._cond:
+            return {v for v, at in self.refused_at.items() if at > since}
+
     def take(self) -> Ready | None:
         with self._cond:
             ready, self._ready = self._ready, None
@@ -115,6 +124,7 @@ class WeightFollower:
     def refuse(self, version: int, reason: str) -> None:
         with self._cond:
             self.refused[version] = reason
+            self.refused_at.setdefault(version, time.monotonic())
             self.refusals.append((version, reason))
         log.warning("weights v%d refused: %s", version, reason)
 

@@ -324,7 +324,8 @@ class GeneratorWorker:
             return
         self.pending.sort(key=lambda s: order_key(s.task))  # resumes, earliest step, LPT
         loaded, latest, k = self.engine.version, self.follower.latest, self.cfg.max_staleness
-        for st in [st for st in self.pending if may_start(st.task, loaded, latest, k)]:
+        waiting = self.follower.refused_within(self.cfg.refused_wait_s)
+        for st in [st for st in self.pending if may_start(st.task, loaded, latest, k, waiting)]:
             while room > 0 and st.todo:
                 self.outlet.start(st, st.todo.pop(0))
                 room -= 1

@@ -31,11 +31,13 @@ from ranker.online import run_online
 from schemas.records import (
     PromptTask,
     ResumePrefix,
+    TrajectoryChunk,
     WeightsAnnouncement,
+    decode_as,
     encode,
     pack_tokens,
 )
-from srl.kafka import Producer, committed_offsets, create_topics, watermarks
+from srl.kafka import Producer, committed_offsets, create_topics, read_range, watermarks
 from srl.metrics import Metrics
 from srl.stores import store_from_config
 from srl.topics import Layout
@@ -243,7 +245,9 @@ def test_a_follower_keeps_its_weights_past_damaged_versions_and_takes_the_next_g
 ) -> None:
     """Issue 18: a version whose weights file was deleted, then one whose file was corrupted:
     each is refused with the reason (log, ``weights_refused`` event), the worker keeps the
-    weights it runs, and takes the next good version."""
+    weights it runs, and takes the next good version. A task released for the refused
+    version waits for that next version rather than run on the old weights (its samples
+    would be dropped as stale)."""
     cfg = sim_cfg(make_cfg, worker_id="w", idle_exit_s=None)
     create_topics(cfg)
     stop = threading.Event()
@@ -263,11 +267,19 @@ def test_a_follower_keeps_its_weights_past_damaged_versions_and_takes_the_next_g
         until("weights_refused", 1)
         publish_version(cfg, 3, corrupt="flip")
         until("weights_refused", 2)
+        layout = Layout.from_config(cfg)
+        released = prompt_task(layout, 0, min_version=3, task_id="for-v3")
+        send(cfg, layout.prompts(released.bucket), [encode(released)])
+        time.sleep(3)  # time enough to start it on v1
         publish_version(cfg, 4)
         until("weights_loaded", 2)
+        deadline = time.monotonic() + 60
+        while len(finished(cfg, "for-v3")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.3)
     finally:
         stop.set()
         th.join(60)
+    assert sorted(finished(cfg, "for-v3").values()) == [4, 4]
     [s] = out
     assert [e.values["version"] for e in metric_events(cfg, "weights_loaded")] == [1, 4]
     refused = metric_events(cfg, "weights_refused")
@@ -275,6 +287,21 @@ def test_a_follower_keeps_its_weights_past_damaged_versions_and_takes_the_next_g
     assert "not found" in refused[0].labels["reason"]
     assert "fails verification" in refused[1].labels["reason"]
     assert (s.weights_loaded, s.weights_refused, s.policy_version) == (2, 2, 4)
+
+
+def finished(cfg: Any, task_id: str) -> dict[str, int]:
+    """The oldest policy version in each finished trajectory of ``task_id``."""
+    oldest: dict[str, int] = {}
+    done = set()
+    for m in read_range(cfg, Layout.from_config(cfg).trajectories, timeout_s=10, role="t"):
+        c = decode_as(m.value() or b"", TrajectoryChunk)
+        if c.task_id == task_id:
+            oldest[c.trajectory_id] = min(
+                oldest.get(c.trajectory_id, c.policy_version), c.policy_version
+            )
+            if c.is_last:
+                done.add(c.trajectory_id)
+    return {t: v for t, v in oldest.items() if t in done}
 
 
 def test_the_dispatcher_dead_letters_poison_and_unverified_announcements(make_cfg: Any) -> None:

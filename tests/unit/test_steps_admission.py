@@ -65,6 +65,14 @@ def test_a_fresh_task_starts_only_with_weights_its_step_allows(
     assert may_start(task(step=1, min_version=min_version), loaded, latest, k) is ok
 
 
+def test_a_task_released_for_a_refused_version_waits_for_a_newer_one_then_takes_latest() -> None:
+    released_for_v5 = task(step=6, min_version=5)  # v5 refused here: latest stays 4
+    assert not may_start(released_for_v5, loaded=4, latest=4, k=1, waiting={5})
+    assert may_start(released_for_v5, loaded=4, latest=4, k=1, waiting={3})  # wait is over
+    assert may_start(released_for_v5, loaded=6, latest=6, k=1, waiting={5})  # newer one came
+    assert may_start(task(step=5, min_version=4), loaded=4, latest=4, k=1, waiting={5})
+
+
 def test_a_resumed_trajectory_continues_with_any_weights() -> None:
     assert may_start(task(step=1, min_version=9, resume=True), loaded=0, latest=9, k=0)
 
