@@ -166,6 +166,14 @@ class TrainConfig(CommonConfig):
         description="Checkpoint (and commit offsets) every N steps.",
     )
     keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints kept in the store.")
+    keep_versions: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Published weights versions kept in the store, the newest; older ones are deleted "
+            "after each publish (0: keep every version, e.g. for evaluating them later)."
+        ),
+    )
     max_steps: int = Field(0, ge=0, description="Stop after this many optimizer steps; 0: never.")
     idle_exit_s: float = Field(
         0.0, ge=0, description="Exit after this long with no new record; 0: never."

@@ -41,7 +41,15 @@ from srl.kafka import Producer
 from srl.metrics import Metrics
 from srl.store import ObjectStore
 from srl.topics import Layout
-from srl.weights import MANIFEST, Manifest, Published, announce, publish, version_prefix
+from srl.weights import (
+    MANIFEST,
+    Manifest,
+    Published,
+    announce,
+    prune_versions,
+    publish,
+    version_prefix,
+)
 
 log = logging.getLogger("srl.trainer")
 
@@ -89,6 +97,7 @@ class Durable:
             return self._refused("publish", version, step, e)
         announce(self.producer, self.layout, pub)
         self.version = self.lineage = version
+        self._prune_versions(step)
         self.metrics.emit(
             "weights_published",
             {
@@ -99,6 +108,17 @@ class Durable:
             step=step,
         )
         return True
+
+    def _prune_versions(self, step: int) -> None:
+        """Keep the newest ``keep_versions`` versions in the store (a bounded store in a long
+        run); a failed delete is logged and tried again after the next publish."""
+        try:
+            gone = prune_versions(self.store, self.cfg.run, self.cfg.keep_versions)
+        except StoreError as e:
+            log.warning("pruning weights versions at step %d failed: %s", step, e)
+            return
+        if gone:
+            self.metrics.incr("versions_pruned", len(gone))
 
     def _refused(self, what: str, number: int, step: int, e: StoreError) -> bool:
         """A write the store refused (a full disk, a store that is down): the trainer goes on

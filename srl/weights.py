@@ -292,6 +292,29 @@ def _write_version(
     return Published(manifest, uri, hashlib.sha256(body).hexdigest())
 
 
+def prune_versions(store: ObjectStore, run: str, keep: int) -> list[int]:
+    """Delete all but the newest ``keep`` published versions of ``run`` (each one's manifest
+    first: from then on it does not exist); returns the versions removed. A follower that is
+    still on a removed version keeps running it and takes the newest when it comes; one that
+    was fetching it refuses it and takes the next. ``keep`` 0: keep every version."""
+    if keep <= 0:
+        return []
+    files: dict[int, list[str]] = {}
+    for key in store.list(f"weights/{run}/"):
+        parts = key.split("/")
+        if len(parts) == 4 and parts[2][:1] == "v" and parts[2][1:].isdigit():
+            files.setdefault(int(parts[2][1:]), []).append(key)
+    published = sorted(v for v, keys in files.items() if any(k.endswith(MANIFEST) for k in keys))
+    gone = published[:-keep]
+    for v in gone:
+        manifest = f"{version_prefix(run, v)}/{MANIFEST}"
+        store.delete(manifest)
+        for key in files[v]:
+            if key != manifest:
+                store.delete(key)
+    return gone
+
+
 def announce(producer: Producer, layout: Layout, published: Published) -> None:
     """Step 3: the pointer on the compacted weights topic (key = run). Flushes."""
     ann = published.announcement()

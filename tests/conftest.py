@@ -140,9 +140,9 @@ def cfg(make_cfg):  # type: ignore[no-untyped-def]
     return make_cfg()
 
 
-@pytest.fixture
-def cli_env(bootstrap: str, prefix: str, tmp_path: Path) -> dict[str, str]:
-    """Environment for running the real CLIs as subprocesses against the session broker."""
+def cli_environment(bootstrap: str, prefix: str, tmp_path: Path) -> dict[str, str]:
+    """Environment for running the real CLIs as subprocesses against ``bootstrap``, with
+    topic prefix ``prefix`` and the object store in ``tmp_path/store``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SRL_")}
     env.update(
         {
@@ -153,6 +153,12 @@ def cli_env(bootstrap: str, prefix: str, tmp_path: Path) -> dict[str, str]:
         }
     )
     return env
+
+
+@pytest.fixture
+def cli_env(bootstrap: str, prefix: str, tmp_path: Path) -> dict[str, str]:
+    """Environment for running the real CLIs as subprocesses against the session broker."""
+    return cli_environment(bootstrap, prefix, tmp_path)
 
 
 def bin_path(name: str) -> str:

@@ -31,6 +31,7 @@ BUCKET_BOUNDS = (16, 32)
 REGULAR, LONGTAIL = ("le16", "le32"), ("gt32",)
 MAX_NEW_TOKENS = 64
 TINY_VOCAB = 260  # srl.tinymodel's byte-level tokenizer: 4 specials + 256 bytes
+KEEP_VERSIONS = 8  # weights versions the trainer keeps in the store
 # lengths the sim engine generates (lo, hi, probability): most short, a long tail to 64
 LENGTHS = ((8, 16, 0.45), (16, 32, 0.35), (32, 48, 0.12), (48, 64, 0.08))
 
@@ -114,6 +115,7 @@ class Stage:
                 "expire_s": c.expire_s,
                 "seed": c.seed,
                 "device": "cpu",
+                "keep_versions": KEEP_VERSIONS,  # a bounded store in the soak
             },
             "ranker": {
                 "model_dir": str(self.model_dir),

@@ -59,12 +59,12 @@ class FakeProducer:
 
 
 def durable(
-    tmp_path: Path, ckpt: ckpts.Checkpoint | None = None
+    tmp_path: Path, ckpt: ckpts.Checkpoint | None = None, keep_versions: int = 0
 ) -> tuple[Durable, FakeProducer, Recorder]:
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_bytes(b'{"model_type": "qwen2"}')
-    cfg = TrainConfig(model=str(model), run="r", keep_checkpoints=2)
+    cfg = TrainConfig(model=str(model), run="r", keep_checkpoints=2, keep_versions=keep_versions)
     producer = FakeProducer()
     metrics = Recorder()
     store = LocalStore(tmp_path / "store")
@@ -131,6 +131,17 @@ def test_publish_emits_weights_published(tmp_path: Path) -> None:
         ["bytes", "publish_s", "version"],
     )
     assert values["bytes"] > 0
+
+
+def test_the_store_keeps_the_newest_keep_versions_versions(tmp_path: Path) -> None:
+    d, producer, metrics = durable(tmp_path, keep_versions=2)
+    for step in range(1, 6):
+        assert d.publish(step)
+    assert ckpts.newest_published(d.store, "r") == 5
+    kept = sorted({k.split("/")[2] for k in d.store.list("weights/r/")})
+    assert kept == ["v00000004", "v00000005"]
+    assert [v for v, _ in announced(producer)] == [1, 2, 3, 4, 5]
+    assert metrics.counters["versions_pruned"] == 3
 
 
 class SmallDisk:

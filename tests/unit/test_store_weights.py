@@ -16,6 +16,7 @@ from srl.weights import (
     fetch_tensors,
     load_manifest,
     materialize,
+    prune_versions,
     publish,
     shard_index,
     shard_names,
@@ -161,6 +162,25 @@ def test_publish_again_after_a_crash_before_the_manifest(tmp_path: Path) -> None
     assert sorted(store.list(prefix)) == [f"{prefix}/manifest.json", f"{prefix}/model.safetensors"]
     got = fetch_tensors(store, load_manifest(store, pub.announcement()))
     assert all(torch.equal(got[k], v) for k, v in tiny_state().items())
+
+
+def test_pruning_keeps_the_newest_versions_and_removes_the_others_whole(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    pubs = [
+        publish(store, "r", v, tiny_state(), trainer_step=v, parent_version=v - 1)
+        for v in range(1, 6)
+    ]
+    store.put(f"{version_prefix('other', 1)}/manifest.json", b"{}")  # another run's: untouched
+    assert prune_versions(store, "r", 0) == []  # 0: keep every version
+    assert prune_versions(store, "r", 2) == [1, 2, 3]
+    assert [k.split("/")[2] for k in store.list("weights/r/")] == ["v00000004"] * 2 + [
+        "v00000005"
+    ] * 2
+    assert store.list("weights/other/") == [f"{version_prefix('other', 1)}/manifest.json"]
+    for pub in pubs[3:]:  # the kept ones still verify
+        got = fetch_tensors(store, load_manifest(store, pub.announcement()))
+        assert all(torch.equal(got[k], v) for k, v in tiny_state().items())
+    assert prune_versions(store, "r", 2) == []
 
 
 @pytest.mark.parametrize(
