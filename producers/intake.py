@@ -28,7 +28,8 @@ touches it:
   otherwise ``none``;
 * **the tasks in flight** (:attr:`Intake.live`) and the ``OffsetTracker``: a task's offset
   becomes committable only when it is finished (every sample ended, every chunk
-  acknowledged) or dead-lettered, in offset order per partition;
+  acknowledged) or dead-lettered, in offset order per partition, and a finished one only
+  once the broker surely kept its chunks (``producers.ackguard``);
 * **commits**: every ``commit_interval_s`` asynchronously, forced ones synchronously
   (``Consumer.commit_sync``, which fails if any partition failed); every owned position is
   sent each time, so one lost in a rebalance is sent again; under pool epochs only while
@@ -51,6 +52,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
+from producers.ackguard import AckGuard
 from producers.config import GenerateConfig
 from producers.pool import Release, Take
 from producers.pool_member import PoolMember
@@ -113,6 +115,7 @@ class Intake:
         self.cfg = cfg
         self.topics = list(topics)
         self.tracker = OffsetTracker()
+        self.guard = AckGuard()  # which finished tasks may be committed yet
         self.live: dict[tuple[TopicPart, int], TaskState] = {}  # consumed, not finished
         self.assigned_high: dict[TopicPart, int] = {}
         self.paused: PauseMode = "none"
@@ -182,6 +185,7 @@ class Intake:
             self._drop(self.in_flight())
             self.live.clear()
             self.tracker = OffsetTracker()
+            self.guard.forget()
             self.assigned_high.clear()
         else:
             self._on_revoke(self.consumer, self.consumer.assignment())
@@ -240,8 +244,10 @@ class Intake:
 
     def finished(self, st: TaskState) -> bool:
         """True once, when ``st`` is finished: its offset may then be committed."""
-        if st.finished and self.tracker.finish(st.tp, st.offset):
+        now = time.monotonic()
+        if st.finished and self.tracker.finish(st.tp, st.offset, now):
             self.live.pop((st.tp, st.offset), None)
+            self.guard.finished(st, now)
             return True
         return False
 
@@ -265,7 +271,7 @@ class Intake:
         if self.pool is not None and not self.pool.holds():
             return False  # a zombie's commit could move a successor's position back
         self._last_commit = time.monotonic()
-        moved = self.tracker.committable()
+        moved = self.tracker.committable(self.guard.cutoff(time.monotonic(), final=force))
         if not moved and not force:
             return True
         # every owned position, not only the moved ones: an async commit that failed in a
@@ -320,6 +326,7 @@ class Intake:
         for key in [k for k in self.live if k[0] in tps]:
             del self.live[key]
         self.tracker.forget(list(tps), keep_positions=not committed)
+        self.guard.forget(tps)
         for tp in tps:
             self.assigned_high.pop(tp, None)
 

@@ -16,6 +16,7 @@ sample plans come from ``producers.planning``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from schemas.records import PromptTask
@@ -55,7 +56,8 @@ class TaskState:
 
 class OffsetTracker:
     def __init__(self) -> None:
-        self._open: dict[TopicPart, dict[int, bool]] = {}  # offset -> finished, in offset order
+        # offset -> when it finished (None: not yet), in offset order
+        self._open: dict[TopicPart, dict[int, float | None]] = {}
         self._next: dict[TopicPart, int] = {}  # committable position per partition
         self._last: dict[TopicPart, int] = {}  # last offset consumed per partition
 
@@ -63,23 +65,25 @@ class OffsetTracker:
         if offset <= self._last.get(tp, -1):
             raise ValueError(f"{tp}: offset {offset} is not after the last one consumed")
         self._last[tp] = offset
-        self._open.setdefault(tp, {})[offset] = False
+        self._open.setdefault(tp, {})[offset] = None
 
-    def finish(self, tp: TopicPart, offset: int) -> bool:
-        """Mark a consumed offset finished; True the first time (False if unknown or already)."""
+    def finish(self, tp: TopicPart, offset: int, at: float = -math.inf) -> bool:
+        """Mark a consumed offset finished (``at``: when, for :meth:`committable`'s cutoff);
+        True the first time (False if unknown or already)."""
         offsets = self._open.get(tp)
-        if offsets is None or offsets.get(offset, True):
+        if offsets is None or offset not in offsets or offsets[offset] is not None:
             return False
-        offsets[offset] = True
+        offsets[offset] = at
         return True
 
-    def committable(self) -> dict[TopicPart, int]:
-        """Positions that moved since the last call: one past each partition's finished prefix."""
+    def committable(self, before: float = math.inf) -> dict[TopicPart, int]:
+        """Positions that moved since the last call: one past each partition's prefix of
+        offsets finished (at or) before ``before`` (``producers.ackguard``)."""
         moved: dict[TopicPart, int] = {}
         for tp, offsets in self._open.items():
             last = None
             for offset, done in list(offsets.items()):
-                if not done:
+                if done is None or done > before:
                     break
                 del offsets[offset]
                 last = offset

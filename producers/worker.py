@@ -58,6 +58,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from producers.ackguard import lost_trajectories
 from producers.admission import may_start, order_key
 from producers.backlog import GroupLag, TrainerBacklog
 from producers.config import GenerateConfig
@@ -192,6 +193,7 @@ class GeneratorWorker:
         if not self.stopping:
             self.outlet.migrate()
         self.producer.poll(0)
+        self._guard()
         self.intake.commit()  # 6.
         self._stats()  # 7.
 
@@ -305,6 +307,20 @@ class GeneratorWorker:
             self.summary.resumed += r.resumed
             if r.gap is not None:
                 self._kill_task(st, f"trajectory {r.gap} has a gap in its seq numbers")
+
+    def _guard(self) -> None:
+        """6. After every broker went away, tasks finished just before are committed only once
+        read back complete (``producers.ackguard``); if not, exit with them uncommitted."""
+        guard = self.intake.guard
+        if not guard.watch(self.producer.outages, time.monotonic()):
+            return
+        slack = self.cfg.recovery_slack_s
+        if lost := guard.verify(lambda s: lost_trajectories(self.cfg, self.layout, s, slack)):
+            raise SrlError(
+                f"the broker lost acknowledged chunks of {len(lost)} finished trajectories "
+                f"(e.g. {lost[0]}) when it went away: exiting with their tasks uncommitted, "
+                "so they are generated again"
+            )
 
     def _sync(self) -> bool:
         """Read every weights announcement made so far (``WeightFollower.sync``); False while

@@ -48,6 +48,7 @@ class Producer:
         self.delivered = 0
         self.failed = 0  # failures ``flush`` raises
         self.failed_handled = 0  # failures of records whose caller took them (``on_delivery``)
+        self.outages = 0  # times every broker went away (librdkafka's _ALL_BROKERS_DOWN)
         self._failed_reported = 0
         settings = producer_settings(cfg, role, **overrides)
         settings["error_cb"] = self._on_error
@@ -56,6 +57,8 @@ class Producer:
     def _on_error(self, err: KafkaError) -> None:
         if err.fatal():
             self.errors.append(err.str())
+        elif err.code() == KafkaError._ALL_BROKERS_DOWN:
+            self.outages += 1  # what the brokers acknowledged last may be gone (ackguard)
         log.debug("producer error: %s", err.str())
 
     def _counted(self, err: KafkaError | None, _msg: Any, handled: bool = False) -> None:

@@ -579,6 +579,7 @@ def test_revocation_hands_off_then_commits_unless_lost(
     callback: str, hand_off_ok: bool, committed: bool
 ) -> None:
     intake, fake, handed = make_intake(hand_off_ok, commit_interval_s=1e-9)
+    intake.guard.unsure_s = 0.0  # a finished task is committable at once (producers.ackguard)
     fake.assign_now([P0, P1])
     s3, _s4 = held_tasks(intake, P0, [3, 4])
     (t1,) = held_tasks(intake, P1, [1])

@@ -5,18 +5,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from producers.ackguard import AckGuard
 from producers.chunker import Chunker, TrajectoryStart
 from producers.engines.base import Request, complete
 from producers.engines.sampling import sample
 from producers.engines.sim import SimEngine
-from producers.planning import recovered
+from producers.planning import recovered, task_state
 from producers.recovery import Found, trajectory_id_for
-from producers.tasks import OffsetTracker, SamplePlan
-from schemas.records import MIGRATED, pack_tokens
+from producers.tasks import OffsetTracker, SamplePlan, TaskState
+from schemas.records import MIGRATED, PromptTask, pack_tokens
+from srl.errors import SrlError
 from srl.workload import PTL, LengthHistogram
 
 HIST = Path("/work/shared/data/streamrl_output_length_hist.csv")
@@ -163,6 +166,53 @@ def test_commit_position_never_passes_an_unfinished_task() -> None:
     t.add(tp, 9)
     t.forget([tp])
     assert not t.finish(tp, 9) and t.committable() == {}
+
+
+def test_a_finished_task_is_committed_only_once_the_broker_surely_kept_its_chunks() -> None:
+    t = OffsetTracker()
+    tp = ("topic", 0)
+    for off in (0, 1, 2):
+        t.add(tp, off)
+    t.finish(tp, 0, at=10.0)
+    t.finish(tp, 1, at=11.5)
+    t.finish(tp, 2, at=13.0)
+    assert t.committable(before=9.0) == {}
+    assert t.committable(before=12.0) == {tp: 2}  # offset 2 finished after the cutoff
+    assert t.committable() == {tp: 3}
+
+
+def fake_state() -> TaskState:
+    task = PromptTask("k", "p", "prompt", 1, 8, "le16")
+    return task_state(task, ("topic", 0), 0, [5, 6], None)
+
+
+def test_tasks_finished_just_before_an_outage_wait_for_their_read_back() -> None:
+    g = AckGuard(unsure_s=2.0)
+    a, b, c = (dataclasses.replace(fake_state(), offset=i) for i in range(3))
+    g.finished(a, now=100.0)
+    g.finished(b, now=104.0)
+    assert g.cutoff(now=104.5) == 102.5  # normally: finished UNSURE_S ago
+    assert g.cutoff(now=104.5, final=True) == math.inf
+    assert not g.watch(outages=0, now=104.6)
+    assert g.watch(outages=1, now=104.6)  # every broker went away: b (not a) is a suspect
+    assert [s for _, s in g.suspects] == [b] and g.cutoff(now=200.0, final=True) < 104.0
+    g.finished(c, now=105.0)
+    assert not g.watch(outages=1, now=105.0)  # read back at most every unsure_s
+    assert g.verify(lambda states: ["t-b"]) == ["t-b"] and g.suspects  # lost: stays held
+
+    def broker_away(states: list[Any]) -> list[str]:
+        raise SrlError("reading back timed out")
+
+    assert g.verify(broker_away) == [] and g.suspects  # not read: tried again later
+    assert g.watch(outages=1, now=107.0)
+    assert g.verify(lambda states: []) == [] and not g.suspects  # all kept
+    assert g.cutoff(now=110.0) == 108.0
+    g.outage(now=200.0)
+    assert not g.suspects  # nothing finished in the 2 s before it
+    g.finished(c, now=201.0)
+    g.outage(now=201.5)
+    g.forget({c.tp})
+    assert not g.suspects
 
 
 # -- recovery state ---------------------------------------------------------------------------
