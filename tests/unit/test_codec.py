@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import struct
 from pathlib import Path
@@ -284,8 +285,16 @@ def test_every_schema_file_is_documented() -> None:
 
 
 # -- the compiled flat-record path is byte-for-byte fastavro --------------------------------
+@functools.cache
+def _codec() -> Codec:
+    """One codec for the property tests below (reading every schema file per example was most
+    of their time); the tests that check a fresh codec make their own."""
+    return Codec()
+
+
+@functools.cache
 def _fastavro(name: str) -> tuple[Any, Any]:
-    codec = Codec()
+    codec = _codec()
     v = codec.current[name]
     flat = compile_flat(orjson.loads(v.raw))
     assert flat is not None, f"{name} should be flat"
@@ -341,7 +350,7 @@ def test_flat_chunk_path_writes_and_reads_exactly_what_fastavro_does(record: dic
 
 
 def encode_via_dict(rec: TrajectoryChunk) -> bytes:
-    return Codec().encode(rec.avro_name, rec.to_dict())
+    return _codec().encode(rec.avro_name, rec.to_dict())
 
 
 def test_record_objects_go_straight_through_the_flat_path_and_stay_frozen() -> None:
