@@ -45,9 +45,11 @@ from schemas.records import TrajectoryChunk, unpack_tokens
 from srl.codecs import use_schema_registry
 from srl.kafka import (
     Consumer,
+    KafkaException,
     Message,
     Producer,
     TopicPartition,
+    describe,
     make_consumer,
     produced_ms,
     wait_for_broker,
@@ -280,7 +282,12 @@ class _OnlineRun:
         self.metrics.emit("ranker_published", values)
         self.metrics.flush_counters()
         # step 4: the version holding these pairs is durable
-        self.consumer.commit_sync([TopicPartition(t, p, o) for (t, p), o in self.pending.items()])
+        offsets = [TopicPartition(t, p, o) for (t, p), o in self.pending.items()]
+        try:
+            self.consumer.commit_sync(offsets)
+        except KafkaException as e:  # a rebalance (a restarted broker): not worth an exit
+            log.warning("commit after ranker v%s failed: %s", ranker.version, describe(e))
+            self.metrics.incr("commit_failures")  # at worst these pairs are read again
         self.pending.clear()
         log.info("ranker v%s published from %d pairs", ranker.version, values["pairs"])
         return ranker, values
