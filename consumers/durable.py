@@ -76,6 +76,7 @@ class Durable:
         self.version = max(ckpt.version if ckpt else 0, ckpts.newest_published(store, cfg.run))
         before = ckpt.extra.get("skipped", []) if ckpt else []
         self.skipped = frozenset(before) | frozenset(range(self.lineage + 1, self.version + 1))
+        self.owed = False  # the last publish was refused: the current weights are not out
 
     def publish(self, step: int) -> bool:
         """Version ``version + 1`` from the engine's weights: files, manifest, announcement.
@@ -94,9 +95,11 @@ class Durable:
                 extra_files=self.files,
             )
         except StoreError as e:
+            self.owed = True  # the trainer tries again while idle (``publish_owed``)
             return self._refused("publish", version, step, e)
         announce(self.producer, self.layout, pub)
         self.version = self.lineage = version
+        self.owed = False
         self._prune_versions(step)
         self.metrics.emit(
             "weights_published",

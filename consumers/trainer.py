@@ -410,6 +410,8 @@ class Trainer:
         for g in [*self.groups.expire(), *self.feedback.expire(now, self.consumer)]:
             self._plan(g)
         self._steps()  # a step whose groups stopped arriving completes by expiry
+        if self.durable.owed:  # a refused publish (a full store): the dispatcher waits for it
+            self.durable.publish(self.step)
         self.metrics.incr(
             "duplicates", self.intake.assembler.duplicates - self.metrics.counters["duplicates"]
         )

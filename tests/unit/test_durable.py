@@ -177,7 +177,9 @@ def test_a_full_disk_fails_the_publish_and_the_checkpoint_not_the_trainer(
     assert d.publish(step=1) and d.save(1, Outcomes(Ledger(), 30.0))
     disk = SmallDisk(free=20)  # the weights file does not fit
     monkeypatch.setattr(srl.store, "open", disk, raising=False)
+    assert not d.owed
     assert d.publish(step=2) is False
+    assert d.owed  # the trainer tries it again while idle: the dispatcher waits for it
     assert d.save(2, Outcomes(Ledger(), 30.0)) is False
     assert (d.version, announced(producer)) == (1, [(1, 0)])
     assert d.store.list(version_prefix("r", 2)) == [] and not list(d.store.root.rglob(".tmp-*"))
@@ -186,5 +188,5 @@ def test_a_full_disk_fails_the_publish_and_the_checkpoint_not_the_trainer(
     assert refused == [(2.0, 2), (2.0, 2)]
     assert metrics.counters["publish_failures"] == metrics.counters["checkpoint_failures"] == 1
     disk.free = 10**9  # space again: the same version is published, the next checkpoint saved
-    assert d.publish(step=3) and d.save(3, Outcomes(Ledger(), 30.0))
+    assert d.publish(step=3) and d.save(3, Outcomes(Ledger(), 30.0)) and not d.owed
     assert announced(producer) == [(1, 0), (2, 1)] and ckpts.complete(d.store, "r") == [1, 3]
