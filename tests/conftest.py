@@ -113,9 +113,30 @@ def bootstrap() -> Iterator[str]:
         yield broker.bootstrap
 
 
+def delete_topics(bootstrap: str, prefix: str) -> None:
+    """Delete the topics named ``prefix…`` (a finished test's). The session broker gets slower
+    with every topic it holds (measured on noida-db, 2-core machine under load): at 1 500
+    topics (a hundred tests' layouts) creating one more layout took 0.9 s instead of 0.02 s,
+    at 4 500 1.4 s, and a producer's first delivery 2.3 s. Cleanup only: a broker that does
+    not answer leaves them where they are."""
+    from srl.config import CommonConfig
+    from srl.kafka.admin import admin
+
+    client = admin(CommonConfig(bootstrap_servers=bootstrap, topic_prefix=prefix))
+    with contextlib.suppress(Exception):
+        names = [t for t in client.list_topics(timeout=10).topics if t.startswith(prefix)]
+        if names:
+            for future in client.delete_topics(names, operation_timeout=10).values():
+                future.result()
+
+
 @pytest.fixture
-def prefix() -> str:
-    return f"t{uuid.uuid4().hex[:10]}"
+def prefix(request: pytest.FixtureRequest) -> Iterator[str]:
+    """This test's topic prefix; its topics are deleted on the session broker afterwards."""
+    name = f"t{uuid.uuid4().hex[:10]}"
+    yield name
+    if "bootstrap" in request.fixturenames:
+        delete_topics(request.getfixturevalue("bootstrap"), name)
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from srl.kafka import create_topics
 from srl.stores import open_store
 from srl.weights import Manifest, fetch_tensors, version_prefix
 from tests.chunks import produce
-from tests.conftest import bin_path, cli_environment
+from tests.conftest import bin_path, cli_environment, delete_topics
 from tests.integration.test_trainer import make_groups
 
 ARGS = [
@@ -52,11 +53,13 @@ def weights(store_url: str, run: str, version: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def one_rank(bootstrap: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Env:
+def one_rank(
+    bootstrap: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Env]:
     """Records on one partition (every run sees them in the same order and forms the same
     steps), then run "one": a single torch rank, 3 steps. Produced and trained once for the
     module: each two-rank run reads the same records under its own run name (its own consumer
-    group, weights and checkpoints). Returns the environment for those runs."""
+    group, weights and checkpoints). Yields the environment for those runs."""
     prefix = f"t{uuid.uuid4().hex[:10]}"
     cli_env = cli_environment(bootstrap, prefix, tmp_path_factory.mktemp("ranks"))
     env = {**cli_env, "SRL_PARTITIONS_PER_BUCKET": "1", "GLOO_SOCKET_IFNAME": "lo"}
@@ -73,7 +76,8 @@ def one_rank(bootstrap: str, tiny_model: Path, tmp_path_factory: pytest.TempPath
     )
     assert one.returncode == 0, one.stderr[-3000:]
     assert "trained 3 steps; policy version 3" in one.stdout
-    return env
+    yield env
+    delete_topics(bootstrap, prefix)
 
 
 def two_ranks(env: Env, tiny_model: Path, run: str, *extra: str) -> str:
