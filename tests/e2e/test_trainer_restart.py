@@ -99,6 +99,21 @@ def train(
         return subprocess.Popen(args, env=cli_env, stdout=out, stderr=subprocess.STDOUT)
 
 
+def stop_once_decided(
+    cfg: CommonConfig, proc: subprocess.Popen[bytes], n: int, timeout_s: float
+) -> int:
+    """SIGTERM the trainer once ``n`` trajectories have their sample event (decided and made
+    durable) rather than waiting out its idle exit (which still ends a trainer that stops
+    short); its exit code."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        if len({e.labels["trajectory_id"] for e in metric_events(cfg, "sample")}) >= n:
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(1.0)
+    return proc.wait(60)
+
+
 def published(store_dir: Path, run: str = "default") -> list[int]:
     root = store_dir / "weights" / run
     return (
@@ -138,15 +153,15 @@ def test_sigkill_and_restart_train_each_trajectory_exactly_once(
     second = wave(30, 10, rng)
     produce(cfg, second)
 
+    generated = {c.trajectory_id for c in first + second}
     proc = train(cli_env, tiny_model, log)
     try:
-        assert proc.wait(180) == 0, log.read_text()[-3000:]
+        assert stop_once_decided(cfg, proc, len(generated), 180) == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
 
-    generated = {c.trajectory_id for c in first + second}
     store = open_store(cli_env["SRL_STORE"])
     final = ckpts.load(store, "default", ckpts.complete(store, "default")[-1])
     # the ledger keeps only what a restart could read again (issue 18); the run's totals
@@ -253,7 +268,7 @@ def test_sigkill_the_trainer_fed_by_a_sim_generator_and_every_trajectory_is_deci
         before = published(store_dir)
         proc = train(cli_env, tiny_model, tlog, "app.bench.pipeline:sim_reward", idle_exit_s=20)
         procs.append(proc)
-        assert proc.wait(240) == 0, tlog.read_text()[-3000:]
+        assert stop_once_decided(cfg, proc, 160, 240) == 0, tlog.read_text()[-3000:]
         gen.send_signal(signal.SIGTERM)
         assert gen.wait(60) == 0, glog.read_text()[-3000:]
     finally:
