@@ -118,7 +118,8 @@ def test_watermarks_match_what_was_produced(cfg: CommonConfig) -> None:
 def test_producer_with_no_broker_fails_fast_with_a_clear_error() -> None:
     dead = load_config(
         CommonConfig,
-        cli={"bootstrap_servers": f"127.0.0.1:{free_port()}", "connect_timeout_s": 2},
+        # 1 s: the up-front check gives up after it, a delivery after 3 s (message.timeout.ms)
+        cli={"bootstrap_servers": f"127.0.0.1:{free_port()}", "connect_timeout_s": 1},
         env={},
     )
     t0 = time.monotonic()

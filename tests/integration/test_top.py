@@ -380,6 +380,8 @@ def test_top_reads_what_the_real_trainer_reports(cfg, cli_env, tiny_model) -> No
         str(tiny_model),
         "--groups-per-step",
         "2",
+        "--max-steps",  # 4 groups: done after 2 (the idle exit ends one that stops short)
+        "2",
         "--idle-exit-s",
         "4",
         "--device",
