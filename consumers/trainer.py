@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import signal
 import time
@@ -55,7 +56,7 @@ from consumers.rewards import Scorer, load_reward
 from consumers.steps import StepPlanner
 from consumers.train_engine import StepStats, TrainEngine, make_micro_batch
 from srl.codecs import use_schema_registry
-from srl.errors import ConfigError
+from srl.errors import ConfigError, ProducerFailed
 from srl.kafka import (
     Consumer,
     KafkaException,
@@ -66,6 +67,7 @@ from srl.kafka import (
     position_group,
     share_positions,
     start_group_at,
+    start_over,
 )
 from srl.metrics import Metrics
 from srl.stores import store_from_config
@@ -102,22 +104,45 @@ def run_trainer(cfg: TrainConfig) -> TrainResult:
     dist = Dist.from_env(resolve_device(cfg.device))
     try:
         store = store_from_config(cfg)
-        engine = make_engine(cfg, dist)
-        numbers = ckpts.complete(store, cfg.run) if dist is None or dist.rank == 0 else []
-        number = numbers[-1] if numbers else 0
-        if dist is not None:
-            number = dist.broadcast_int(number)
-        ckpt = ckpts.load(store, cfg.run, number) if number else None
-        if ckpt is not None:
-            engine.load_tensors(ckpt.model)
-            engine.load_optimizer_state(ckpt.optimizer)
-        if dist is not None and dist.rank > 0:
-            steps, micro_batches = follow(engine, dist)
-            return TrainResult(steps, -1, rank=dist.rank, micro_batches=micro_batches)
-        return Trainer(cfg, engine, store, dist, ckpt).run()
+        engine: TrainEngine | None = make_engine(cfg, dist)
+
+        def attempt() -> TrainResult:
+            nonlocal engine
+            if engine is None:  # started over without a checkpoint: the model's own weights
+                gc.collect()
+                engine = make_engine(cfg, dist)
+            ckpt = restore(cfg, store, engine, dist)
+            if dist is not None and dist.rank > 0:
+                steps, micro_batches = follow(engine, dist)
+                return TrainResult(steps, -1, rank=dist.rank, micro_batches=micro_batches)
+            try:
+                return Trainer(cfg, engine, store, dist, ckpt).run()
+            except ProducerFailed:
+                engine.discard()
+                if ckpt is None:
+                    engine = None
+                raise
+
+        # ranks > 0 follow rank 0's steps: they cannot start over with it
+        return start_over(attempt, "trainer", again=dist is None)
     finally:
         if dist is not None:
             dist.close()
+
+
+def restore(
+    cfg: TrainConfig, store: ObjectStore, engine: TrainEngine, dist: Dist | None
+) -> ckpts.Checkpoint | None:
+    """The run's newest complete checkpoint (rank 0 picks it for all), loaded into ``engine``."""
+    numbers = ckpts.complete(store, cfg.run) if dist is None or dist.rank == 0 else []
+    number = numbers[-1] if numbers else 0
+    if dist is not None:
+        number = dist.broadcast_int(number)
+    ckpt = ckpts.load(store, cfg.run, number) if number else None
+    if ckpt is not None:
+        engine.load_tensors(ckpt.model)
+        engine.load_optimizer_state(ckpt.optimizer)
+    return ckpt
 
 
 def commit(consumer: Consumer, tracker: OffsetTracker) -> None:

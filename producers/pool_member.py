@@ -38,7 +38,7 @@ import orjson
 from producers.config import GenerateConfig
 from producers.pool import PoolView, Release, State, Take, TopicPart
 from srl.config import KafkaSettings, TopicsConfig
-from srl.errors import SrlError
+from srl.errors import ProducerFailed, SrlError
 from srl.kafka import (
     KafkaError,
     KafkaException,
@@ -192,6 +192,9 @@ class PoolMember:
                 if now >= next_check:
                     self._lead(now)
                     next_check = now + self.check_s
+            except ProducerFailed as e:  # a restarted broker lost beats it acknowledged
+                log.warning("pool membership: %s: a new producer for the beats", e)
+                self._producer = Producer(self.cfg, "pool", check=False)
             except (KafkaException, SrlError) as e:  # the broker is away: try again
                 log.warning("pool membership: %s", e)
                 self._stop.wait(1.0)

@@ -9,6 +9,7 @@ from schemas.errors import SchemaError
 __all__ = [
     "BrokerUnavailable",
     "ConfigError",
+    "ProducerFailed",
     "SchemaError",
     "SrlError",
     "StoreError",
@@ -30,6 +31,12 @@ class ConfigError(SrlError):
 
 class BrokerUnavailable(SrlError):
     """No Kafka broker answered in time."""
+
+
+class ProducerFailed(BrokerUnavailable):
+    """A producer librdkafka declared failed for good (a fatal error): a broker that lost
+    records it had acknowledged (a SIGKILLed embedded broker), or a fenced producer. Its
+    owner starts over with a new producer, from what is durable."""
 
 
 class StoreError(SrlError):

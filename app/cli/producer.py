@@ -67,6 +67,7 @@ def dispatch(cfg: DispatchConfig, unpaced: bool, as_json: bool) -> None:
     from app.sources import load_source
     from producers.dispatcher import run_dispatcher
     from producers.sources import make_predictor
+    from srl.kafka import start_over
 
     if unpaced:
         cfg = cfg.model_copy(update={"max_staleness": None})
@@ -77,7 +78,9 @@ def dispatch(cfg: DispatchConfig, unpaced: bool, as_json: bool) -> None:
             f"(x{cfg.length_scale:g})",
             err=True,
         )
-    summary = run_dispatcher(cfg, prompts, make_predictor(cfg, prompts), _stop_on_signals())
+    predictor, stop = make_predictor(cfg, prompts), _stop_on_signals()
+    # a broker that lost tasks it acknowledged: read back what is published, publish the rest
+    summary = start_over(lambda: run_dispatcher(cfg, prompts, predictor, stop), "dispatcher")
     if as_json:
         echo_json(summary.to_dict())
     else:

@@ -50,7 +50,7 @@ from srl.kafka.consumer import (
     reader,
     share_positions,
 )
-from srl.kafka.producer import DeliveryCallback, Producer
+from srl.kafka.producer import DeliveryCallback, Producer, start_over
 from srl.kafka.ranges import read_range
 from srl.kafka.settings import (
     base_settings,
@@ -98,6 +98,7 @@ __all__ = [
     "reader",
     "read_range",
     "share_positions",
+    "start_over",
     "start_group_at",
     "topic_config",
     "topic_watermarks",

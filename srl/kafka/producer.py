@@ -6,27 +6,51 @@ surfaced (``flush`` raises), flush on exit of a ``with`` block. A record produce
 is not raised again by ``flush`` (a generator's chunks: its outlet decides what a failure
 means, e.g. nothing for a task it has abandoned). A producer that librdkafka declares failed
 for good (a fatal error: an idempotent producer whose acknowledged records the broker lost, as
-a SIGKILLed embedded broker does, or one fenced by another) raises one ``SrlError`` from
-``produce``, ``poll`` and ``flush``; its owner exits and is restarted.
+a SIGKILLed embedded broker does, or one fenced by another) raises ``ProducerFailed`` from
+``produce``, ``poll`` and ``flush``; its owner starts over from what is durable (the trainer
+in its own process: ``consumers.trainer.run_trainer``) or exits and is restarted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import confluent_kafka
 from confluent_kafka import KafkaError, KafkaException
 
 from srl.config import ProducerSettings
-from srl.errors import SrlError
+from srl.errors import ProducerFailed, SrlError
 from srl.kafka.settings import describe, producer_settings, wait_for_broker
 
 log = logging.getLogger("srl.kafka")
 
 DeliveryCallback = Callable[[KafkaError | None, Any], None]
+T = TypeVar("T")
+START_OVER_GAP_S = 30.0  # a second failure this soon after a start-over: exit instead
+
+
+def start_over(
+    run: Callable[[], T], role: str, gap_s: float = START_OVER_GAP_S, again: bool = True
+) -> T:
+    """``run()``, run again while it ends in ``ProducerFailed`` (a broker that lost what the
+    role's producer had written): a role whose state is all in Kafka and the store starts
+    over from what is durable in its own process, as a restart would, without a second
+    start-up (imports, a model load). Raised instead (the role exits for its process
+    manager) unless ``again``, or when it fails within ``gap_s`` of the last start-over."""
+    last: float | None = None
+    while True:
+        try:
+            return run()
+        except ProducerFailed as e:
+            if not again or (last is not None and time.monotonic() - last < gap_s):
+                raise
+            log.warning("%s: %s: starting over from what is durable, in this process", role, e)
+        last = time.monotonic()
 
 
 class Producer:
@@ -49,6 +73,7 @@ class Producer:
         self.failed = 0  # failures ``flush`` raises
         self.failed_handled = 0  # failures of records whose caller took them (``on_delivery``)
         self.outages = 0  # times every broker went away (librdkafka's _ALL_BROKERS_DOWN)
+        self.fatal = False  # librdkafka declared this producer failed for good
         self._failed_reported = 0
         settings = producer_settings(cfg, role, **overrides)
         settings["error_cb"] = self._on_error
@@ -56,6 +81,7 @@ class Producer:
 
     def _on_error(self, err: KafkaError) -> None:
         if err.fatal():
+            self.fatal = True
             self.errors.append(err.str())
         elif err.code() == KafkaError._ALL_BROKERS_DOWN:
             self.outages += 1  # what the brokers acknowledged last may be gone (ackguard)
@@ -86,11 +112,12 @@ class Producer:
             self._lock.release()
             raise
 
-    def _failed_for_good(self, e: BaseException) -> SrlError:
+    def _failed_for_good(self, e: BaseException | str) -> ProducerFailed:
         """The error a producer that librdkafka declared failed raises (``e``: what surfaced)."""
         cause = e.__context__ if isinstance(e, SystemError) and e.__context__ else e
-        return SrlError(
-            f"the producer to {self.cfg.bootstrap_servers} failed for good: {describe(cause)} "
+        return ProducerFailed(
+            f"the producer to {self.cfg.bootstrap_servers} failed for good: "
+            f"{cause if isinstance(cause, str) else describe(cause)} "
             "(a broker that lost records it had acknowledged, or a fenced producer)"
         )
 
@@ -163,6 +190,8 @@ class Producer:
         except SystemError as e:
             raise self._failed_for_good(e) from None
         last = f": {self.errors[-1]}" if self.errors else ""
+        if self.fatal:  # its undelivered records failed with it
+            raise self._failed_for_good(self.errors[0])
         if left:
             raise SrlError(
                 f"{left} record(s) not delivered within {timeout_s:g}s to "
@@ -182,4 +211,5 @@ class Producer:
         if exc_type is None:
             self.flush()
         else:  # already failing: deliver what we can, do not mask the original error
-            self._p.flush(5)
+            with contextlib.suppress(SystemError, KafkaException):  # a failed producer's
+                self._p.flush(5)
