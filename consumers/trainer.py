@@ -15,7 +15,9 @@ Owns the order of everything durable. The hot loop is flat: poll → decode and 
 5. only then the consumer offsets, up to the first record still held by an unfinished
    trajectory (``consumers.offsets``).
 
-A crash anywhere re-reads from the committed offsets; the ledger restored with the
+A crash anywhere re-reads from the committed offsets (a producer failed for good, e.g. by a
+restarted broker that lost what it had acknowledged, starts the trainer over from its last
+checkpoint in its own process: ``srl.kafka.start_over``); the ledger restored with the
 checkpoint drops what was already trained or dropped, so each trajectory is trained exactly
 once in effect. Steps after the last checkpoint are redone; published versions are never
 reused: a restart continues after the newest version in the store. Outcomes of a group that

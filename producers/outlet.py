@@ -37,7 +37,7 @@ from producers.migration import Stragglers
 from producers.planning import request_for, trajectory_start
 from producers.tasks import SamplePlan, TaskState
 from schemas.records import PromptTask, TrajectoryChunk, encode
-from srl.errors import SrlError
+from srl.errors import ProducerFailed, SrlError
 from srl.kafka import DeliveryCallback, KafkaError, Producer
 from srl.metrics import Metrics
 from srl.topics import Layout
@@ -83,6 +83,10 @@ class Outlet:
     def check(self) -> None:
         """A failed chunk is fatal: the worker stops without committing its task."""
         if self.delivery_error is not None:
+            if self.producer.fatal:  # every undelivered record failed with the producer
+                raise ProducerFailed(
+                    f"the generator's producer failed for good: {self.delivery_error}"
+                )
             raise SrlError(
                 f"chunk delivery failed ({self.delivery_error}); stopping without committing the "
                 f"task"

@@ -86,8 +86,16 @@ from schemas.records import (
     unpack_tokens,
 )
 from srl.codecs import use_schema_registry
-from srl.errors import SrlError, WeightsError
-from srl.kafka import KafkaException, Message, Producer, create_topics, describe, position_group
+from srl.errors import SrlError, StartOver, WeightsError
+from srl.kafka import (
+    KafkaException,
+    Message,
+    Producer,
+    create_topics,
+    describe,
+    position_group,
+    start_over,
+)
 from srl.metrics import MAX_RECORD_BYTES, Metrics, dead_letter
 from srl.stores import store_from_config
 from srl.topics import Layout
@@ -316,9 +324,9 @@ class GeneratorWorker:
             return
         slack = self.cfg.recovery_slack_s
         if lost := guard.verify(lambda s: lost_trajectories(self.cfg, self.layout, s, slack)):
-            raise SrlError(
+            raise StartOver(
                 f"the broker lost acknowledged chunks of {len(lost)} finished trajectories "
-                f"(e.g. {lost[0]}) when it went away: exiting with their tasks uncommitted, "
+                f"(e.g. {lost[0]}) when it went away: leaving their tasks uncommitted, "
                 "so they are generated again"
             )
 
@@ -423,4 +431,15 @@ def run_generator(
     use_schema_registry(cfg)
 
     engine = engine or make_engine(cfg)
-    return GeneratorWorker(cfg, engine).run(stop or threading.Event())
+    stop = stop or threading.Event()
+
+    def attempt() -> GenSummary:
+        try:
+            return GeneratorWorker(cfg, engine).run(stop)
+        except StartOver:
+            engine.abort_all()  # their tasks are uncommitted: whoever owns them resumes them
+            raise
+
+    # a broker that lost what this worker wrote: leave the pool, join it again (no second
+    # engine start: minutes for a large vLLM model)
+    return start_over(attempt, f"generator {cfg.worker_name}")

@@ -12,6 +12,7 @@ __all__ = [
     "ProducerFailed",
     "SchemaError",
     "SrlError",
+    "StartOver",
     "StoreError",
     "WeightsError",
 ]
@@ -33,7 +34,12 @@ class BrokerUnavailable(SrlError):
     """No Kafka broker answered in time."""
 
 
-class ProducerFailed(BrokerUnavailable):
+class StartOver(SrlError):
+    """The role must start over from what is durable, as a restart would; a role whose state
+    is all in Kafka and the store does so in its own process (``srl.kafka.start_over``)."""
+
+
+class ProducerFailed(StartOver):
     """A producer librdkafka declared failed for good (a fatal error): a broker that lost
     records it had acknowledged (a SIGKILLed embedded broker), or a fenced producer. Its
     owner starts over with a new producer, from what is durable."""

@@ -124,6 +124,13 @@ class Engine(ABC):
                 return True
         return self._abort_running(key)
 
+    def abort_all(self) -> None:
+        """Drop every queued and running request (a worker starting over: their tasks are
+        uncommitted and come back from Kafka)."""
+        self.waiting.clear()
+        for key in self.running_keys():
+            self._abort_running(key)
+
     def _next_waiting(self) -> Request:
         """Pop the queued request with the highest priority (FIFO among equals)."""
         best = max(range(len(self.waiting)), key=lambda i: (self.waiting[i].priority, -i))
@@ -152,6 +159,10 @@ class Engine(ABC):
 
     @abstractmethod
     def _abort_running(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def running_keys(self) -> list[str]:
+        """The keys of the running batch's requests."""
 
     def _check(self, request: Request) -> None:
         """Backend-specific validation (e.g. context length); raise RequestError."""

@@ -142,6 +142,9 @@ class HFEngine(Engine):
             self.seeded = {k: g for k, g in self.seeded.items() if k in live}
         return out
 
+    def running_keys(self) -> list[str]:
+        return [row.request.key for row in self.rows]
+
     def _abort_running(self, key: str) -> bool:
         for i, row in enumerate(self.rows):
             if row.request.key == key:

@@ -125,6 +125,9 @@ class SimEngine(Engine):
             return int(self.lengths.sample(1, self.rng)[0])
         return req.max_new_tokens
 
+    def running_keys(self) -> list[str]:
+        return [r.request.key for r in self.rows]
+
     def _abort_running(self, key: str) -> bool:
         n = len(self.rows)
         self.rows = [r for r in self.rows if r.request.key != key]

@@ -135,6 +135,9 @@ class VLLMEngine(Engine):
         self.llm.add_request(req.key, prompt, params)
         self._running.add(req.key)
 
+    def running_keys(self) -> list[str]:
+        return list(self._running)
+
     def _abort_running(self, key: str) -> bool:
         if key not in self._running:
             return False

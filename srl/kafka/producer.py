@@ -24,7 +24,7 @@ import confluent_kafka
 from confluent_kafka import KafkaError, KafkaException
 
 from srl.config import ProducerSettings
-from srl.errors import ProducerFailed, SrlError
+from srl.errors import ProducerFailed, SrlError, StartOver
 from srl.kafka.settings import describe, producer_settings, wait_for_broker
 
 log = logging.getLogger("srl.kafka")
@@ -37,16 +37,16 @@ START_OVER_GAP_S = 30.0  # a second failure this soon after a start-over: exit i
 def start_over(
     run: Callable[[], T], role: str, gap_s: float = START_OVER_GAP_S, again: bool = True
 ) -> T:
-    """``run()``, run again while it ends in ``ProducerFailed`` (a broker that lost what the
-    role's producer had written): a role whose state is all in Kafka and the store starts
-    over from what is durable in its own process, as a restart would, without a second
-    start-up (imports, a model load). Raised instead (the role exits for its process
-    manager) unless ``again``, or when it fails within ``gap_s`` of the last start-over."""
+    """``run()``, run again while it ends in ``StartOver`` (``ProducerFailed``: a broker that lost
+    what the role's producer had written): a role whose state is all in Kafka and the store
+    starts over from what is durable in its own process, as a restart would, without a second
+    start-up (imports, a model load). Raised instead (the role exits for its process manager)
+    unless ``again``, or when it fails within ``gap_s`` of the last start-over."""
     last: float | None = None
     while True:
         try:
             return run()
-        except ProducerFailed as e:
+        except StartOver as e:
             if not again or (last is not None and time.monotonic() - last < gap_s):
                 raise
             log.warning("%s: %s: starting over from what is durable, in this process", role, e)

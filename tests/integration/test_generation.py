@@ -27,6 +27,7 @@ from producers.worker import GenSummary, run_generator
 from ranker.predictor import BaselinePredictor
 from schemas.records import MetricEvent, PromptTask, TrajectoryChunk, decode_as, encode, now_ms
 from srl.config import CommonConfig
+from srl.errors import ProducerFailed
 from srl.kafka import (
     Producer,
     TopicPartition,
@@ -285,12 +286,13 @@ def test_weights_published_mid_generation_are_followed_and_a_corrupt_version_ref
 ) -> None:
     cfg = gen_cfg(make_cfg, tiny_model, max_batch=2, chunk_tokens=8, worker_id="wv")
     dcfg = make_cfg(
-        DispatchConfig, prompts="unused.jsonl", group_size=4, max_new_tokens=400, temperature=0.7
+        DispatchConfig, prompts="unused.jsonl", group_size=2, max_new_tokens=400, temperature=0.7
     )
     create_topics(cfg)
     t = Trajectories(cfg)
     # every trajectory runs its 400 tokens, so the one in flight when v1 is published is
-    # still decoding when the worker swaps to it
+    # still decoding when the worker swaps to it; 4 of them (2 at a time) and 2 short ones
+    # after the refusal keep the decoding short
     with workers(cfg, no_eos=True) as ws:
         run_dispatcher(dcfg, prompts(2), BaselinePredictor(10))
 
@@ -301,14 +303,15 @@ def test_weights_published_mid_generation_are_followed_and_a_corrupt_version_ref
 
         t.wait(mid_trajectory, ws)
         publish_weights(cfg, 1, perturbed(tiny_model, 1))
-        t.wait(lambda t: len(t.complete()) == 8, ws)
+        t.wait(lambda t: len(t.complete()) == 4, ws)
         # v2 with a file that no longer matches its manifest: refused, v1 stays
         pub = publish_weights(cfg, 2, perturbed(tiny_model, 2), corrupt=True)
         deadline = time.monotonic() + 30
         while not events(cfg, "weights_refused") and time.monotonic() < deadline:
             time.sleep(0.2)
-        run_dispatcher(dcfg, [SourcePrompt("after", "after the refusal")], BaselinePredictor(10))
-        t.wait(lambda t: len(t.complete()) == 12, ws)
+        short = dcfg.model_copy(update={"max_new_tokens": 40})
+        run_dispatcher(short, [SourcePrompt("after", "after the refusal")], BaselinePredictor(10))
+        t.wait(lambda t: len(t.complete()) == 6, ws)
     assert pub.manifest.version == 2
     s = ws.summaries[0]
     assert (s.weights_loaded, s.weights_refused, s.policy_version) == (1, 1, 1)
@@ -318,14 +321,14 @@ def test_weights_published_mid_generation_are_followed_and_a_corrupt_version_ref
     loaded = events(cfg, "weights_loaded")
     assert [e.values["version"] for e in loaded] == [1.0] and loaded[0].values["pause_ms"] >= 0
     done = check_exactly_once(
-        t, {(f"p{i}", s) for i in range(2) for s in range(4)} | {("after", s) for s in range(4)}
+        t, {(f"p{i}", s) for i in range(2) for s in range(2)} | {("after", s) for s in range(2)}
     )
     versions = {k: [c.policy_version for c in cs] for k, cs in done.items()}
     assert all(v == sorted(v) for v in versions.values()), (
         "versions only move forward within a trajectory"
     )
     assert any(v[0] == 0 and v[-1] == 1 for v in versions.values()), "a trajectory spans the swap"
-    assert all(set(versions[("after", s)]) == {1} for s in range(4)), (
+    assert all(set(versions[("after", s)]) == {1} for s in range(2)), (
         "the refused v2 was never used"
     )
     loaded_at = loaded[0].ts_ms
@@ -484,3 +487,41 @@ def test_generate_config_errors_are_one_line(make_cfg: Any) -> None:
 
     with pytest.raises(ConfigError, match="engine hf needs --model DIR"):
         make_cfg(GenerateConfig)
+
+
+def test_a_worker_whose_producer_failed_starts_over_in_its_process_and_resumes(
+    make_cfg: Any, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 18 (``srl chaos`` broker-restart): a broker that lost what a generator's producer
+    had written fails that producer for good. The worker exited and was restarted (imports,
+    the engine: minutes for a large vLLM model); now it drops its engine's requests, leaves
+    its pool and joins again in its own process, with the same engine. Its tasks were never
+    committed: they come back and resume from their published prefixes, each sample complete
+    exactly once. The failure is injected mid-trajectory, where the worker checks its
+    producer."""
+    from producers import worker as worker_mod
+
+    cfg = gen_cfg(make_cfg, tiny_model, max_batch=2, chunk_tokens=8, worker_id="so")
+    dcfg = make_cfg(
+        DispatchConfig, prompts="unused.jsonl", group_size=2, max_new_tokens=120, temperature=0.7
+    )
+    create_topics(cfg)
+    t = Trajectories(cfg)
+    real = worker_mod.GeneratorWorker._guard
+    failed: list[int] = []
+
+    def failing(self: Any) -> None:
+        if not failed and self.summary.chunks >= 3 and self.engine.running:
+            failed.append(self.summary.chunks)
+            raise ProducerFailed("the producer to the test broker failed for good: injected")
+        real(self)
+
+    monkeypatch.setattr(worker_mod.GeneratorWorker, "_guard", failing)
+    with workers(cfg, no_eos=True) as ws:
+        run_dispatcher(dcfg, prompts(2), BaselinePredictor(10))
+        t.wait(lambda t: len(t.complete()) == 4, ws)
+    assert failed, "the failure was never injected"
+    check_exactly_once(t, {(f"p{i}", s) for i in range(2) for s in range(2)})
+    s = ws.summaries[0]  # the second run's
+    assert s.resumed > 0 and s.trajectories == 4 - s.skipped_complete, s
+    t.reader.close()
