@@ -86,7 +86,7 @@ from schemas.records import (
     unpack_tokens,
 )
 from srl.codecs import use_schema_registry
-from srl.errors import SrlError, StartOver, WeightsError
+from srl.errors import ProducerFailed, SrlError, StartOver, WeightsError
 from srl.kafka import (
     KafkaException,
     Message,
@@ -434,11 +434,17 @@ def run_generator(
     stop = stop or threading.Event()
 
     def attempt() -> GenSummary:
+        worker = GeneratorWorker(cfg, engine)
         try:
-            return GeneratorWorker(cfg, engine).run(stop)
-        except StartOver:
+            return worker.run(stop)
+        except (StartOver, KafkaException) as e:
+            producer = getattr(worker, "producer", None)
+            if isinstance(e, KafkaException) and not (producer and producer.fatal):
+                raise
             engine.abort_all()  # their tasks are uncommitted: whoever owns them resumes them
-            raise
+            if isinstance(e, StartOver):
+                raise
+            raise ProducerFailed(f"the generator's producer failed for good: {describe(e)}") from e
 
     # a broker that lost what this worker wrote: leave the pool, join it again (no second
     # engine start: minutes for a large vLLM model)

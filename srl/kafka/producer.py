@@ -158,7 +158,7 @@ class Producer:
         except SystemError as e:
             raise self._failed_for_good(e) from None
         except KafkaException as e:
-            if self._fatal(e):
+            if self._fatal(e) or self.fatal:
                 raise self._failed_for_good(e) from None
             raise
 
@@ -167,6 +167,10 @@ class Producer:
             return int(self._p.poll(timeout))
         except SystemError as e:
             raise self._failed_for_good(e) from None
+        except KafkaException as e:
+            if self._fatal(e) or self.fatal:
+                raise self._failed_for_good(e) from None
+            raise
 
     def warm(self, topics: Iterable[str], timeout_s: float = 10.0) -> None:
         """Fetch ``topics``' metadata now, not at the first record (a fresh producer holds its
@@ -189,6 +193,10 @@ class Producer:
             left = self._p.flush(timeout_s)
         except SystemError as e:
             raise self._failed_for_good(e) from None
+        except KafkaException as e:
+            if self._fatal(e) or self.fatal:
+                raise self._failed_for_good(e) from None
+            raise
         last = f": {self.errors[-1]}" if self.errors else ""
         if self.fatal:  # its undelivered records failed with it
             raise self._failed_for_good(self.errors[0])
