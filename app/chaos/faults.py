@@ -191,8 +191,10 @@ def kill_trainer_mid_checkpoint(sc: Scene, inj: Injection) -> None:
     notes = []
     for attempt in range(3):
         hit = _kill_at_next_checkpoint(sc, inj)
-        if hit is None:
+        if hit is None:  # nothing was injected (the run had ended, or stood still)
             notes.append("no checkpoint started in 60 s")
+            if attempt == 0:
+                inj.skipped = "no checkpoint started in 60 s"
             break
         if hit:
             notes.append(f"killed while writing {hit} (attempt {attempt + 1})")

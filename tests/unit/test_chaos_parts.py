@@ -222,3 +222,20 @@ def test_series_are_written_as_json_csv_and_png(tmp_path: Path) -> None:
     assert "rss_mb.trainer" in header and "broker_data_mb" in header
     assert (tmp_path / "soak.png").stat().st_size > 10_000
     assert (tmp_path / "soak.json").exists()
+
+
+def test_a_checkpoint_kill_that_found_no_checkpoint_is_a_skipped_row(tmp_path: Path) -> None:
+    """The soak printed a trainer-kill-checkpoint row's ``recovered_s`` as a wall-clock time:
+    no checkpoint started, nothing was killed, and its start stayed 0. Now it is skipped."""
+    import threading
+    from types import SimpleNamespace
+
+    from app.chaos.faults import Injection, kill_trainer_mid_checkpoint
+
+    halt = threading.Event()
+    halt.set()  # the run is over: no checkpoint will start
+    stage = SimpleNamespace(store_dir=tmp_path, run="r")
+    sc = SimpleNamespace(halt=halt, stage=stage)
+    inj = Injection("trainer-kill-checkpoint")
+    kill_trainer_mid_checkpoint(sc, inj)  # type: ignore[arg-type]
+    assert inj.skipped == "no checkpoint started in 60 s" and inj.start == 0.0
