@@ -147,6 +147,8 @@ def run_trainer(delay_ms: float, rate_mbit: float, groups: int) -> dict[str, Any
                 "2",
                 "--device",
                 "cpu",
+                "--max-steps",  # every group fed trained: done, without the idle wait
+                str(groups // 2),
                 "--idle-exit-s",
                 "10",
                 "--max-staleness",
@@ -168,19 +170,12 @@ def run_trainer(delay_ms: float, rate_mbit: float, groups: int) -> dict[str, Any
         logs = {k: (work / f"{k}.log").read_text() for k in codes}
         if any(codes.values()):
             raise RuntimeError(f"roles failed {codes}: { {k: v[-3000:] for k, v in logs.items()} }")
-        out = t.run(
-            "broker",
-            [sys.executable, "-m", "tests.crossdc_roles", "audit", "--config", gen_cfg],
-            env=env,
-        )
-        if out.returncode != 0:
-            raise RuntimeError(f"audit failed: {out.stderr.strip()}")
         return {
             "delay_ms": delay_ms,
             "rate_mbit": rate_mbit,
             "wall_s": wall,
             "feed": orjson.loads(logs["gen"].strip().splitlines()[-1]),
-            "audit": orjson.loads(out.stdout.strip().splitlines()[-1]),
+            "audit": _audit(t, gen_cfg, env),
         }
 
 
@@ -258,24 +253,38 @@ def run_pipeline(
         )
         if dispatch.returncode != 0:
             raise RuntimeError(f"dispatch failed: {dispatch.stderr.strip()}")
-        codes = {"train": trainer.wait(1200), "gen": gen.wait(1200)}
+        # every prompt released; once every sample asked for is decided (trained or dropped
+        # as stale, made durable), the run is over: SIGTERM both roles rather than waiting
+        # out their idle exits (the trainer's, if it comes first, ends the wait too)
+        deadline = time.monotonic() + 1200
+        while trainer.poll() is None and time.monotonic() < deadline:
+            seen = _audit(t, gen_cfg, env)
+            if seen["asked"] > 0 and seen["missing"] == 0:
+                break
+            time.sleep(2)
+        codes = {"train": t.stop(trainer, grace_s=120), "gen": t.stop(gen, grace_s=60)}
         wall = time.monotonic() - t0
         if any(codes.values()):
             logs = {k: (work / f"{k}.log").read_text()[-3000:] for k in codes}
             raise RuntimeError(f"roles failed {codes}: {logs}")
-        out = t.run(
-            "broker",
-            [sys.executable, "-m", "tests.crossdc_roles", "audit", "--config", gen_cfg],
-            env=env,
-        )
-        if out.returncode != 0:
-            raise RuntimeError(f"audit failed: {out.stderr.strip()}")
         return {
             "delay_ms": delay_ms,
             "rate_mbit": rate_mbit,
             "wall_s": wall,
-            "audit": orjson.loads(out.stdout.strip().splitlines()[-1]),
+            "audit": _audit(t, gen_cfg, env),
         }
+
+
+def _audit(t: Topology, gen_cfg: str, env: dict[str, str]) -> dict[str, Any]:
+    """``tests.crossdc_roles audit`` in the broker's datacenter: what was asked, decided."""
+    out = t.run(
+        "broker",
+        [sys.executable, "-m", "tests.crossdc_roles", "audit", "--config", gen_cfg],
+        env=env,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"audit failed: {out.stderr.strip()}")
+    return dict(orjson.loads(out.stdout.strip().splitlines()[-1]))
 
 
 def main() -> None:

@@ -5,9 +5,9 @@ away with it: ``python -m tests.diskfull --dir D --model M --out F`` with ``SRL_
 and ``SRL_TOPIC_PREFIX`` set. In order: a tmpfs at ``D``, the store on it; a few groups; the
 trainer (``srl-consumer train``) until it has published v1; then a ballast file fills the disk,
 more groups arrive and publishes and checkpoints fail; the ballast goes, the last groups
-arrive, the trainer goes idle and exits. Then the store and the weights topic are checked and
-a JSON summary written to ``F`` (the tmpfs is gone once this process ends). Used by
-``tests/e2e/test_disk_full.py``.
+arrive, the trainer trains them and exits after its 14th step. Then the store and the weights
+topic are checked and a JSON summary written to ``F`` (the tmpfs is gone once this process
+ends). Used by ``tests/e2e/test_disk_full.py``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def trainer(model: str, env: dict[str, str], log: Path) -> subprocess.Popen[byte
     args = [str(Path(sys.executable).parent / "srl-consumer"), "-v", "train", "--model", model]
     args += ["--groups-per-step", "1", "--batching", "groups", "--max-staleness", "100"]
     args += ["--micro-batch-tokens", "64", "--lr", "1e-3", "--device", "cpu"]
-    args += ["--keep-checkpoints", "1", "--idle-exit-s", "8"]
+    # 14 groups, one a step: done at step 14 (the idle exit only ends a trainer that stops short)
+    args += ["--keep-checkpoints", "1", "--max-steps", "14", "--idle-exit-s", "8"]
     args += ["--reward", "consumers.rewards:first_line_match"]
     with log.open("ab") as out:
         return subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
