@@ -161,6 +161,9 @@ def test_ctrl_c_stops_every_process_and_still_writes_the_report(
             stdout=f,
             stderr=subprocess.STDOUT,
             cwd=tmp_path,
+            # as in a terminal: a suite started in the background (``cmd &`` in a script)
+            # ignores SIGINT, and a Python child keeps an inherited ignore (stop 25's failure)
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     try:
         deadline = time.monotonic() + 600
