@@ -4,6 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 PYTEST_ARGS ?=
+# test processes: the suite mostly waits on subprocesses, brokers and timers (2 cores: 3)
+TEST_WORKERS ?= 3
 
 .PHONY: demo test test-fast chaos lint typecheck install install-dev clean
 
@@ -25,13 +27,14 @@ install-dev: $(VENV)/.installed-dev
 demo: install
 	$(BIN)/srl demo
 
-# The whole suite (slow end-to-end tests included). `make test-fast` deselects the slow ones.
+# The whole suite (slow end-to-end tests included), in $(TEST_WORKERS) processes (pytest-xdist;
+# each has its own broker). `make test-fast` deselects the slow ones; TEST_WORKERS=0: one process.
 test: install-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/mypy
-	$(BIN)/python -m pytest --slow $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --slow -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 # The fault-injection suite's full schedule, each fault alone then mixed (docs/reliability.md;
 # the network partition and the full disk need root). `make test` runs a bounded form of it.

@@ -41,6 +41,7 @@ class Producer:
         self.sent: list[tuple[str, Any]] = []
         self.pending: list[tuple[Any, Any]] = []
         self.flushes = 0
+        self.fatal = False  # librdkafka never declared this one failed for good
 
     def produce(self, topic: str, value: bytes, key: Any = None, **kw: Any) -> None:
         self.sent.append((topic, decode(value)))
