@@ -395,6 +395,7 @@ class GeneratorWorker:
             self.outlet.kill(st)
             st.todo.clear()
         self.pending.clear()
+        self.producer.purge_queued()  # their chunks still queued locally never go out
 
     def _stats(self, force: bool = False) -> None:
         now = time.monotonic()

@@ -74,6 +74,7 @@ class Producer:
         self.failed_handled = 0  # failures of records whose caller took them (``on_delivery``)
         self.outages = 0  # times every broker went away (librdkafka's _ALL_BROKERS_DOWN)
         self.fatal = False  # librdkafka declared this producer failed for good
+        self.purged = 0  # records dropped from the local queue by ``purge_queued``
         self._failed_reported = 0
         settings = producer_settings(cfg, role, **overrides)
         settings["error_cb"] = self._on_error
@@ -92,6 +93,8 @@ class Producer:
         try:
             if err is None:
                 self.delivered += 1
+            elif err.code() == KafkaError._PURGE_QUEUE:  # dropped on purpose: purge_queued
+                self.purged += 1
             elif handled:  # its producer's callback accounts for it
                 self.failed_handled += 1
             else:
@@ -178,6 +181,14 @@ class Producer:
         idempotent producer id, which only a delivered record shows: docs/benchmarks.md)."""
         for topic in topics:
             self._p.list_topics(topic, timeout=timeout_s)
+
+    def purge_queued(self) -> None:
+        """Drop the records not yet sent to a broker (a fenced generator's chunks, queued while
+        it was cut off: sent after the cut healed they would be a zombie's copies beside its
+        successor's). Records already in flight may still land (``srl.lineage`` fences them).
+        Their delivery reports say ``_PURGE_QUEUE``: counted in ``purged``, never raised."""
+        self._p.purge(in_queue=True, in_flight=False, blocking=True)
+        self.poll(0)
 
     def pending(self) -> int:
         return len(self._p)

@@ -140,6 +140,22 @@ def test_producer_with_no_broker_fails_fast_with_a_clear_error() -> None:
     assert len(seen) == 1 and seen[0] is not None and p.failed_handled == 1
 
 
+def test_purged_records_never_go_out_and_are_not_failures() -> None:
+    """A fenced generator purges the chunks it queued while cut off (``purge_queued``): they
+    must not reach the broker once the cut heals, and a purge is no delivery failure (the
+    next flush would end the worker)."""
+    dead = load_config(CommonConfig, cli={"bootstrap_servers": f"127.0.0.1:{free_port()}"}, env={})
+    p = Producer(dead, check=False)
+    seen: list[object] = []
+    for _ in range(5):
+        p.produce("x.trajectories", b"v")
+    p.produce("x.trajectories", b"v", on_delivery=lambda err, _msg: seen.append(err))
+    p.purge_queued()
+    p.flush(timeout_s=5)  # nothing left, nothing failed
+    assert (p.purged, p.failed, p.pending()) == (6, 0, 0)
+    assert len(seen) == 1 and seen[0] is not None  # the caller still hears of its record
+
+
 def test_dead_letters_carry_reason_and_origin(cfg: CommonConfig) -> None:
     layout = Layout.from_config(cfg)
     create_topics(cfg)
