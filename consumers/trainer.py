@@ -58,7 +58,7 @@ from consumers.rewards import Scorer, load_reward
 from consumers.steps import StepPlanner
 from consumers.train_engine import StepStats, TrainEngine, make_micro_batch
 from srl.codecs import use_schema_registry
-from srl.errors import ConfigError, ProducerFailed
+from srl.errors import ConfigError, StartOver
 from srl.kafka import (
     Consumer,
     KafkaException,
@@ -119,7 +119,7 @@ def run_trainer(cfg: TrainConfig) -> TrainResult:
                 return TrainResult(steps, -1, rank=dist.rank, micro_batches=micro_batches)
             try:
                 return Trainer(cfg, engine, store, dist, ckpt).run()
-            except ProducerFailed:
+            except StartOver:
                 engine.discard()
                 if ckpt is None:
                     engine = None

@@ -75,13 +75,18 @@ def task_target(task: PromptTask) -> int | None:
     return int(sim_length) if isinstance(sim_length, int | float) else None
 
 
-def check_versions(task: PromptTask, exists: Callable[[int, int | None], bool]) -> None:
+def check_versions(
+    task: PromptTask, exists: Callable[[int, int | None], bool], produced_ms: int | None
+) -> None:
     """BadTask for a task stamped with a policy version no run has published (``exists``:
     ``srl.weights.KnownVersions.exists``): its ``min_version`` (the newest announced version
-    when the dispatcher released it, so its manifest was written) or its resume prefix's."""
+    when the dispatcher released it, so its manifest was written) or its resume prefix's.
+    ``produced_ms``: when the task's record was produced (released), not ``created_ms`` (when
+    it was planned: a paced dispatcher plans a window before the version it waits for exists;
+    judged by that, a fresh listing was trusted not to miss a version announced after it)."""
     resumed = task.resume.min_version if task.resume is not None else None
     for v in (task.min_version, resumed):
-        if v and not exists(v, task.created_ms):
+        if v and not exists(v, produced_ms):
             raise BadTask(f"task {task.task_id}: policy version {v} was never published")
 
 

@@ -94,6 +94,7 @@ from srl.kafka import (
     create_topics,
     describe,
     position_group,
+    produced_ms,
     start_over,
 )
 from srl.metrics import MAX_RECORD_BYTES, Metrics, dead_letter
@@ -285,7 +286,7 @@ class GeneratorWorker:
                 raise BadTask(f"oversized: {len(value)} bytes > {MAX_RECORD_BYTES}")
             task = decode_as(value, PromptTask)
             target = task_target(task)  # a bad task is refused before the engine tokenizes
-            check_versions(task, self.known.exists)
+            check_versions(task, self.known.exists, produced_ms(msg))
             prompt_ids = (
                 unpack_tokens(task.prompt_tokens).tolist()
                 if task.prompt_tokens

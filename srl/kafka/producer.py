@@ -7,8 +7,8 @@ is not raised again by ``flush`` (a generator's chunks: its outlet decides what 
 means, e.g. nothing for a task it has abandoned). A producer that librdkafka declares failed
 for good (a fatal error: an idempotent producer whose acknowledged records the broker lost, as
 a SIGKILLed embedded broker does, or one fenced by another) raises ``ProducerFailed`` from
-``produce``, ``poll`` and ``flush``; its owner starts over from what is durable (the trainer
-in its own process: ``consumers.trainer.run_trainer``) or exits and is restarted.
+``produce``, ``poll`` and ``flush``; its owner starts over from what is durable in its own
+process (``start_over``: the trainer, the dispatcher, a generator) or exits and is restarted.
 """
 
 from __future__ import annotations

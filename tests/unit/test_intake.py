@@ -36,7 +36,14 @@ from producers.planning import (
 from producers.pool import Release, Take
 from producers.recovery import Found, trajectory_id_for
 from producers.tasks import SamplePlan, TaskState
-from schemas.records import MIGRATED, PromptTask, ResumePrefix, TrajectoryChunk, pack_tokens
+from schemas.records import (
+    MIGRATED,
+    PromptTask,
+    ResumePrefix,
+    TrajectoryChunk,
+    now_ms,
+    pack_tokens,
+)
 from srl.kafka import KafkaError, KafkaException, TopicPartition
 
 
@@ -110,12 +117,40 @@ def test_a_task_stamped_with_a_version_never_published_is_refused() -> None:
         return v in published
 
     prefix = ResumePrefix("t", 1, 2, pack_tokens([1]), 3, "migrated")
-    check_versions(task(min_version=3, resume=prefix), exists)
-    check_versions(task(), exists)  # unstamped: nothing to check
+    check_versions(task(min_version=3, resume=prefix), exists, 1)
+    check_versions(task(), exists, 1)  # unstamped: nothing to check
     for bad in (task(min_version=9), task(min_version=2, resume=replace(prefix, min_version=7))):
         with pytest.raises(BadTask, match="policy version [97] was never published"):
-            check_versions(bad, exists)
-        assert seen[-1][1] == bad.created_ms  # the store is listed again only if it is older
+            check_versions(bad, exists, bad.created_ms + 60_000)
+        # judged by when it was released (produced), not planned: the store is listed again
+        # unless the last listing is newer than that
+        assert seen[-1][1] == bad.created_ms + 60_000
+
+
+def test_a_task_planned_before_its_version_existed_is_not_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """srl chaos generator-partition (stop 26): a paced dispatcher planned step 7's task at
+    22:04:18 and released it at 22:04:54 stamped v5, announced that second. The worker had
+    listed the store at 22:04:50 (newest v4) and, judging by the task's ``created_ms``, did not
+    list again: "policy version 5 was never published", 8 samples lost. Judged by when the
+    record was produced, it lists again and finds v5."""
+    from srl import weights
+
+    store_newest = [4]
+    versions = weights.KnownVersions(store=None)  # type: ignore[arg-type]
+    listings = []
+
+    def newest(_store: object) -> int:
+        listings.append(store_newest[0])
+        return store_newest[0]
+
+    monkeypatch.setattr(weights, "newest_version", newest)
+    assert versions.exists(4, now_ms())  # listed now: v4
+    store_newest[0] = 5  # v5 written and announced; the task released for it
+    planned = task(min_version=5, created_ms=now_ms() - 36_000)
+    check_versions(planned, versions.exists, now_ms())
+    assert listings == [4, 5]
 
 
 PLANS: list[tuple[dict[str, Any], list[SamplePlan]]] = [
