@@ -124,6 +124,11 @@ class Producer:
             "(a broker that lost records it had acknowledged, or a fenced producer)"
         )
 
+    def _surfaced(self, e: KafkaException) -> Exception:
+        """What a Kafka error from the client raises: ``ProducerFailed`` once librdkafka has
+        declared this producer failed for good, else the error itself."""
+        return self._failed_for_good(e) if self._fatal(e) or self.fatal else e
+
     @staticmethod
     def _fatal(e: KafkaException) -> bool:
         err = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
@@ -161,9 +166,7 @@ class Producer:
         except SystemError as e:
             raise self._failed_for_good(e) from None
         except KafkaException as e:
-            if self._fatal(e) or self.fatal:
-                raise self._failed_for_good(e) from None
-            raise
+            raise self._surfaced(e) from None
 
     def poll(self, timeout: float = 0) -> int:
         try:
@@ -171,9 +174,7 @@ class Producer:
         except SystemError as e:
             raise self._failed_for_good(e) from None
         except KafkaException as e:
-            if self._fatal(e) or self.fatal:
-                raise self._failed_for_good(e) from None
-            raise
+            raise self._surfaced(e) from None
 
     def warm(self, topics: Iterable[str], timeout_s: float = 10.0) -> None:
         """Fetch ``topics``' metadata now, not at the first record (a fresh producer holds its
@@ -205,9 +206,7 @@ class Producer:
         except SystemError as e:
             raise self._failed_for_good(e) from None
         except KafkaException as e:
-            if self._fatal(e) or self.fatal:
-                raise self._failed_for_good(e) from None
-            raise
+            raise self._surfaced(e) from None
         last = f": {self.errors[-1]}" if self.errors else ""
         if self.fatal:  # its undelivered records failed with it
             raise self._failed_for_good(self.errors[0])
