@@ -4,10 +4,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 PYTEST_ARGS ?=
-# test processes (pytest-xdist): 0 runs the suite in this one. 3 takes ~15 instead of ~30
-# minutes on 2 cores, but one of three such clean-clone runs ended in an xdist INTERNALERROR
-# (a worker finished with a test still running: "assert not crashitem"), so CI stays at 0
-TEST_WORKERS ?= 0
+# test processes (pytest-xdist, each with its own broker): 3 takes ~15 instead of ~30 minutes
+# on 2 cores; 0 runs the suite in this one process (e.g. to debug a test with pdb)
+TEST_WORKERS ?= 3
 
 .PHONY: demo test test-fast chaos lint typecheck install install-dev clean
 
@@ -29,8 +28,8 @@ install-dev: $(VENV)/.installed-dev
 demo: install
 	$(BIN)/srl demo
 
-# The whole suite (slow end-to-end tests included); TEST_WORKERS=3: in 3 processes (each with
-# its own broker). `make test-fast` deselects the slow ones.
+# The whole suite (slow end-to-end tests included) in TEST_WORKERS processes. `make test-fast`
+# deselects the slow ones.
 test: install-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

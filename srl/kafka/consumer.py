@@ -15,6 +15,7 @@ thread-safe (as librdkafka's consumer): one thread per consumer.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -23,7 +24,10 @@ import confluent_kafka
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 
 from srl.config import KafkaSettings
+from srl.kafka.callbacks import callback
 from srl.kafka.settings import SESSION_TIMEOUT_MS, base_settings, consumer_settings
+
+log = logging.getLogger("srl.kafka")
 
 Rebalance = Callable[["Consumer", list[TopicPartition]], None]
 
@@ -37,6 +41,7 @@ class Consumer:
         strategy = str(settings.get("partition.assignment.strategy", ""))
         protocol = settings.get("group.protocol")
         self._incremental = "cooperative" in strategy or protocol == "consumer"
+        self._closing = False
 
     # -- membership and assignment ------------------------------------------------------------
     def subscribe(
@@ -51,7 +56,17 @@ class Consumer:
         self._c.subscribe(list(topics), **kwargs)
 
     def _bound(self, cb: Rebalance) -> Callable[[Any, list[TopicPartition]], None]:
-        return lambda _raw, partitions: cb(self, partitions)
+        @callback
+        def call(_raw: Any, partitions: list[TopicPartition]) -> None:
+            if self._closing:  # a rebalance that completes inside close(): nothing to take
+                try:
+                    cb(self, partitions)
+                except Exception as e:  # logged: the consumer is going away
+                    log.warning("rebalance callback failed while closing: %s", e)
+                return
+            cb(self, partitions)
+
+        return call
 
     def assign(self, partitions: Sequence[TopicPartition]) -> None:
         self._c.assign(list(partitions))
@@ -168,6 +183,7 @@ class Consumer:
         ]
 
     def close(self) -> None:
+        self._closing = True
         self._c.close()
 
     def __enter__(self) -> Consumer:

@@ -25,6 +25,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from srl.config import ProducerSettings
 from srl.errors import ProducerFailed, SrlError, StartOver
+from srl.kafka.callbacks import callback
 from srl.kafka.settings import describe, producer_settings, wait_for_broker
 
 log = logging.getLogger("srl.kafka")
@@ -77,7 +78,7 @@ class Producer:
         self.purged = 0  # records dropped from the local queue by ``purge_queued``
         self._failed_reported = 0
         settings = producer_settings(cfg, role, **overrides)
-        settings["error_cb"] = self._on_error
+        settings["error_cb"] = callback(self._on_error)
         self._p = confluent_kafka.Producer(settings)
 
     def _on_error(self, err: KafkaError) -> None:
@@ -149,6 +150,7 @@ class Producer:
             cb: DeliveryCallback = self._counted
         else:
 
+            @callback
             def cb(err: KafkaError | None, msg: Any) -> None:
                 self._counted(err, msg, handled=True)
                 on_delivery(err, msg)

@@ -17,6 +17,7 @@ from srl.broker import free_port
 from srl.config import CommonConfig, load_config
 from srl.errors import BrokerUnavailable, SrlError
 from srl.kafka import (
+    Consumer,
     KafkaException,
     Producer,
     QuietTail,
@@ -296,3 +297,25 @@ def test_a_producer_fails_with_one_error_when_the_broker_lost_what_it_acknowledg
                 time.sleep(0.01)
     finally:
         broker.stop(data)
+
+
+def test_an_error_in_a_rebalance_callback_comes_out_of_poll_as_itself(cfg: CommonConfig) -> None:
+    """confluent-kafka on Python < 3.12 re-raises a callback's exception as a bare
+    ``KafkaError`` object that no ``except`` clause (not even ``BaseException``) matches: a
+    trainer's ``on_assign`` whose ``committed()`` timed out during ``close()`` escaped pytest
+    itself. The wrapper keeps the error and raises it, as itself, when the call returns."""
+    layout = Layout.from_config(cfg)
+    create_topics(cfg)
+
+    def refuse(c: Consumer, _parts: list[TopicPartition]) -> None:
+        c.seek(TopicPartition("not-assigned", 0, 5))  # raises KafkaException, from C
+
+    consumer = make_consumer(cfg, "g-callback")
+    try:
+        consumer.subscribe([layout.trajectories], on_assign=refuse)
+        deadline = time.monotonic() + 30
+        with pytest.raises(KafkaException, match="not-assigned|Erroneous state|UNKNOWN"):
+            while time.monotonic() < deadline:
+                consumer.poll(0.2)
+    finally:
+        consumer.close()
