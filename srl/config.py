@@ -129,6 +129,15 @@ class LayoutSettings(Settings):
         2, ge=1, le=256, description="Trajectories-topic partitions per length bucket."
     )
     prompt_partitions: int = Field(2, ge=1, le=256, description="Partitions of each prompts topic.")
+    retention_ms: int | None = Field(
+        None,
+        ge=10_000,
+        description=(
+            "Retention (ms) of the data topics (trajectories, metrics, feedback, dead letters) "
+            "when they are created; null: the broker's default (Kafka: 7 days). The prompt "
+            "topics keep the default: they are the dispatcher's log."
+        ),
+    )
 
     @field_validator("bucket_bounds")
     @classmethod

@@ -48,6 +48,7 @@ class Layout:
     bucket_bounds: tuple[int, ...] = (256, 1024, 4096)
     partitions_per_bucket: int = 2
     prompt_partitions: int = 2
+    retention_ms: int | None = None  # of the data topics; None: the broker's default
 
     @classmethod
     def from_config(cls, cfg: TopicsConfig) -> Layout:
@@ -56,6 +57,7 @@ class Layout:
             tuple(cfg.bucket_bounds),
             cfg.partitions_per_bucket,
             cfg.prompt_partitions,
+            cfg.retention_ms,
         )
 
     # -- buckets -----------------------------------------------------------------------
@@ -135,17 +137,29 @@ class Layout:
 
     # -- all topics --------------------------------------------------------------------
     def specs(self) -> list[TopicSpec]:
-        """Every topic of a deployment with its partition count and topic config."""
+        """Every topic of a deployment with its partition count and topic config.
+
+        ``retention_ms`` bounds the data topics (trajectories, metrics, feedback, dead
+        letters), with segments rolled every quarter of it (a broker deletes whole segments
+        only, so data is kept for at most 1.25x the retention). The prompt topics keep the
+        broker's default: they are the dispatcher's log (``producers.dispatch_log``), and a
+        task deleted from them would be dispatched again by a restarted dispatcher."""
+        data: dict[str, str] = {}
+        if self.retention_ms is not None:
+            roll = max(self.retention_ms // 4, 1000)
+            data = {"retention.ms": str(self.retention_ms), "segment.ms": str(roll)}
         specs = [TopicSpec(self.prompts(b), self.prompt_partitions, {}) for b in self.buckets]
         specs += [TopicSpec(self.resumes(b), self.prompt_partitions, {}) for b in self.buckets]
         specs += [
             TopicSpec(
-                self.trajectories, self.trajectory_partition_count, {"max.message.bytes": "1048576"}
+                self.trajectories,
+                self.trajectory_partition_count,
+                {"max.message.bytes": "1048576", **data},
             ),
             TopicSpec(self.weights, 1, {"cleanup.policy": "compact"}),
-            TopicSpec(self.feedback, 1, {}),
-            TopicSpec(self.metrics, 1, {}),
-            TopicSpec(self.dlq, 1, {}),
+            TopicSpec(self.feedback, 1, dict(data)),
+            TopicSpec(self.metrics, 1, dict(data)),
+            TopicSpec(self.dlq, 1, dict(data)),
             TopicSpec(self.pool_epochs, 1, {"retention.ms": "-1"}),
             TopicSpec(self.pool_beats, 1, {"retention.ms": "3600000"}),
         ]

@@ -1,4 +1,6 @@
-"""The audit of a chaos run, read back from its topics after every role has stopped.
+"""The audit of a chaos run, from its topics: read back after every role has stopped, or
+gathered as they grew (:class:`Recorded`, fed by ``app.chaos.watch``: the soak, whose data
+topics have a retention).
 
 Owns the numbers of a run's rows. Like the demo's report (``app.report``), nothing comes from
 the roles' own summaries:
@@ -25,12 +27,13 @@ them in the dead-letter topic (``app.chaos.storefaults``).
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 from app.report import metric_events, read_all
-from schemas.records import PromptTask, SchemaError, TrajectoryChunk, decode_as
+from schemas.records import MetricEvent, PromptTask, SchemaError, TrajectoryChunk, decode_as
 from srl.config import CommonConfig
 from srl.kafka import committed_offsets
 from srl.topics import Layout, trainer_group
@@ -78,21 +81,36 @@ class Audit:
         return dict(self.__dict__)
 
 
-def read_tasks(cfg: CommonConfig) -> dict[Sample, int | None]:
-    """Every sample asked for (poison left out), with the trainer step its task was released for."""
-    layout = Layout.from_config(cfg)
-    asked: dict[Sample, int | None] = {}
-    for bucket in layout.buckets:
-        for _p, _o, value in read_all(cfg, layout.prompts(bucket)):
-            try:
-                task = decode_as(value, PromptTask)
-            except SchemaError:
-                continue
-            if task.prompt_id.startswith(POISON_PREFIX):
-                continue
+@dataclass
+class Recorded:
+    """What a run's topics held, as the audit needs it: gathered while they grew
+    (``app.chaos.watch`` feeds one; needed when the data topics have a retention, as in the
+    soak) or read back at the end (:func:`read_back`)."""
+
+    asked: dict[Sample, int | None] = field(default_factory=dict)  # -> its task's step
+    trajs: dict[str, Traj] = field(default_factory=dict)
+    decided: dict[str, dict[int, tuple[str, int]]] = field(
+        default_factory=lambda: defaultdict(dict)
+    )  # trajectory -> {step: (outcome, staleness)}; a restarted trainer's repeats collapse
+    steps: int = 0
+
+    def task(self, task: PromptTask) -> None:
+        if not task.prompt_id.startswith(POISON_PREFIX):
             for i in task.samples():
-                asked[(task.prompt_id, i)] = task.step
-    return asked
+                self.asked[(task.prompt_id, i)] = task.step
+
+    def chunk(self, partition: int, offset: int, c: TrajectoryChunk) -> None:
+        fold(self.trajs, partition, offset, c)
+
+    def event(self, e: MetricEvent) -> None:
+        if e.kind == "sample" and e.labels.get("trajectory_id"):
+            staleness = int(e.values.get("staleness", 0))
+            self.decided[e.labels["trajectory_id"]][int(e.step or 0)] = (
+                e.labels["outcome"],
+                staleness,
+            )
+        elif e.kind == "train_step" and e.step:
+            self.steps = max(self.steps, int(e.step))
 
 
 def fold(seen: dict[str, Traj], partition: int, offset: int, c: TrajectoryChunk) -> None:
@@ -108,37 +126,34 @@ def fold(seen: dict[str, Traj], partition: int, offset: int, c: TrajectoryChunk)
         t.last_seq = c.seq
 
 
-def read_trajectories(cfg: CommonConfig) -> dict[str, Traj]:
-    seen: dict[str, Traj] = {}
-    for p, o, value in read_all(cfg, Layout.from_config(cfg).trajectories):
-        try:
-            fold(seen, p, o, decode_as(value, TrajectoryChunk))
-        except SchemaError:
-            continue
-    return seen
+def read_back(cfg: CommonConfig) -> Recorded:
+    """Every record of the run, read back from its topics (all still there)."""
+    rec = Recorded()
+    for e in metric_events(cfg, cfg.run):
+        rec.event(e)
+    layout = Layout.from_config(cfg)
+    for p, o, value in read_all(cfg, layout.trajectories):
+        with contextlib.suppress(SchemaError):
+            rec.chunk(p, o, decode_as(value, TrajectoryChunk))
+    for bucket in layout.buckets:
+        for _p, _o, value in read_all(cfg, layout.prompts(bucket)):
+            with contextlib.suppress(SchemaError):
+                rec.task(decode_as(value, PromptTask))
+    return rec
 
 
-def decisions(events: list[Any]) -> dict[str, dict[int, tuple[str, int]]]:
-    """Per trajectory: ``{step: (outcome, staleness)}`` (a restarted trainer's repeats collapse)."""
-    out: dict[str, dict[int, tuple[str, int]]] = defaultdict(dict)
-    for e in events:
-        if e.kind == "sample" and e.labels.get("trajectory_id"):
-            staleness = int(e.values.get("staleness", 0))
-            out[e.labels["trajectory_id"]][int(e.step or 0)] = (e.labels["outcome"], staleness)
-    return out
-
-
-def audit_run(cfg: CommonConfig, finished: bool) -> Audit:
-    """The audit of the run on ``cfg``'s topics; ``finished``: the trainer did all its steps."""
-    events = metric_events(cfg, cfg.run)
-    trajs = read_trajectories(cfg)
-    steps = max((int(e.step) for e in events if e.kind == "train_step" and e.step), default=0)
+def audit_run(cfg: CommonConfig, finished: bool, recorded: Recorded | None = None) -> Audit:
+    """The audit of the run on ``cfg``'s topics, from ``recorded`` (read back when None);
+    ``finished``: the trainer did all its steps."""
+    rec = recorded if recorded is not None else read_back(cfg)
     layout = Layout.from_config(cfg)
     done = committed_offsets(
-        cfg, trainer_group(cfg.run), [(layout.trajectories, t.partition) for t in trajs.values()]
+        cfg,
+        trainer_group(cfg.run),
+        [(layout.trajectories, t.partition) for t in rec.trajs.values()],
     )
     committed = {p: off for (_t, p), off in done.items()}
-    return tally(read_tasks(cfg), trajs, decisions(events), committed, steps, finished)
+    return tally(rec.asked, rec.trajs, rec.decided, committed, rec.steps, finished)
 
 
 def tally(

@@ -85,9 +85,20 @@ class ChaosConfig(Settings):
         description="The trainer's expiry: a trajectory unfinished this long is given up (lost).",
     )
     fault_every_s: float = Field(60.0, gt=0, description="With --soak: seconds between faults.")
+    soak_retention_s: float = Field(
+        300.0,
+        ge=0,
+        description=(
+            "With --soak: retention of the run's data topics (trajectories, metrics, dead "
+            "letters), so that the broker's data stays flat; the audit is gathered as the "
+            "records arrive. 0: the broker's default, the audit reads them back at the end."
+        ),
+    )
 
     @model_validator(mode="after")
     def _known(self) -> ChaosConfig:
+        if 0 < self.soak_retention_s < 10:
+            raise ConfigError("chaos: soak_retention_s must be 0 (none) or at least 10")
         unknown = [f for f in self.faults if f not in FAULTS]
         if unknown:
             raise ConfigError(f"chaos: unknown fault {unknown[0]!r}; known: {', '.join(FAULTS)}")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.chaos.audit import Audit, audit_run
+from app.chaos.audit import Audit, Recorded, audit_run
 from app.chaos.cast import Broker, Cast, Proc
 from app.chaos.catalogue import CATALOGUE, mixed_faults
 from app.chaos.config import FAULTS, ChaosConfig
@@ -146,8 +146,12 @@ class Suite:
         return rows
 
     @contextlib.contextmanager
-    def scene(self, run: str, needs: set[str | None], steps: int) -> Iterator[Scene]:
-        """A run's stage, namespace, store, roles, supervisor and watch; all stopped on exit."""
+    def scene(
+        self, run: str, needs: set[str | None], steps: int, retention_ms: int | None = None
+    ) -> Iterator[Scene]:
+        """A run's stage, namespace, store, roles, supervisor and watch; all stopped on exit.
+        With ``retention_ms`` (the data topics' retention) the watch gathers the audit's
+        records as they arrive (``watch.recorded``): they will not all be there at the end."""
         work = self.out / "runs" / run
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
@@ -169,12 +173,13 @@ class Suite:
                 store_dir=work / "store",
                 steps=steps,
                 prefix=netns.prefix() if netns else [],
+                retention_ms=retention_ms,
             )
             conf = stage.write()
             create_topics(stage.common())
             cast = Cast(role_env(os.environ), work)
             stack.callback(cast.stop)
-            watch = Watch(stage.common())
+            watch = Watch(stage.common(), Recorded() if retention_ms else None)
             watch.start()
             stack.callback(watch.stop)
             sc = Scene(self.cfg, stage, cast, watch, self.broker, netns, disk, self.rng)

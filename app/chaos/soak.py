@@ -98,12 +98,17 @@ def run_soak(cfg: ChaosConfig, seconds: float, progress: Progress) -> dict[str, 
             Planned(n, (i + 1) * cfg.fault_every_s, Injection(n)) for i, n in enumerate(order)
         ]
         needs = {CATALOGUE[p.name].needs for p in planned}
-        with suite.scene("soak", needs, 0) as sc:
+        retention_ms = int(cfg.soak_retention_s * 1000) or None
+        with suite.scene("soak", needs, 0, retention_ms) as sc:
             suite.warm_up("soak", sc)
             series = _soak_loop(sc, planned, seconds, cfg, progress)
             crashes = sc.cast.crashes()
-        progress.phase("soak", "auditing the topics")
-        audit = audit_run(sc.stage.common(), finished=False)
+            progress.phase("soak", "stopping the roles; auditing the topics")
+            sc.halt.set()
+            sc.cast.stop()
+            if sc.watch.recorded is not None and not sc.watch.catch_up():
+                progress.phase("soak", "the topic watch did not catch up: the audit is short")
+            audit = audit_run(sc.stage.common(), finished=False, recorded=sc.watch.recorded)
     rows = [make_row("soak", sc, p, audit, crashes, True, 0) for p in planned]
     summary = write_series(Path(cfg.out).resolve(), series, planned, cfg, seconds)
     progress.done("soak", f"{len(planned)} faults in {seconds:g} s; series in {cfg.out}")

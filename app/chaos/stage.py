@@ -57,6 +57,7 @@ class Stage:
     store_dir: Path
     steps: int  # the trainer's max_steps; 0: until stopped (soak)
     prefix: list[str]  # the generators' command prefix (a network namespace), or []
+    retention_ms: int | None = None  # of the data topics (soak); None: the broker's default
 
     def __post_init__(self) -> None:
         tag = uuid.uuid4().hex[:6]
@@ -75,6 +76,7 @@ class Stage:
                 "store": f"file://{self.store_dir}",
                 "bucket_bounds": BUCKET_BOUNDS,
                 "linger_ms": 2.0,
+                "retention_ms": self.retention_ms,
             }
         )
 

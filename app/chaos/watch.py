@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from app.chaos.audit import Recorded
 from schemas.records import (
     MetricEvent,
     PromptTask,
@@ -28,7 +29,7 @@ from schemas.records import (
     decode_as,
 )
 from srl.config import CommonConfig
-from srl.kafka import KafkaException, Message, TopicPartition, reader
+from srl.kafka import KafkaException, Message, TopicPartition, reader, watermarks
 from srl.topics import Layout
 
 log = logging.getLogger("app.chaos")
@@ -100,10 +101,12 @@ class Seen:
 class Watch(threading.Thread):
     """Reads the run's topics into :class:`Seen`; ask it under ``with watch.lock``."""
 
-    def __init__(self, cfg: CommonConfig) -> None:
+    def __init__(self, cfg: CommonConfig, recorded: Recorded | None = None) -> None:
         super().__init__(name="chaos-watch", daemon=True)
         self.cfg, self.layout = cfg, Layout.from_config(cfg)
         self.seen = Seen()
+        self.recorded = recorded  # the audit's records, gathered as they arrive
+        self.read_to: dict[tuple[str, int], int] = {}  # next offset of each partition, handled
         self.lock = threading.Lock()
         self.halt = threading.Event()
         self.error: str | None = None
@@ -128,6 +131,7 @@ class Watch(threading.Thread):
                     for m in msgs:
                         with contextlib.suppress(SchemaError):
                             self.handlers[m.topic() or ""](m)
+                    self.read_to = dict(tail.next)
                     self._forget()
         except Exception as e:  # reported with the run; recovery conditions then time out
             self.error = f"{type(e).__name__}: {e}"
@@ -139,6 +143,8 @@ class Watch(threading.Thread):
         e = decode_as(m.value() or b"", MetricEvent)
         if e.run != self.cfg.run:
             return
+        if self.recorded is not None:
+            self.recorded.event(e)
         t, s = e.ts_ms / 1000.0, self.seen
         worker = e.labels.get("worker_id", e.source)
         if e.kind == "train_step" and e.step is not None:
@@ -157,6 +163,8 @@ class Watch(threading.Thread):
 
     def _chunk(self, m: Message) -> None:
         c = decode_as(m.value() or b"", TrajectoryChunk)
+        if self.recorded is not None:
+            self.recorded.chunk(m.partition() or 0, m.offset() or 0, c)
         tid, s = c.trajectory_id, self.seen
         if c.is_last:
             s.open.pop(tid, None)
@@ -166,6 +174,8 @@ class Watch(threading.Thread):
 
     def _task(self, m: Message) -> None:
         task = decode_as(m.value() or b"", PromptTask)
+        if self.recorded is not None:
+            self.recorded.task(task)
         if task.step is not None:
             t = task.created_ms / 1000.0
             self.seen.released[task.step] = min(t, self.seen.released.get(task.step, t))
@@ -201,6 +211,19 @@ class Watch(threading.Thread):
 
     def last_step(self) -> int:
         return max((s for _, s in self.seen.steps), default=0)
+
+    def catch_up(self, timeout_s: float = 120.0) -> bool:
+        """Wait until every record written so far has been handled (call once the roles have
+        stopped, before reading ``recorded``); False if that took longer than ``timeout_s``."""
+        ends = watermarks(self.cfg, self.handlers)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.is_alive():
+            with self.lock:
+                behind = [k for k, (_low, high) in ends.items() if self.read_to.get(k, 0) < high]
+            if not behind:
+                return True
+            time.sleep(0.2)
+        return False
 
     def stop(self) -> None:
         self.halt.set()

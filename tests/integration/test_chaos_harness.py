@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from app.chaos.audit import Recorded, audit_run
 from app.chaos.netns import FullDisk, GenNamespace
 from app.chaos.watch import Watch
 from schemas.records import MetricEvent, PromptTask, encode
@@ -64,6 +65,41 @@ def test_watch_sees_records_written_before_and_after_it_caught_up(cfg: CommonCon
     finally:
         watch.stop()
     assert watch.error is None
+
+
+def test_the_audit_gathered_as_records_arrive_is_the_one_read_back(cfg: CommonConfig) -> None:
+    """The soak's data topics have a retention, so its audit is gathered by the watch as the
+    records arrive (``Recorded``); ``catch_up`` waits for what was written last."""
+    layout = Layout.from_config(cfg)
+    create_topics(cfg)
+    a = traj_chunks("p0", 0, 2, [1, 2], list(range(20)), chunk_tokens=16, worker_id="w0")
+    b = traj_chunks("p0", 1, 2, [1, 2], list(range(9)), chunk_tokens=16, worker_id="w1")
+
+    def trained(tid: str, step: int) -> MetricEvent:
+        labels = {"trajectory_id": tid, "outcome": "trained"}
+        return MetricEvent("sample", "trainer-0", cfg.run, {"staleness": 1}, labels, step)
+
+    task = PromptTask("t0", "p0", "x", 2, 8, "le256", step=1)
+    with Producer(cfg) as p:
+        p.produce(layout.prompts("le256"), encode(task))
+    produce(cfg, a)
+    watch = Watch(cfg, Recorded())
+    watch.start()
+    try:
+        assert wait(lambda: watch.recorded is not None and watch.recorded.asked)
+        produce(cfg, b)  # written after the watch caught up once
+        with Producer(cfg) as p:
+            for e in (trained(a[0].trajectory_id, 1), trained(b[0].trajectory_id, 1)):
+                p.produce(layout.metrics, encode(e))
+            step = MetricEvent("train_step", "trainer-0", cfg.run, step=1)
+            p.produce(layout.metrics, encode(step))
+        assert watch.catch_up(30)
+        live = audit_run(cfg, finished=True, recorded=watch.recorded)
+    finally:
+        watch.stop()
+    assert live == audit_run(cfg, finished=True)  # read back: every record is still there
+    assert (live.asked, live.generated, live.trained, live.lost, live.steps) == (2, 2, 2, 0, 1)
+    assert live.max_staleness == 1
 
 
 def _answers(ns: GenNamespace, bootstrap: str) -> bool:
