@@ -133,7 +133,8 @@ class LayoutSettings(Settings):
         None,
         ge=10_000,
         description=(
-            "Retention (ms) of the data topics (trajectories, metrics, feedback, dead letters) "
+            "Retention (ms) of the data topics (trajectories, resume tasks, metrics, feedback, "
+            "dead letters) "
             "when they are created; null: the broker's default (Kafka: 7 days). The prompt "
             "topics keep the default: they are the dispatcher's log."
         ),

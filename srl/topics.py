@@ -13,7 +13,7 @@ Owns the naming every role and every monitoring tool relies on:
 * ``{prefix}.metrics``: metric events from every role
 * ``{prefix}.dlq``: records that could not be decoded or used, with the reason in headers
 * ``{prefix}.pool.epochs`` / ``{prefix}.pool.beats``: generator pools' epochs (never deleted)
-  and their members' heartbeats (kept an hour): ``producers.pool``
+  and their members' heartbeats (kept 10 minutes): ``producers.pool``
 
 Buckets are named by their upper bound in tokens (``le256``, ``le1024``, ``le4096``) and one
 open bucket for the rest (``gt4096``). Bucket ``i`` owns trajectories partitions
@@ -139,17 +139,21 @@ class Layout:
     def specs(self) -> list[TopicSpec]:
         """Every topic of a deployment with its partition count and topic config.
 
-        ``retention_ms`` bounds the data topics (trajectories, metrics, feedback, dead
-        letters), with segments rolled every quarter of it (a broker deletes whole segments
-        only, so data is kept for at most 1.25x the retention). The prompt topics keep the
-        broker's default: they are the dispatcher's log (``producers.dispatch_log``), and a
-        task deleted from them would be dispatched again by a restarted dispatcher."""
+        ``retention_ms`` bounds the data topics (trajectories, resume tasks, metrics, feedback,
+        dead letters), with segments rolled every quarter of it (a broker deletes whole
+        segments only, so data is kept for at most 1.25x the retention). The prompt topics
+        keep the broker's default: they are the dispatcher's log (``producers.dispatch_log``),
+        and a task deleted from them would be dispatched again by a restarted dispatcher.
+        Pool beats are read back 2 session timeouts at most: kept 10 minutes, in 1-minute
+        segments (with the default segment of 7 days nothing would ever be deleted)."""
         data: dict[str, str] = {}
         if self.retention_ms is not None:
             roll = max(self.retention_ms // 4, 1000)
             data = {"retention.ms": str(self.retention_ms), "segment.ms": str(roll)}
         specs = [TopicSpec(self.prompts(b), self.prompt_partitions, {}) for b in self.buckets]
-        specs += [TopicSpec(self.resumes(b), self.prompt_partitions, {}) for b in self.buckets]
+        specs += [
+            TopicSpec(self.resumes(b), self.prompt_partitions, dict(data)) for b in self.buckets
+        ]
         specs += [
             TopicSpec(
                 self.trajectories,
@@ -161,7 +165,7 @@ class Layout:
             TopicSpec(self.metrics, 1, dict(data)),
             TopicSpec(self.dlq, 1, dict(data)),
             TopicSpec(self.pool_epochs, 1, {"retention.ms": "-1"}),
-            TopicSpec(self.pool_beats, 1, {"retention.ms": "3600000"}),
+            TopicSpec(self.pool_beats, 1, {"retention.ms": "600000", "segment.ms": "60000"}),
         ]
         return specs
 

@@ -69,9 +69,10 @@ def test_specs_cover_every_topic_and_compact_weights() -> None:
 def test_retention_bounds_the_data_topics_and_never_the_dispatchers_log() -> None:
     assert all("retention.ms" not in s.config for s in Layout("p").specs()[:-2])
     specs = {s.name: s.config for s in Layout("p", retention_ms=600_000).specs()}
-    for topic in ("p.trajectories", "p.metrics", "p.feedback", "p.dlq"):
+    for topic in ("p.trajectories", "p.resume.le256", "p.metrics", "p.feedback", "p.dlq"):
         assert specs[topic]["retention.ms"] == "600000"
         assert specs[topic]["segment.ms"] == "150000"  # deleted by whole segments
     assert specs["p.trajectories"]["max.message.bytes"] == "1048576"
-    for topic in ("p.prompts.le256", "p.resume.gt4096", "p.weights", "p.pool.epochs"):
+    for topic in ("p.prompts.le256", "p.prompts.gt4096", "p.weights", "p.pool.epochs"):
         assert specs[topic].get("retention.ms") in (None, "-1")
+    assert specs["p.pool.beats"] == {"retention.ms": "600000", "segment.ms": "60000"}
