@@ -18,9 +18,10 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(PIP) install -e .
 	@touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed
+# one resolve for the package and its dev tools (a second pip pass costs ~20 s)
+$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	$(PIP) install -e '.[dev]'
-	@touch $@
+	@touch $(VENV)/.installed $@
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev

@@ -275,6 +275,7 @@ def restart_broker(sc: Scene, inj: Injection) -> None:
     sc.broker.kill()
     sc.sleep(RESTART_DELAY_S)
     sc.broker.start()
+    sc.watch.broker_restarted(inj.start)
     inj.end = time.time()
     inj.note = f"broker down {inj.end - inj.start:.1f} s (SIGKILL, restart on its port and data)"
 
