@@ -96,4 +96,4 @@ def load_model(model_dir: str | Path, device: str = "cpu", dtype: Any = None) ->
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype or torch.float32)
-    return model.to(device)  # type: ignore[arg-type]
+    return model.to(device)

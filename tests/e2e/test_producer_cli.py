@@ -177,13 +177,14 @@ def test_sigkill_of_a_worker_mid_trajectory_is_resumed_by_another(
     assert t.duplicates == 0
     resumed = [cs for cs in done.values() if cs[0].trajectory_id in killed_mid]
     assert resumed, "the killed worker's unfinished trajectories were not completed"
-    for (
-        cs
-    ) in resumed:  # another worker continued the numbering right after the killed one's last chunk
+    # others continued the numbering right after the killed one's last chunk (check_exactly_once:
+    # seq 0..last once each). wc joining later moves partitions to it: a trajectory wb resumed
+    # may be handed off to wc mid-way (pool epochs), so one or both of them write the rest
+    for cs in resumed:
         workers_in_order = [c.worker_id for c in cs]
         switch = next(i for i, w in enumerate(workers_in_order) if w != "wa")
-        assert set(workers_in_order[:switch]) == {"wa"} and len(set(workers_in_order[switch:])) == 1
-        assert workers_in_order[-1] in ("wb", "wc")
+        assert set(workers_in_order[:switch]) == {"wa"}
+        assert set(workers_in_order[switch:]) <= {"wb", "wc"}
     summaries = logs["wb"].read_text() + logs["wc"].read_text()
     assert re.search(r"resumed [1-9]", summaries), summaries[-3000:]
 
