@@ -109,7 +109,6 @@ def test_the_audit_gathered_as_records_arrive_is_the_one_read_back(cfg: CommonCo
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.skipif(not embedded_broker_in_use(), reason="SIGKILLs its own embedded broker")
 def test_the_gathered_audit_keeps_what_a_restarted_broker_kept_not_what_it_forgot(
     tmp_path: Path,
 ) -> None:
