@@ -33,11 +33,8 @@ stream. Refused with one line: stage 3 (parameters partitioned) and 16-bit dtype
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from consumers.config import TrainConfig
@@ -48,10 +45,11 @@ from srl.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# DeepSpeed's CPU accelerator JIT-builds its shared-memory collective op on first use (about a
-# minute). torch guards the build with a lock file holding no process id: a build killed
-# mid-way leaves it, and every later start waits on it forever (CI hung 300 s per test on one).
-STALE_BUILD_LOCK_S = 600.0
+# DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce op on first use (83 s of
+# CPU on the 2-core machine, 2026-11-27: a stall before a fresh install's first step, and the
+# build's lock file, holding no process id, hung every later start once a build was killed).
+# CPU ranks reduce through gloo instead, as under the torch backend.
+SHM_COMM_OP = "deepspeed_shm_comm"
 
 if TYPE_CHECKING:
     import torch
@@ -72,23 +70,12 @@ def check_supported(cfg: TrainConfig) -> None:
         ) from None
 
 
-def clear_stale_build_locks(max_age_s: float = STALE_BUILD_LOCK_S) -> list[Path]:
-    """Remove DeepSpeed op-build locks older than any real build (see ``STALE_BUILD_LOCK_S``);
-    returns the removed paths. A live build's lock is younger and is left alone."""
-    from torch.utils.cpp_extension import get_default_build_root
+def skip_shm_comm_build() -> None:
+    """Tell DeepSpeed its shared-memory all-reduce op cannot run here (see ``SHM_COMM_OP``):
+    its comm backend then all-reduces through torch.distributed (gloo) and builds nothing."""
+    import deepspeed.ops
 
-    # torch builds in $TORCH_EXTENSIONS_DIR/<op>, else in <cache>/py311_cpu/<op>
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    pattern = "deepspeed_*/lock" if root else "*/deepspeed_*/lock"
-    removed = []
-    for lock in Path(root or get_default_build_root()).glob(pattern):
-        with contextlib.suppress(FileNotFoundError):
-            age = time.time() - lock.stat().st_mtime
-            if age > max_age_s:
-                lock.unlink()
-                log.warning("removed a stale build lock left by a killed build: %s", lock)
-                removed.append(lock)
-    return removed
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
 
 
 class DeepSpeedEngine(Engine):
@@ -111,7 +98,8 @@ class DeepSpeedEngine(Engine):
             )
             atexit.register(tdist.destroy_process_group)
         os.environ.setdefault("LOCAL_RANK", "0")
-        clear_stale_build_locks()
+        if self.device == "cpu":
+            skip_shm_comm_build()
         import deepspeed
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)

@@ -25,10 +25,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# DeepSpeed JIT-builds a C++ op into torch's extensions folder; one folder per checkout keeps
-# two checkouts (or a CI clone beside a dev tree) from rebuilding over each other's build.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch_extensions"))
-
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--slow", action="store_true", help="also run tests marked slow")
