@@ -25,6 +25,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# `make test` runs 3 test processes on 2 cores and each starts roles: one torch thread per
+# process (the tiny model gains nothing from more, and OpenMP's idle threads spin). Measured on
+# three integration/unit modules: 14% less CPU, 10% less wall (2026-11-27). Set before any
+# import of torch; the roles the tests start inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--slow", action="store_true", help="also run tests marked slow")
