@@ -53,8 +53,11 @@ def _demo(tmp_path: Path, cli_env: dict[str, str], tiny_model: Path, *args: str)
     link = tmp_path / "policy0"
     if not link.exists():
         link.symlink_to(tiny_model, target_is_directory=True)
-    # a small held-out set and no intermediate evaluations keep the test short on a busy machine
-    (tmp_path / "demo.toml").write_text("[demo]\neval_prompts = 32\neval_every = 0\n")
+    # a small held-out set, no intermediate evaluations and steps of 4 groups of 4 (the demo's
+    # are 8 of 8) keep the test short on a busy machine
+    (tmp_path / "demo.toml").write_text(
+        "[demo]\neval_prompts = 32\neval_every = 0\ngroup_size = 4\ngroups_per_step = 4\n"
+    )
     return [
         bin_path("srl"),
         "-v",
@@ -195,4 +198,4 @@ def test_sync_mode_never_lets_a_generator_run_ahead_of_the_trainer(
     _printed, report, _log = _run_to_end(tmp_path, cli_env, tiny_model, "--mode", "sync")
     assert report["steps"] == 3 and report["lost"] == 0 and report["dropped_stale"] == 0
     assert report["staleness_hist"] == {"0": report["trajectories_trained"]}
-    assert report["trajectories_trained"] == 3 * 8 * 8
+    assert report["trajectories_trained"] == 3 * 4 * 4
