@@ -396,7 +396,8 @@ class GeneratorWorker:
             self.outlet.kill(st)
             st.todo.clear()
         self.pending.clear()
-        self.producer.purge_queued()  # their chunks still queued locally never go out
+        n = self.producer.purge_queued()  # chunks still queued locally never go out
+        log.warning("dropped %d trajectories; %d chunks, queued unsent, purged", len(states), n)
 
     def _stats(self, force: bool = False) -> None:
         now = time.monotonic()

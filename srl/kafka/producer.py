@@ -185,13 +185,16 @@ class Producer:
         for topic in topics:
             self._p.list_topics(topic, timeout=timeout_s)
 
-    def purge_queued(self) -> None:
+    def purge_queued(self) -> int:
         """Drop the records not yet sent to a broker (a fenced generator's chunks, queued while
         it was cut off: sent after the cut healed they would be a zombie's copies beside its
-        successor's). Records already in flight may still land (``srl.lineage`` fences them).
-        Their delivery reports say ``_PURGE_QUEUE``: counted in ``purged``, never raised."""
+        successor's); returns how many. Records already in flight may still land
+        (``srl.lineage`` fences them). Their delivery reports say ``_PURGE_QUEUE``: counted in
+        ``purged``, never raised."""
+        before = self.purged
         self._p.purge(in_queue=True, in_flight=False, blocking=True)
         self.poll(0)
+        return self.purged - before
 
     def pending(self) -> int:
         return len(self._p)

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from collections import defaultdict
@@ -102,8 +103,15 @@ def test_a_generator_stopped_past_its_session_never_publishes_twice(
     print(f"taken over {took_s:.1f}s after the SIGSTOP; zombie rejoined {rejoined_s:.1f}s after")
     assert took_s <= BOUND_S
     t.poll()
-    assert conflicts(t.raw) >= 1, "the zombie published nothing it had queued"
-    assert "fenced" in logs["wa"].read_text()
+    # the zombie had chunks queued at the SIGSTOP: after SIGCONT its producer sent them before
+    # the worker found itself fenced (the readers must fence them), or the worker purged them
+    # first (which comes first is a race between librdkafka's thread and the decode loop)
+    zombie = logs["wa"].read_text()
+    purged = sum(int(n) for n in re.findall(r"(\d+) chunks, queued unsent, purged", zombie))
+    published = conflicts(t.raw)
+    print(f"the zombie published {published} queued chunks and purged {purged}")
+    assert published + purged >= 1, "the zombie had nothing queued: nothing was tested"
+    assert "fenced" in zombie
     late = [
         c
         for c in t.raw
@@ -116,7 +124,7 @@ def test_a_generator_stopped_past_its_session_never_publishes_twice(
     ]
     asm = Assembler(set())  # the trainer's view, read in the same order, comes to the same
     assembled = {tr.trajectory_id: tr for c in t.raw if (tr := asm.add(c)) is not None}
-    assert len(assembled) == len(ids) * 2 and asm.fenced >= 1
+    assert len(assembled) == len(ids) * 2 and asm.fenced >= min(published, 1)
     for cs in done.values():
         tr = assembled[cs[0].trajectory_id]
         assert tr.n_tokens == sum(c.n_tokens for c in cs) and tr.workers == tuple(

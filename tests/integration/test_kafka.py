@@ -151,7 +151,7 @@ def test_purged_records_never_go_out_and_are_not_failures() -> None:
     for _ in range(5):
         p.produce("x.trajectories", b"v")
     p.produce("x.trajectories", b"v", on_delivery=lambda err, _msg: seen.append(err))
-    p.purge_queued()
+    assert p.purge_queued() == 6  # what it dropped, counted as it returns
     p.flush(timeout_s=5)  # nothing left, nothing failed
     assert (p.purged, p.failed, p.pending()) == (6, 0, 0)
     assert len(seen) == 1 and seen[0] is not None  # the caller still hears of its record
