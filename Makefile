@@ -9,7 +9,7 @@ PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 # config: pip's find-links (where this machine keeps its CPU torch build) are passed on.
 UV_VERSION ?= 0.13.9
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
-UV_PIP := $(BIN)/uv pip install -q --compile-bytecode -p $(BIN)/python $(addprefix --find-links ,$(FIND_LINKS))
+UV_PIP  = $(BIN)/uv pip install -q --compile-bytecode -p $(BIN)/python $(addprefix --find-links ,$(FIND_LINKS))
 PYTEST_ARGS ?=
 # test processes (pytest-xdist, each with its own broker): 3 takes ~15 instead of ~30 minutes
 # on 2 cores; 0 runs the suite in this one process (e.g. to debug a test with pdb)
