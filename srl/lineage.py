@@ -51,13 +51,13 @@ class Lineage:
 
     def add(self, c: TrajectoryChunk) -> Verdict:
         """Apply one chunk (the module docstring's rule); what became of it."""
+        if self.fences(c):
+            self.fenced += 1
+            return "fenced"
         if self.done:
             return "duplicate"
         if c.pool is not None and c.pool_epoch is not None:
             starts = self._starts.setdefault(c.pool, {})
-            if any(e > c.pool_epoch and first <= c.seq for e, first in starts.items()):
-                self.fenced += 1
-                return "fenced"
             starts[c.pool_epoch] = min(starts.get(c.pool_epoch, c.seq), c.seq)
             if len(starts) > 1:  # one writer so far (the usual case): nothing to cut
                 self._cut(c.pool, c.pool_epoch, c.seq)
@@ -72,6 +72,13 @@ class Lineage:
             and all(s in self.chunks for s in range(self.last_seq + 1))
         )
         return "kept"
+
+    def fences(self, c: TrajectoryChunk) -> bool:
+        """``c`` is a fenced writer's: a newer epoch of its pool was seen at a seq ``<= c.seq``."""
+        if c.pool is None or c.pool_epoch is None:
+            return False
+        starts = self._starts.get(c.pool, {})
+        return any(e > c.pool_epoch and first <= c.seq for e, first in starts.items())
 
     def _cut(self, pool: str, epoch: int, seq: int) -> None:
         """Remove the held chunks of older epochs of ``pool`` at ``seq`` and after."""

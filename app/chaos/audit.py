@@ -6,9 +6,11 @@ Owns the numbers of a run's rows. Like the demo's report (``app.report``), nothi
 the roles' own summaries:
 
 * the prompt topics say which samples were asked for: each task's ``(prompt_id, sample)``;
-* the trajectories topic says what was generated: a trajectory is *complete* when its chunks
-  ``0..last`` are all there; a chunk published twice with different tokens (two workers
-  writing one trajectory: a zombie after SIGCONT) is a *conflict*;
+* the trajectories topic says what was generated, read by the readers' own rule
+  (``srl.lineage``): a trajectory is *complete* when its chunks ``0..last`` are all there; a
+  seq published twice with different tokens is a *conflict* (``published_twice``), unless
+  the second copy is a fenced writer's (a zombie generator's after SIGCONT, superseded by a
+  newer pool epoch), which every reader drops: those are counted apart (``fenced``);
 * the trainer's ``sample`` events (metrics topic) say what became of each trajectory, at
   which step and at what staleness; the trainer group's committed offsets say what it has
   made durable.
@@ -18,24 +20,26 @@ lost`` (``generated`` counts complete trajectories). A sample is *lost* when it 
 trained, not dropped as stale, did not fail on its own account (reward error, invalid
 record) and is not pending, which includes a trajectory the trainer gave up on
 (``expired``: its generator died and nobody finished it) and one never generated although
-its step was trained. *Pending*: generated at or after the trainer's committed offset, or
-not generated yet while its step is still ahead of the trainer: a continued run trains it.
-A sample trained at two steps or under two trajectory ids is *trained twice*. Records of the
-poison fault (``POISON_PREFIX`` ids) are left out here; the poison fault's check looks for
-them in the dead-letter topic (``app.chaos.storefaults``).
+its step was trained. *Pending*: generated with none of its records below the trainer's
+committed offsets (on each partition it spans: a migrated trajectory's chunks lie in two
+buckets' partitions), or not generated yet while its step is still ahead of the trainer: a
+continued run trains it. A sample trained at two steps or under two trajectory ids is
+*trained twice*. Records of the poison fault (``POISON_PREFIX`` ids) are left out here; the
+poison fault's check looks for them in the dead-letter topic (``app.chaos.storefaults``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from app.report import metric_events, read_all
 from schemas.records import MetricEvent, PromptTask, SchemaError, TrajectoryChunk, decode_as
 from srl.config import CommonConfig
 from srl.kafka import committed_offsets
+from srl.lineage import Lineage
 from srl.topics import Layout, trainer_group
 
 POISON_PREFIX = "chaos-poison"
@@ -44,18 +48,29 @@ Sample = tuple[str, int]  # (prompt_id, sample index)
 
 @dataclass
 class Traj:
-    """What the trajectories topic holds of one trajectory."""
+    """What the trajectories topic holds of one trajectory: its chunks that count, by the
+    readers' own rule (``srl.lineage``: a fenced zombie's chunks do not), and where its records
+    lie. A migrated trajectory spans partitions (its first chunks in one bucket's, the rest
+    in the long-tail bucket's), so the first offset is kept per partition."""
 
     sample: Sample
-    partition: int
-    first_offset: int
-    chunks: dict[int, bytes] = field(default_factory=dict)  # seq -> tokens
-    last_seq: int | None = None
-    conflict: bool = False
+    firsts: dict[int, int] = field(default_factory=dict)  # partition -> its first offset
+    lineage: Lineage = field(default_factory=Lineage)
+    conflict: bool = False  # two different copies of one seq, neither fenced
 
     @property
     def complete(self) -> bool:
-        return self.last_seq is not None and set(self.chunks) == set(range(self.last_seq + 1))
+        return self.lineage.done
+
+    @property
+    def fenced(self) -> int:
+        return self.lineage.fenced
+
+    def passed(self, committed: dict[int, int | None]) -> bool:
+        """Some record of it lies below the committed offset of its partition: a restarted
+        trainer would not read it again (the commit rule never allows that while the
+        trajectory is undecided: ``consumers.offsets``)."""
+        return any((committed.get(p) or 0) > first for p, first in self.firsts.items())
 
 
 @dataclass
@@ -72,6 +87,7 @@ class Audit:
     lost: int = 0
     trained_twice: int = 0
     published_twice: int = 0
+    fenced: int = 0  # chunks of fenced writers (zombies) in the topic, dropped by every reader
     max_staleness: int = 0
     steps: int = 0
     lost_examples: list[str] = field(default_factory=list)
@@ -114,16 +130,18 @@ class Recorded:
 
 
 def fold(seen: dict[str, Traj], partition: int, offset: int, c: TrajectoryChunk) -> None:
-    """Add one chunk to what is known of its trajectory (a copy with other tokens is a
-    conflict; one with the same tokens a harmless duplicate)."""
+    """Add one chunk to what is known of its trajectory, as its readers do (``srl.lineage``):
+    a copy of a seq with other tokens is a *conflict* unless it is a fenced writer's (a zombie
+    generator's, which every reader drops); one with the same tokens is a harmless
+    duplicate (a producer retry)."""
     t = seen.get(c.trajectory_id)
     if t is None:
-        t = seen[c.trajectory_id] = Traj((c.prompt_id, c.sample_index), partition, offset)
-    t.first_offset = min(t.first_offset, offset)
-    old = t.chunks.setdefault(c.seq, c.tokens)
-    t.conflict = t.conflict or old != c.tokens
-    if c.is_last:
-        t.last_seq = c.seq
+        t = seen[c.trajectory_id] = Traj((c.prompt_id, c.sample_index))
+    t.firsts[partition] = min(t.firsts.get(partition, offset), offset)
+    c = replace(c, logprobs=b"")  # kept for the whole run (the soak's): only what is compared
+    held = t.lineage.chunks.get(c.seq)
+    if t.lineage.add(c) == "duplicate" and held is not None:
+        t.conflict = t.conflict or held.tokens != c.tokens
 
 
 def read_back(cfg: CommonConfig) -> Recorded:
@@ -150,7 +168,7 @@ def audit_run(cfg: CommonConfig, finished: bool, recorded: Recorded | None = Non
     done = committed_offsets(
         cfg,
         trainer_group(cfg.run),
-        [(layout.trajectories, t.partition) for t in rec.trajs.values()],
+        {(layout.trajectories, p) for t in rec.trajs.values() for p in t.firsts},
     )
     committed = {p: off for (_t, p), off in done.items()}
     return tally(rec.asked, rec.trajs, rec.decided, committed, rec.steps, finished)
@@ -176,6 +194,7 @@ def tally(
         by_sample[t.sample].append(tid)
         a.generated += int(t.complete)
         a.published_twice += int(t.conflict)
+        a.fenced += t.fenced
     a.max_staleness = max((d[1] for _step, d in _trained(decided, trajs)), default=0)
     for sample, step in asked.items():
         verdict = _verdict(sample, step, by_sample, trajs, decided, committed, steps, finished)
@@ -223,8 +242,7 @@ def _verdict(
             return verdict
     complete = [trajs[t] for t in tids if trajs[t].complete]
     if complete:
-        ahead = any((committed.get(t.partition) or 0) <= t.first_offset for t in complete)
-        return "pending" if ahead else "lost-passed"
+        return "lost-passed" if all(t.passed(committed) for t in complete) else "pending"
     if not finished or step is None or step > last_step:
         return "pending"
     return "lost-never-generated"

@@ -4,6 +4,7 @@ the poison records and the soak's growth figures."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -49,8 +50,8 @@ def chunk(tid: str, seq: int, last: bool, tokens: list[int], prompt: str = "p") 
 
 # -- the audit -------------------------------------------------------------------------------
 def traj(sample: tuple[str, int], partition: int = 0, offset: int = 10, done: bool = True) -> Traj:
-    t = Traj(sample, partition, offset, {0: b"x"})
-    t.last_seq = 0 if done else None
+    t = Traj(sample, {partition: offset})
+    t.lineage.add(chunk("t", 0, done, [1], prompt=sample[0]))
     return t
 
 
@@ -59,9 +60,47 @@ def test_fold_tells_duplicates_from_conflicting_copies() -> None:
     fold(seen, 3, 7, chunk("a", 0, False, [5, 6]))
     fold(seen, 3, 9, chunk("a", 0, False, [5, 6]))  # a producer retry: same tokens
     fold(seen, 3, 8, chunk("a", 1, True, [7]))
-    assert seen["a"].complete and not seen["a"].conflict and seen["a"].first_offset == 7
-    fold(seen, 3, 12, chunk("a", 1, True, [9]))  # a zombie's second version of seq 1
+    assert seen["a"].complete and not seen["a"].conflict and seen["a"].firsts == {3: 7}
+    fold(seen, 3, 12, chunk("a", 1, True, [9]))  # a second writer's other version of seq 1
     assert seen["a"].conflict
+
+
+def test_fold_drops_a_fenced_zombies_copies_as_every_reader_does() -> None:
+    # pool epoch 1 wrote seq 0 and 1 and was dropped (SIGSTOP); epoch 2 read seq 0 back and
+    # went on from seq 1; the zombie's queued seq 1 and 2 went out after SIGCONT, before and
+    # after its successor finished: fenced (or cut), never a conflict
+    def pooled(seq: int, last: bool, tokens: list[int], epoch: int) -> TrajectoryChunk:
+        return replace(chunk("z", seq, last, tokens), pool="regular", pool_epoch=epoch)
+
+    seen: dict[str, Traj] = {}
+    fold(seen, 0, 1, pooled(0, False, [1], 1))
+    fold(seen, 0, 2, pooled(1, False, [2], 1))
+    fold(seen, 0, 5, pooled(1, False, [7], 2))  # cuts the zombie's seq 1
+    fold(seen, 0, 6, pooled(2, False, [2], 1))  # the zombie again: fenced
+    fold(seen, 0, 7, pooled(2, True, [8], 2))
+    fold(seen, 0, 9, pooled(3, True, [3], 1))  # after completion, still fenced
+    z = seen["z"]
+    assert z.complete and not z.conflict and z.fenced == 3
+    held = [c.tokens for _s, c in sorted(z.lineage.chunks.items())]
+    assert held == [pack_tokens([1]), pack_tokens([7]), pack_tokens([8])]
+    a = tally({("p", 0): 1}, seen, {}, {}, 0, finished=False)
+    assert (a.published_twice, a.fenced, a.pending) == (0, 3, 1)
+
+
+def test_a_migrated_trajectory_is_pending_until_the_commit_passes_it_on_any_partition() -> None:
+    # the regular pool wrote seq 0 on partition 0 (offset 100), the long-tail pool the rest on
+    # partition 4 (offset 20): each partition's commit is compared with its own first offset,
+    # whichever of the two was read first
+    at = {0: (100, chunk("m", 0, False, [1])), 4: (20, chunk("m", 1, True, [2]))}
+    for order in ((0, 4), (4, 0)):
+        seen: dict[str, Traj] = {}
+        for p in order:
+            fold(seen, p, *at[p])
+        verdicts = [
+            tally({("p", 0): 1}, seen, {}, commit, 1, finished=True)
+            for commit in ({0: 100, 4: 20}, {0: 60, 4: 21}, {0: 101, 4: 0})
+        ]
+        assert [(a.pending, a.lost) for a in verdicts] == [(1, 0), (0, 1), (0, 1)]
 
 
 def test_every_asked_sample_gets_one_verdict() -> None:
