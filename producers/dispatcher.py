@@ -67,6 +67,7 @@ from srl.codecs import use_schema_registry
 from srl.errors import SrlError, WeightsError
 from srl.kafka import (
     OFFSET_BEGINNING,
+    Message,
     Producer,
     QuietTail,
     TopicPartition,
@@ -204,11 +205,28 @@ class Announcements:
         self.catch_up(cfg.connect_timeout_s)
 
     def catch_up(self, timeout_s: float) -> int:
-        """Read everything appended so far; the newest version of our run."""
+        """Read everything appended so far; the newest version of our run. Only the newest
+        announcements are checked: one older than a version that verifies is superseded, and
+        its weights may be gone (the trainer keeps ``keep_versions``), which is no fault."""
         _low, high = self._c.get_watermark_offsets(self._tp, timeout=timeout_s, cached=False)
         deadline = time.monotonic() + timeout_s
+        backlog = []
         while self._position() < high and time.monotonic() < deadline:
-            self.poll(0.1)
+            msg = self._tail.poll(0.1)
+            if msg is not None and not msg.error():
+                backlog.append(msg)
+        ours = sorted(
+            (ann.version, i)
+            for i, m in enumerate(backlog)
+            if (ann := announcement(m.value() or b"")[0]) is not None and ann.run == self.run
+        )
+        for _v, i in reversed(ours):  # newest first, down to the first that verifies
+            if self._handle(backlog[i]):
+                break
+        ours_at = {i for _v, i in ours}
+        for i, m in enumerate(backlog):
+            if i not in ours_at:  # poison, other runs' announcements
+                self._handle(m)
         return self.latest
 
     def _position(self) -> int:
@@ -217,8 +235,12 @@ class Announcements:
 
     def poll(self, timeout_s: float) -> None:
         msg = self._tail.poll(timeout_s)
-        if msg is None or msg.error():
-            return
+        if msg is not None and not msg.error():
+            self._handle(msg)
+
+    def _handle(self, msg: Message) -> bool:
+        """Take one record of the weights topic: True if it is a verified announcement of
+        our run (an unverified one, or no announcement, is dead-lettered)."""
         ann, why = announcement(msg.value() or b"")
         if ann is not None and ann.run == self.run and ann.version > self.latest:
             why = self._unverified(ann)
@@ -227,9 +249,12 @@ class Announcements:
                 self.producer, self.layout, msg.value(), msg.key(), why, origin(msg), self.metrics
             )
             self.metrics.flush_counters()
-        elif ann is not None and ann.run == self.run:
-            self.latest = max(self.latest, ann.version)
-            self.step = max(self.step, ann.trainer_step)
+            return False
+        if ann is None or ann.run != self.run:
+            return False
+        self.latest = max(self.latest, ann.version)
+        self.step = max(self.step, ann.trainer_step)
+        return True
 
     def _unverified(self, ann: WeightsAnnouncement) -> str | None:
         """Why a new announcement of our run cannot be trusted (None: its manifest verifies)."""

@@ -41,7 +41,7 @@ from srl.kafka import Producer, committed_offsets, create_topics, read_range, wa
 from srl.metrics import Metrics
 from srl.stores import store_from_config
 from srl.topics import Layout
-from srl.weights import announce, publish
+from srl.weights import announce, prune_versions, publish
 from tests.chunks import metric_events, produce, sim_generate_cfg
 from tests.integration.test_ranker_online import _trajectory
 from tests.integration.test_trainer import make_groups, train_cfg
@@ -320,6 +320,25 @@ def test_the_dispatcher_dead_letters_poison_and_unverified_announcements(make_cf
         dead_letters(cfg),
         {**REASONS, "negative version": "negative version -4", "future version": "v99: object"},
     )
+
+
+def test_a_restarted_dispatcher_does_not_dead_letter_versions_pruned_since(make_cfg: Any) -> None:
+    # a dispatcher restarted late in a run reads the whole weights topic back: the versions
+    # older than ``keep_versions`` are gone from the store, as they should be (it used to
+    # dead-letter every one of them: ~400 letters per restart in the 30-minute soak); a bogus
+    # newest announcement is still refused, and the newest good one taken
+    cfg = make_cfg(DispatchConfig, prompts="unused.jsonl")
+    layout = Layout.from_config(cfg)
+    create_topics(cfg)
+    for v in range(1, 6):
+        publish_version(cfg, v)
+    assert prune_versions(store_from_config(cfg), cfg.run, keep=2) == [1, 2, 3]
+    send(cfg, layout.weights, [announcement(cfg, 9, 9)])  # announced, never written
+    with Producer(cfg, "dispatcher") as producer:
+        anns = Announcements(cfg, layout, producer)
+        anns.close()
+    assert (anns.latest, anns.step) == (5, 5)
+    check_reasons(dead_letters(cfg), {"bogus newest": "v9: object"})
 
 
 def test_the_monitor_counts_unreadable_metric_records_and_shows_the_rest(make_cfg: Any) -> None:
