@@ -20,7 +20,9 @@ run goes on: oversized, undecodable, another record type (``srl.metrics.read_rec
 chunk with negative positions or version, or prompt tokens outside the tokenizer
 (``chunk_defect``), or a policy version no run has published (``srl.weights.KnownVersions``).
 The consumer is a static member of its group (``group.instance.id``), so a restarted ranker
-gets its partitions back at once (``tests/e2e/test_ranker_restart.py``). Prompt tokens are
+gets its partitions back at once (``tests/e2e/test_ranker_restart.py``). A producer that
+failed for good (a broker that lost what it acknowledged) starts the ranker over in its
+process from the committed offsets (``srl.kafka.start_over``), as the other roles do. Prompt tokens are
 turned back into text with the policy's tokenizer (``--model DIR``), because the dispatcher
 predicts from the rendered prompt text.
 """
@@ -52,6 +54,7 @@ from srl.kafka import (
     describe,
     make_consumer,
     produced_ms,
+    start_over,
     wait_for_broker,
 )
 from srl.metrics import Metrics, dead_letter, origin, read_record
@@ -215,20 +218,32 @@ def run_online(
     # that never evicts a SIGKILLed member, as the embedded one, would otherwise keep the
     # partitions with the dead one for good); a second ranker in the group fences the first
     gid = cfg.group_id()
-    with (
-        Producer(cfg, "ranker") as producer,
-        make_consumer(cfg, gid, "ranker", **{"group.instance.id": f"{gid}-0"}) as consumer,
-    ):
-        run = _OnlineRun(cfg, layout, consumer, producer)
-        consumer.subscribe([layout.trajectories])
-        while not run.done(max_versions) and not idle(run.last_progress, idle_timeout_s):
-            for msg in consumer.consume(500, 0.5):
-                if msg.error() or run.done(max_versions):
-                    continue  # past max_versions: left uncommitted for the next run
-                published = run.take(msg)
-                if published is not None and on_version is not None:
-                    on_version(*published)
-    return run.published
+    published = 0
+
+    def attempt() -> int:
+        nonlocal published
+        left = None if max_versions is None else max_versions - published
+        with (
+            Producer(cfg, "ranker") as producer,
+            make_consumer(cfg, gid, "ranker", **{"group.instance.id": f"{gid}-0"}) as consumer,
+        ):
+            run = _OnlineRun(cfg, layout, consumer, producer)
+            consumer.subscribe([layout.trajectories])
+            try:
+                while not run.done(left) and not idle(run.last_progress, idle_timeout_s):
+                    for msg in consumer.consume(500, 0.5):
+                        if msg.error() or run.done(left):
+                            continue  # past max_versions: left uncommitted for the next run
+                        version = run.take(msg)
+                        if version is not None and on_version is not None:
+                            on_version(*version)
+            finally:
+                published += run.published
+        return published
+
+    # a broker that lost what the producer wrote (a SIGKILLed embedded broker): the pairs
+    # since the last version are read again from the committed offsets, in this process
+    return start_over(attempt, "ranker")
 
 
 class _OnlineRun:

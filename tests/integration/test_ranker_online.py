@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
 
+import numpy as np
+import pytest
+
+from ranker import online
 from ranker.config import RankerConfig
 from ranker.dispatch import RankerPredictor
 from ranker.metrics import spearman
 from ranker.online import run_online
 from ranker.publish import load_version, versions
 from schemas.records import TrajectoryChunk, encode, pack_logprobs, pack_tokens
+from srl.errors import ProducerFailed
 from srl.kafka import Producer, committed_offsets, create_topics
 from srl.stores import store_from_config
 from srl.tinymodel import build_tokenizer
@@ -52,14 +57,9 @@ def _trajectory(i: int, k: int, layout: Layout) -> list[TrajectoryChunk]:
     return chunks
 
 
-def test_online_training_publishes_versions_and_commits(make_cfg) -> None:  # type: ignore[no-untyped-def]
-    cfg: RankerConfig = make_cfg(
-        RankerConfig, window=400, retrain_every=150, min_pairs=150, epochs=60, hidden=(32,)
-    )
-    layout = Layout.from_config(cfg)
+def _publish_trajectories(cfg: RankerConfig, layout: Layout, n: int) -> None:
     create_topics(cfg)
-    rng = np.random.default_rng(0)
-    ks = rng.integers(1, 150, 450)
+    ks = np.random.default_rng(0).integers(1, 150, n)
     with Producer(cfg, "test") as p:
         p.produce(layout.trajectories, b"not avro", key="junk", partition=0)
         for i, k in enumerate(ks):
@@ -70,6 +70,36 @@ def test_online_training_publishes_versions_and_commits(make_cfg) -> None:  # ty
                     key=c.trajectory_id,
                     partition=layout.partition_for(c.bucket, c.trajectory_id),
                 )
+
+
+def test_a_ranker_whose_producer_failed_for_good_starts_over_in_its_process(
+    make_cfg: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a SIGKILLed embedded broker forgets what it acknowledged last: the producer fails for
+    # good (out-of-order sequence); the ranker used to exit (twice in the 30-minute soak)
+    cfg: RankerConfig = make_cfg(
+        RankerConfig, window=100, retrain_every=100, min_pairs=100, epochs=5, hidden=(8,)
+    )
+    _publish_trajectories(cfg, Layout.from_config(cfg), 260)
+    real, failed = online._OnlineRun.take, []
+
+    def failing(self: Any, msg: Any) -> Any:
+        if self.published and not failed:
+            failed.append(1)
+            raise ProducerFailed("the producer to the test broker failed for good: injected")
+        return real(self, msg)
+
+    monkeypatch.setattr(online._OnlineRun, "take", failing)
+    assert online.run_online(cfg, max_versions=2, idle_timeout_s=15) == 2
+    assert failed and versions(store_from_config(cfg), cfg.run) == [1, 2]
+
+
+def test_online_training_publishes_versions_and_commits(make_cfg) -> None:  # type: ignore[no-untyped-def]
+    cfg: RankerConfig = make_cfg(
+        RankerConfig, window=400, retrain_every=150, min_pairs=150, epochs=60, hidden=(32,)
+    )
+    layout = Layout.from_config(cfg)
+    _publish_trajectories(cfg, layout, 450)
     seen: list[dict[str, float]] = []
     n = run_online(cfg, max_versions=2, idle_timeout_s=15, on_version=lambda r, v: seen.append(v))
     assert n == 2 and [int(v["version"]) for v in seen] == [1, 2]
