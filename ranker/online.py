@@ -22,9 +22,9 @@ chunk with negative positions or version, or prompt tokens outside the tokenizer
 The consumer is a static member of its group (``group.instance.id``), so a restarted ranker
 gets its partitions back at once (``tests/e2e/test_ranker_restart.py``). A producer that
 failed for good (a broker that lost what it acknowledged) starts the ranker over in its
-process from the committed offsets (``srl.kafka.start_over``), as the other roles do. Prompt tokens are
-turned back into text with the policy's tokenizer (``--model DIR``), because the dispatcher
-predicts from the rendered prompt text.
+process from the committed offsets (``srl.kafka.start_over``), as the other roles do. Prompt
+tokens are turned back into text with the policy's tokenizer (``--model DIR``), because the
+dispatcher predicts from the rendered prompt text.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def test_a_ranker_whose_producer_failed_for_good_starts_over_in_its_process(
         RankerConfig, window=100, retrain_every=100, min_pairs=100, epochs=5, hidden=(8,)
     )
     _publish_trajectories(cfg, Layout.from_config(cfg), 260)
-    real, failed = online._OnlineRun.take, []
+    real, failed = online._OnlineRun.take, list[int]()
 
     def failing(self: Any, msg: Any) -> Any:
         if self.published and not failed:
@@ -94,7 +94,7 @@ def test_a_ranker_whose_producer_failed_for_good_starts_over_in_its_process(
     assert failed and versions(store_from_config(cfg), cfg.run) == [1, 2]
 
 
-def test_online_training_publishes_versions_and_commits(make_cfg) -> None:  # type: ignore[no-untyped-def]
+def test_online_training_publishes_versions_and_commits(make_cfg: Any) -> None:
     cfg: RankerConfig = make_cfg(
         RankerConfig, window=400, retrain_every=150, min_pairs=150, epochs=60, hidden=(32,)
     )
