@@ -172,7 +172,8 @@ def open_consumers(cfg: TrainConfig, topics: list[str]) -> tuple[Consumer, Consu
     # static membership: a restarted trainer takes its predecessor's place at once instead
     # of waiting for the group to notice the dead member; a second trainer in the same
     # group fences the first rather than splitting the partitions (and the groups) with it
-    consumer = make_consumer(cfg, gid, "trainer", **{"group.instance.id": f"{gid}-rank0"})
+    static: dict[str, Any] = {"group.instance.id": f"{gid}-rank0"}
+    consumer = make_consumer(cfg, gid, "trainer", **static)
     # how far we have read, for the generators' backlog bound (committed offsets trail
     # behind every unfinished trajectory and every checkpoint interval)
     return consumer, make_consumer(cfg, position_group(gid), "trainer-position")

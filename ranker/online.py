@@ -34,7 +34,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -218,6 +218,7 @@ def run_online(
     # that never evicts a SIGKILLed member, as the embedded one, would otherwise keep the
     # partitions with the dead one for good); a second ranker in the group fences the first
     gid = cfg.group_id()
+    static: dict[str, Any] = {"group.instance.id": f"{gid}-0"}
     published = 0
 
     def attempt() -> int:
@@ -225,7 +226,7 @@ def run_online(
         left = None if max_versions is None else max_versions - published
         with (
             Producer(cfg, "ranker") as producer,
-            make_consumer(cfg, gid, "ranker", **{"group.instance.id": f"{gid}-0"}) as consumer,
+            make_consumer(cfg, gid, "ranker", **static) as consumer,
         ):
             run = _OnlineRun(cfg, layout, consumer, producer)
             consumer.subscribe([layout.trajectories])

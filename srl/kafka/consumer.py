@@ -25,18 +25,22 @@ from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 
 from srl.config import KafkaSettings
 from srl.kafka.callbacks import callback
+from srl.kafka.quiet import Quiet, key
 from srl.kafka.settings import SESSION_TIMEOUT_MS, base_settings, consumer_settings
 
 log = logging.getLogger("srl.kafka")
 
 Rebalance = Callable[["Consumer", list[TopicPartition]], None]
+QUIET_PROBE_S = 0.02  # a group member's probe of the partitions it has read to their end
 
 
 class Consumer:
     """A librdkafka consumer with srl's settings; use it in a ``with`` block (closes on exit)."""
 
-    def __init__(self, settings: dict[str, Any]) -> None:
+    def __init__(self, settings: dict[str, Any], quiet_s: float | None = None) -> None:
         self._c = confluent_kafka.Consumer(settings)
+        # stop fetching partitions read to their end, probe them every quiet_s (srl.kafka.quiet)
+        self._quiet = Quiet(self._c, quiet_s) if quiet_s else None
         # incremental (cooperative, or KIP-848) rebalances add partitions; eager ones replace all
         strategy = str(settings.get("partition.assignment.strategy", ""))
         protocol = settings.get("group.protocol")
@@ -58,6 +62,7 @@ class Consumer:
     def _bound(self, cb: Rebalance) -> Callable[[Any, list[TopicPartition]], None]:
         @callback
         def call(_raw: Any, partitions: list[TopicPartition]) -> None:
+            self._forget(partitions)
             if self._closing:  # a rebalance that completes inside close(): nothing to take
                 try:
                     cb(self, partitions)
@@ -70,6 +75,12 @@ class Consumer:
 
     def assign(self, partitions: Sequence[TopicPartition]) -> None:
         self._c.assign(list(partitions))
+        self._forget(partitions)
+
+    def _forget(self, partitions: Sequence[TopicPartition]) -> None:
+        """Assigned, revoked or sought: what ``Quiet`` knew of them no longer holds."""
+        if self._quiet is not None and (wake := self._quiet.assigned(partitions)):
+            self._c.resume([TopicPartition(t, p) for t, p in wake])
 
     def assign_from(
         self,
@@ -97,8 +108,10 @@ class Consumer:
             self._c.incremental_assign(out)
         else:
             self._c.assign(out)
+        self._forget(out)
 
     def unassign(self) -> None:
+        self._forget(self._c.assignment())
         self._c.unassign()
 
     def assignment(self) -> list[TopicPartition]:
@@ -106,19 +119,47 @@ class Consumer:
 
     def pause(self, partitions: Sequence[TopicPartition]) -> None:
         self._c.pause(list(partitions))
+        if self._quiet is not None:
+            self._quiet.paused(key(tp) for tp in partitions)
 
     def resume(self, partitions: Sequence[TopicPartition]) -> None:
-        self._c.resume(list(partitions))
+        if self._quiet is None:
+            self._c.resume(list(partitions))
+        elif wake := self._quiet.resumable(key(tp) for tp in partitions):
+            self._c.resume([TopicPartition(t, p) for t, p in wake])
 
     def seek(self, partition: TopicPartition) -> None:
+        self._forget([partition])
         self._c.seek(partition)
 
     # -- records --------------------------------------------------------------------------------
     def poll(self, timeout: float = -1) -> Message | None:
-        return self._c.poll(timeout)
+        if self._quiet is None:
+            return self._c.poll(timeout)
+        out = self._quietly(lambda t: [m] if (m := self._c.poll(t)) is not None else [], timeout)
+        return out[0] if out else None
 
     def consume(self, num_messages: int = 1, timeout: float = -1) -> list[Message]:
-        return list(self._c.consume(num_messages=num_messages, timeout=timeout))
+        """Up to ``num_messages`` records within ``timeout`` (quiet: returns with the first
+        probe interval that brought any)."""
+        if self._quiet is None:
+            return list(self._c.consume(num_messages=num_messages, timeout=timeout))
+        n = num_messages
+        return self._quietly(lambda t: self._c.consume(num_messages=n, timeout=t), timeout)
+
+    def _quietly(self, get: Callable[[float], list[Message]], timeout: float) -> list[Message]:
+        """``get(t)`` in slices of the probe interval, probing between them (``Quiet``)."""
+        assert self._quiet is not None
+        deadline = time.monotonic() + (timeout if timeout >= 0 else 1e9)
+        while True:
+            self._quiet.tick()
+            left = max(0.0, deadline - time.monotonic())
+            msgs = list(get(min(left, self._quiet.probe_s)))
+            if msgs:
+                self._quiet.saw(msgs)
+                return msgs
+            if time.monotonic() >= deadline:
+                return []
 
     def next_batch(self, max_messages: int, timeout_s: float) -> list[Message]:
         """Up to ``max_messages`` records, returning as soon as one has arrived.
@@ -127,12 +168,15 @@ class Consumer:
         ``timeout`` of latency to every record when traffic is light; here the wait ends at
         the first record and whatever else is already fetched comes with it.
         """
-        first = self._c.poll(timeout_s)
+        first = self.poll(timeout_s)
         if first is None:
             return []
         if max_messages <= 1:
             return [first]
-        return [first, *self._c.consume(max_messages - 1, 0)]
+        rest = list(self._c.consume(max_messages - 1, 0))
+        if self._quiet is not None:
+            self._quiet.saw(rest)
+        return [first, *rest]
 
     # -- offsets --------------------------------------------------------------------------------
     def position(self, partitions: Sequence[TopicPartition]) -> list[TopicPartition]:
@@ -200,10 +244,16 @@ def produced_ms(msg: Message) -> int | None:
 
 
 def make_consumer(
-    cfg: KafkaSettings, group_id: str, role: str = "consumer", **overrides: Any
+    cfg: KafkaSettings,
+    group_id: str,
+    role: str = "consumer",
+    quiet_s: float | None = QUIET_PROBE_S,
+    **overrides: Any,
 ) -> Consumer:
-    """A member of ``group_id`` with manual offset storage (``srl.kafka.settings``)."""
-    return Consumer(consumer_settings(cfg, group_id, role, **overrides))
+    """A member of ``group_id`` with manual offset storage (``srl.kafka.settings``); it stops
+    fetching partitions read to their end and probes them every ``quiet_s`` (None: it
+    fetches them continuously, ``srl.kafka.quiet``)."""
+    return Consumer(consumer_settings(cfg, group_id, role, **overrides), quiet_s)
 
 
 def reader(cfg: KafkaSettings, role: str) -> Consumer:
