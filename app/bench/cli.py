@@ -331,3 +331,57 @@ def serve_bench(
         echo_json(r)
     else:
         click.echo(text_report(r))
+
+
+@bench.command("idle")
+@click.option(
+    "--partitions",
+    type=click.IntRange(1, 64),
+    default=6,
+    show_default=True,
+    help="Partitions of the member's topic.",
+)
+@click.option(
+    "--records",
+    type=click.IntRange(1, 1_000_000),
+    default=300,
+    show_default=True,
+    help="Records sent, in bursts.",
+)
+@click.option(
+    "--bursts",
+    type=click.IntRange(1, 10_000),
+    default=12,
+    show_default=True,
+    help="Bursts, evenly spread over --seconds.",
+)
+@click.option(
+    "--seconds",
+    type=click.FloatRange(1, 3600),
+    default=12.0,
+    show_default=True,
+    help="How long each mode runs.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def idle(partitions: int, records: int, bursts: int, seconds: float, as_json: bool) -> None:
+    """A group member waiting for records: quiet (srl.kafka.quiet) against fetching.
+
+    Broker and client CPU, records read and their delay, both modes side by side on one
+    embedded broker (the embedded broker answers a fetch at the end of a partition at once).
+    """
+    from app.bench.idle import run
+
+    r = run(partitions, records, bursts, seconds)
+    if as_json:
+        echo_json(r)
+        return
+    for row in r["rows"]:
+        click.echo(
+            f"{row['mode']:>8}: broker {row['broker_cores']:.3f} cores, client "
+            f"{row['client_cores']:.3f} cores; {row['records_read']} records read "
+            f"(each once, in order: {row['each_once_in_order']}); delay p50 "
+            f"{row['delay_ms_p50']} ms, p99 {row['delay_ms_p99']} ms"
+        )
+    click.echo(
+        f"quiet / fetching CPU: broker {r['broker_cpu_ratio']}, client {r['client_cpu_ratio']}"
+    )

@@ -150,3 +150,28 @@ def test_bench_pipeline_bad_histogram_is_one_line(tmp_path: Path) -> None:
         out.stderr.strip().splitlines()[-1].startswith("srl: error:")
         and "lo,hi,probability" in out.stderr
     )
+
+
+def test_bench_idle_json() -> None:
+    out = run(
+        "srl",
+        "bench",
+        "idle",
+        "--records",
+        "30",
+        "--bursts",
+        "3",
+        "--seconds",
+        "2",
+        "--json",
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    r = orjson.loads(out.stdout)
+    fetching, quiet = r["rows"]
+    assert (fetching["mode"], quiet["mode"]) == ("fetching", "quiet")
+    for row in r["rows"]:
+        assert row["records_read"] == 30 and row["each_once_in_order"], row
+        assert 0 <= row["delay_ms_p50"] <= row["delay_ms_p99"]
+    ratio = quiet["broker_cores"] / max(fetching["broker_cores"], 1e-3)
+    assert abs(r["broker_cpu_ratio"] - ratio) < 2e-3
