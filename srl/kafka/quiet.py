@@ -16,6 +16,9 @@ group member's whole assignment, under its rebalances and its own pauses. What m
   else the group's committed offset, else, with nothing committed, its low watermark: srl
   consumers start at ``earliest``) is at its high watermark: an empty or fully read
   partition (a resume topic, a bucket with no traffic) would otherwise fetch forever;
+* a broker that forgot records it had acknowledged (the embedded one, SIGKILLed) gives their
+  offsets to the next records: a quiet partition whose high watermark fell below where it
+  stopped is read on from the new high watermark, so those records are not skipped;
 * the application's own pauses win: a partition it paused is never resumed here, and one it
   resumes while quiet stays paused until it grows; an assignment, a revocation or a seek
   forgets what was known of its partitions.
@@ -36,10 +39,8 @@ Key = tuple[str, int]
 OFFSET_LATEST = -1  # offsets_for_times: the high watermark
 
 
-def key(x: TopicPartition | Message) -> Key:
-    if isinstance(x, Message):
-        return x.topic() or "", x.partition() or 0
-    return x.topic, x.partition
+def key(tp: TopicPartition) -> Key:
+    return tp.topic, tp.partition
 
 
 class Quiet:
@@ -80,7 +81,7 @@ class Quiet:
     def saw(self, msgs: Iterable[Message]) -> None:
         for m in msgs:
             if m.error() is None and (offset := m.offset()) is not None:
-                self.read[key(m)] = offset + 1
+                self.read[(m.topic() or "", m.partition() or 0)] = offset + 1
 
     # -- the probe ----------------------------------------------------------------------------
     def tick(self) -> None:
@@ -100,9 +101,15 @@ class Quiet:
         ask = [TopicPartition(t, p, OFFSET_LATEST) for t, p in asleep]
         for tp in self.raw.offsets_for_times(ask, timeout=2):
             k = key(tp)
-            if tp.error is None and k in self.at and tp.offset > self.at[k]:
+            if tp.error is not None or k not in self.at or tp.offset < 0:
+                continue
+            if tp.offset < self.at[k]:
+                # the broker forgot records it had acknowledged (a SIGKILLed embedded broker):
+                # the next records take their offsets, and are read from there
+                self.at[k] = tp.offset
+            elif tp.offset > self.at[k]:
                 self.high[k] = tp.offset  # the client's own (cached) one is older
-                offset = self.at.pop(k)
+                offset = self.read[k] = self.at.pop(k)
                 self.raw.resume([TopicPartition(*k)])
                 self.raw.seek(TopicPartition(k[0], k[1], offset))
 
