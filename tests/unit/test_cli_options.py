@@ -62,6 +62,7 @@ OWN: dict[str, set[str]] = {
         "--repeats",
         "--json",
     },
+    "srl bench idle": {"--partitions", "--records", "--bursts", "--seconds", "--json"},
     "srl bench pipeline": {
         "--lengths",
         "--scale",
