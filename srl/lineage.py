@@ -24,7 +24,13 @@ to one trajectory's chunks in log order (they share one partition per pool):
   whichever writer's chain that is.
 
 Chunks of another pool never fence each other: a trajectory changes pool only by migration,
-whose hand-off chunk is acknowledged before the next pool is told to continue it.
+whose hand-off chunk is acknowledged before the next pool is told to continue it. But a
+fenced writer's hand-off can still go out (a request in flight through a network partition,
+answered when it heals) while its successor, which read the prefix before, continues the
+trajectory in its own pool: when the chain completes, another pool's chunks that follow no
+``MIGRATED`` hand-off are *orphans*, dropped and counted as fenced, and the chain waits for
+the successor's own chunks (found in the 30-minute soak: 8 trajectories dead-lettered as
+inconsistent, docs/reliability.md).
 
 Pure logic, no Kafka. Used by ``consumers.assembler`` and ``producers.recovery``.
 """
@@ -34,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from schemas.records import TrajectoryChunk
+from schemas.records import MIGRATED, TrajectoryChunk
 
 Verdict = Literal["kept", "duplicate", "fenced"]
 
@@ -71,7 +77,30 @@ class Lineage:
             and len(self.chunks) > self.last_seq
             and all(s in self.chunks for s in range(self.last_seq + 1))
         )
+        if self.done and (orphans := self._orphans()):
+            for s in orphans:
+                del self.chunks[s]
+                self.fenced += 1
+            if self.last_seq in orphans:
+                self.last_seq = None
+            self.done = False
+            if c.seq in orphans:
+                return "fenced"
         return "kept"
+
+    def _orphans(self) -> list[int]:
+        """Another pool's chunks that continue no hand-off: where the chain changes pool at
+        seq ``s``, the chunk at ``s - 1`` must be a ``MIGRATED`` hand-off. A fenced writer
+        whose hand-off went out after its fencing (its request in flight through a network
+        partition) sends the long-tail pool on, while its successor continues the same
+        trajectory in its own pool: the successor's chain counts, the orphans are dropped."""
+        assert self.last_seq is not None
+        for s in range(1, self.last_seq + 1):
+            prev, cur = self.chunks[s - 1], self.chunks[s]
+            switched = None not in (prev.pool, cur.pool) and prev.pool != cur.pool
+            if switched and prev.finish_reason != MIGRATED:
+                return [t for t, c in self.chunks.items() if t >= s and c.pool == cur.pool]
+        return []
 
     def fences(self, c: TrajectoryChunk) -> bool:
         """``c`` is a fenced writer's: a newer epoch of its pool was seen at a seq ``<= c.seq``."""

@@ -84,6 +84,36 @@ CASES = [
         [(0, "a@7"), (1, "a@7"), (2, "b@1"), (3, "b@1")],
         0,
     ),
+    (  # a fenced writer's hand-off went out after its successor continued in its own pool:
+        # the long-tail pool's chain follows no hand-off that counts, so it is dropped
+        "orphaned migration",
+        [
+            ch(0, "a@1"),
+            ch(1, "a@2"),
+            ch(1, "a@1", reason=MIGRATED),
+            ch(2, "b@1"),
+            ch(3, "b@1", last=True),
+            ch(2, "a@2"),
+            ch(3, "a@2", last=True),
+        ],
+        ["kept", "kept", "fenced", "kept", "fenced", "kept", "kept"],
+        [(0, "a@1"), (1, "a@2"), (2, "a@2"), (3, "a@2")],
+        3,
+    ),
+    (  # the same, the long-tail pool's partition read first
+        "orphaned migration read first",
+        [
+            ch(2, "b@1"),
+            ch(3, "b@1", last=True),
+            ch(0, "a@1"),
+            ch(1, "a@2"),
+            ch(2, "a@2"),
+            ch(3, "a@2", last=True),
+        ],
+        ["kept", "kept", "kept", "kept", "kept", "kept"],
+        [(0, "a@1"), (1, "a@2"), (2, "a@2"), (3, "a@2")],
+        2,
+    ),
 ]
 
 
