@@ -67,6 +67,11 @@ class Lineage:
             starts[c.pool_epoch] = min(starts.get(c.pool_epoch, c.seq), c.seq)
             if len(starts) > 1:  # one writer so far (the usual case): nothing to cut
                 self._cut(c.pool, c.pool_epoch, c.seq)
+        if (orphan := self._crossed(c)) is not None:
+            if orphan is c:
+                self.fenced += 1
+                return "fenced"
+            self._drop_orphans(c.seq, orphan.pool)
         if c.seq in self.chunks:
             return "duplicate"
         self.chunks[c.seq] = c
@@ -77,30 +82,49 @@ class Lineage:
             and len(self.chunks) > self.last_seq
             and all(s in self.chunks for s in range(self.last_seq + 1))
         )
-        if self.done and (orphans := self._orphans()):
-            for s in orphans:
-                del self.chunks[s]
-                self.fenced += 1
-            if self.last_seq in orphans:
-                self.last_seq = None
-            self.done = False
-            if c.seq in orphans:
+        if self.done and (at := self._orphaned()) is not None:
+            self._drop_orphans(*at)
+            if c.seq not in self.chunks:
                 return "fenced"
         return "kept"
 
-    def _orphans(self) -> list[int]:
-        """Another pool's chunks that continue no hand-off: where the chain changes pool at
-        seq ``s``, the chunk at ``s - 1`` must be a ``MIGRATED`` hand-off. A fenced writer
-        whose hand-off went out after its fencing (its request in flight through a network
-        partition) sends the long-tail pool on, while its successor continues the same
-        trajectory in its own pool: the successor's chain counts, the orphans are dropped."""
+    # -- orphans: another pool's chunks that continue no hand-off ---------------------------
+    # Where a chain changes pool at seq ``s``, the chunk at ``s - 1`` must be a ``MIGRATED``
+    # hand-off. A fenced writer whose hand-off went out after its fencing (its request in
+    # flight through a network partition) sends the long-tail pool on, while its successor
+    # continues the same trajectory in its own pool: the successor's chain counts, the other
+    # pool's chunks from ``s`` on are orphans. A pool's chunks arrive in seq order (one
+    # partition), so the successor's chunk at ``s - 1`` is held when either copy of ``s``
+    # arrives; a chain completed with an orphan in it is checked again (``_orphaned``).
+    def _crossed(self, c: TrajectoryChunk) -> TrajectoryChunk | None:
+        """The orphan when ``c`` and the held chunk at its seq are of two pools and the held
+        chunk before them continues in ``c``'s or the held one's pool without a hand-off."""
+        held, prev = self.chunks.get(c.seq), self.chunks.get(c.seq - 1)
+        if held is None or prev is None or None in (held.pool, c.pool, prev.pool):
+            return None
+        if held.pool == c.pool or prev.finish_reason == MIGRATED:
+            return None
+        if prev.pool == c.pool:
+            return held
+        return c if prev.pool == held.pool else None
+
+    def _orphaned(self) -> tuple[int, str | None] | None:
+        """Where a complete chain changes pool without a hand-off: (seq, the later pool)."""
         assert self.last_seq is not None
         for s in range(1, self.last_seq + 1):
             prev, cur = self.chunks[s - 1], self.chunks[s]
             switched = None not in (prev.pool, cur.pool) and prev.pool != cur.pool
             if switched and prev.finish_reason != MIGRATED:
-                return [t for t, c in self.chunks.items() if t >= s and c.pool == cur.pool]
-        return []
+                return s, cur.pool
+        return None
+
+    def _drop_orphans(self, seq: int, pool: str | None) -> None:
+        for s in [s for s, c in self.chunks.items() if s >= seq and c.pool == pool]:
+            del self.chunks[s]
+            self.fenced += 1
+            if s == self.last_seq:
+                self.last_seq = None
+        self.done = False
 
     def fences(self, c: TrajectoryChunk) -> bool:
         """``c`` is a fenced writer's: a newer epoch of its pool was seen at a seq ``<= c.seq``."""

@@ -100,6 +100,20 @@ CASES = [
         [(0, "a@1"), (1, "a@2"), (2, "a@2"), (3, "a@2")],
         3,
     ),
+    (  # the same, the successor's copy of seq 2 meets the orphan's: it replaces it
+        "orphaned migration, crossing",
+        [
+            ch(0, "a@1"),
+            ch(1, "a@2"),
+            ch(2, "b@1"),
+            ch(2, "a@2"),
+            ch(3, "b@1", last=True),
+            ch(3, "a@2", last=True),
+        ],
+        ["kept", "kept", "kept", "kept", "fenced", "kept"],
+        [(0, "a@1"), (1, "a@2"), (2, "a@2"), (3, "a@2")],
+        2,
+    ),
     (  # the same, the long-tail pool's partition read first
         "orphaned migration read first",
         [
