@@ -7,7 +7,7 @@ and a run has several (the trainer, every generator, the online ranker). ``Quiet
 (``srl.kafka.consumer``) does this for one assigned partition; ``Quiet`` does it for a
 group member's whole assignment, under its rebalances and its own pauses. What must hold:
 
-* a partition whose next offset is at its high watermark is paused (*quiet*) and its
+* a partition whose next offset is at its high watermark (not past it) is paused (*quiet*) and its
   watermark probed every ``probe_s`` instead, all quiet partitions in one ListOffsets
   request; when it grew, the partition is resumed and sought to the offset it stopped at
   (a resumed partition is fetched at once only when sought), so no record is skipped or
@@ -127,7 +127,9 @@ class Quiet:
             high = max(
                 self.raw.get_watermark_offsets(assigned[k], cached=True)[1], self.high.get(k, -1)
             )
-            if high >= 0 and pos >= high:
+            # past the high watermark: the broker forgot records it had acknowledged; left
+            # awake, so that librdkafka's own out-of-range reset reads them again
+            if high >= 0 and pos == high:
                 self.raw.pause([assigned[k]])
                 self.at[k] = pos
 

@@ -102,3 +102,13 @@ def test_the_applications_pause_wins() -> None:
     assert q.resumable([(T, 0)]) == []  # resumed by the application: still quiet
     probe(q)
     assert raw.sought == [(0, 2)] and not raw.paused
+
+
+def test_a_partition_read_past_the_end_stays_awake() -> None:
+    # the broker forgot records the member had read: its fetch is out of range, and
+    # librdkafka's reset (auto.offset.reset) must be free to read the partition again
+    raw = FakeClient(highs={0: 10}, committed={0: 0})
+    q = Quiet(raw, 0.02)
+    q.saw([Msg(0, 11)])  # type: ignore[list-item]
+    probe(q)
+    assert not raw.paused and q.at == {}
