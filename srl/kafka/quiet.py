@@ -5,10 +5,13 @@ broker (noida-db 0.2.3) answers it at once, empty, and librdkafka fetches again 
 idle member costs about 0.4 core in the broker and as much in the client (docs/broker.md),
 and a run has several (the trainer, every generator, the online ranker). ``QuietTail``
 (``srl.kafka.consumer``) does this for one assigned partition; ``Quiet`` does it for a
-group member's whole assignment, under its rebalances and its own pauses. What must hold:
+group member's whole assignment, under its rebalances and its own pauses. Used by the
+trainer and the online ranker; not by the generators' task intake, which with it took no
+task after a broker restart in the chaos suite (cause not found: docs/broker.md). What must
+hold:
 
-* a partition whose next offset is at its high watermark (not past it) is paused (*quiet*) and its
-  watermark probed every ``probe_s`` instead, all quiet partitions in one ListOffsets
+* a partition whose next offset is at its high watermark (not past it) is paused (*quiet*)
+  and its watermark probed every ``probe_s`` instead, all quiet partitions in one ListOffsets
   request; when it grew, the partition is resumed and sought to the offset it stopped at
   (a resumed partition is fetched at once only when sought), so no record is skipped or
   read twice, and a new record waits at most ``probe_s`` longer than it would;
