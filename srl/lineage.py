@@ -102,7 +102,7 @@ class Lineage:
         held, prev = self.chunks.get(c.seq), self.chunks.get(c.seq - 1)
         if held is None or prev is None or None in (held.pool, c.pool, prev.pool):
             return None
-        if held.pool == c.pool or prev.finish_reason == MIGRATED:
+        if held.pool == c.pool or prev.finish_reason == MIGRATED or not self._succeeded(prev):
             return None
         if prev.pool == c.pool:
             return held
@@ -114,9 +114,14 @@ class Lineage:
         for s in range(1, self.last_seq + 1):
             prev, cur = self.chunks[s - 1], self.chunks[s]
             switched = None not in (prev.pool, cur.pool) and prev.pool != cur.pool
-            if switched and prev.finish_reason != MIGRATED:
+            if switched and prev.finish_reason != MIGRATED and self._succeeded(prev):
                 return s, cur.pool
         return None
+
+    def _succeeded(self, c: TrajectoryChunk) -> bool:
+        """``c``'s pool had a successor writer (two epochs): only then can another pool's
+        chain be an orphan (a worker taken over under a new group continues legitimately)."""
+        return len(self._starts.get(c.pool or "", {})) > 1
 
     def _drop_orphans(self, seq: int, pool: str | None) -> None:
         for s in [s for s, c in self.chunks.items() if s >= seq and c.pool == pool]:

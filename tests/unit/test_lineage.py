@@ -84,6 +84,14 @@ CASES = [
         [(0, "a@7"), (1, "a@7"), (2, "b@1"), (3, "b@1")],
         0,
     ),
+    (  # a worker taken over under a new group (--take-over-from): another pool, no
+        # hand-off, but no successor in the old pool either: its chain counts
+        "taken over",
+        [ch(0, "a@1"), ch(1, "a@1"), ch(2, "g@1"), ch(3, "g@1", last=True)],
+        ["kept", "kept", "kept", "kept"],
+        [(0, "a@1"), (1, "a@1"), (2, "g@1"), (3, "g@1")],
+        0,
+    ),
     (  # a fenced writer's hand-off went out after its successor continued in its own pool:
         # the long-tail pool's chain follows no hand-off that counts, so it is dropped
         "orphaned migration",
