@@ -65,10 +65,17 @@ def read_all(
         log.warning("%s", e)
 
 
+def passed_commit(firsts: dict[int, int], committed: dict[int, int | None]) -> bool:
+    """Some record of a trajectory (``firsts``: its first offset on each partition it spans; a
+    migrated one's chunks lie in two buckets' partitions) lies below the committed offset of
+    its partition: a restarted trainer would not read it again, so undecided it is lost, not
+    pending (the commit rule never allows that: ``consumers.offsets``)."""
+    return any((committed.get(p) or 0) > first for p, first in firsts.items())
+
+
 @dataclass
 class TrajSeen:
-    partition: int
-    first_offset: int
+    firsts: dict[int, int]  # partition -> the trajectory's first offset there
     lineage: Lineage = field(default_factory=Lineage)  # the chunks that count, as trained
     first_ms: int = 0
     last_ms: int = 0
@@ -98,13 +105,11 @@ class Audit:
         return {t for t, s in self.trajectories.items() if s.complete}
 
     def pending(self) -> set[str]:
-        out = set()
-        for t in self.generated - set(self.outcomes):
-            s = self.trajectories[t]
-            c = self.committed.get(s.partition)
-            if c is None or s.first_offset >= c:
-                out.add(t)
-        return out
+        return {
+            t
+            for t in self.generated - set(self.outcomes)
+            if not passed_commit(self.trajectories[t].firsts, self.committed)
+        }
 
     def lost(self) -> set[str]:
         return self.generated - set(self.outcomes) - self.pending()
@@ -123,11 +128,11 @@ def audit_trajectories(cfg: CommonConfig, group: str, samples: list[Any]) -> Aud
             continue
         s = seen.get(ch.trajectory_id)
         if s is None:
-            s = seen[ch.trajectory_id] = TrajSeen(p, o, first_ms=ch.created_ms)
+            s = seen[ch.trajectory_id] = TrajSeen({p: o}, first_ms=ch.created_ms)
         if s.lineage.add(ch) != "kept":  # a copy, or a fenced (zombie) writer's chunk
             dup += 1
             continue
-        s.first_offset = min(s.first_offset, o)
+        s.firsts[p] = min(s.firsts.get(p, o), o)
         s.first_ms = min(s.first_ms, ch.created_ms)
         s.last_ms = max(s.last_ms, ch.created_ms)
         s.versions.add(ch.policy_version)

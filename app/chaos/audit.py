@@ -35,7 +35,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from app.report import metric_events, read_all
+from app.report import metric_events, passed_commit, read_all
 from schemas.records import MetricEvent, PromptTask, SchemaError, TrajectoryChunk, decode_as
 from srl.config import CommonConfig
 from srl.kafka import committed_offsets
@@ -68,9 +68,8 @@ class Traj:
 
     def passed(self, committed: dict[int, int | None]) -> bool:
         """Some record of it lies below the committed offset of its partition: a restarted
-        trainer would not read it again (the commit rule never allows that while the
-        trajectory is undecided: ``consumers.offsets``)."""
-        return any((committed.get(p) or 0) > first for p, first in self.firsts.items())
+        trainer would not read it again (``app.report.passed_commit``)."""
+        return passed_commit(self.firsts, committed)
 
 
 @dataclass

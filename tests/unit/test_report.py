@@ -23,8 +23,12 @@ from app.report import (
 from schemas.records import MetricEvent, TrajectoryChunk
 
 
-def seen(partition: int, first: int, seqs: range, last: bool = True) -> TrajSeen:
-    s = TrajSeen(partition, first)
+def seen(
+    partition: int, first: int, seqs: range, last: bool = True, tail: tuple[int, int] | None = None
+) -> TrajSeen:
+    """A trajectory whose chunks start at ``first`` on ``partition``; ``tail``: (partition,
+    first offset) of the rest after a migration to the long-tail bucket."""
+    s = TrajSeen({partition: first} | dict([tail] if tail else []))
     for seq in seqs:
         is_last = last and seq == max(seqs)
         s.lineage.add(
@@ -42,16 +46,27 @@ def test_pending_is_at_or_after_the_committed_offset_and_lost_is_below_it() -> N
             "other-partition": seen(1, 0, range(1)),  # nothing committed there
             "cut": seen(0, 12, range(2), last=False),  # no last chunk: not generated
             "gap": seen(0, 14, range(0, 3, 2)),  # seq 1 missing: not complete
+            # migrated: its first chunks unread on 0, its tail on 4 at an offset below 0's
+            # commit but at 4's own (the demo's Ctrl-C report once called these lost)
+            "migrated-unread": seen(0, 11, range(3), tail=(4, 3)),
+            "migrated-passed": seen(0, 12, range(3), tail=(4, 1)),  # 4's commit passed it
         },
         duplicate_chunks=0,
         undecodable=0,
         outcomes={"trained": "trained"},
         decided_twice=0,
-        committed={0: 10, 1: None},
+        committed={0: 10, 1: None, 4: 3},
     )
-    assert audit.generated == {"trained", "unread", "skipped", "other-partition"}
-    assert audit.pending() == {"unread", "other-partition"}
-    assert audit.lost() == {"skipped"}
+    assert audit.generated == {
+        "trained",
+        "unread",
+        "skipped",
+        "other-partition",
+        "migrated-unread",
+        "migrated-passed",
+    }
+    assert audit.pending() == {"unread", "other-partition", "migrated-unread"}
+    assert audit.lost() == {"skipped", "migrated-passed"}
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
