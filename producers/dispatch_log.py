@@ -11,8 +11,12 @@ first reads every prompt topic back and keeps, for its run (:class:`Published`):
 * the stamp of the step each prompt went out in, so a window the previous dispatcher died in
   the middle of is completed *in the same step* (its ``step_groups`` counted every prompt of
   the window, and the trainer's step waits for all of them);
-* the newest step published, so new windows are numbered after it (and after the newest
-  step the trainer announced), never into a step that already has its groups;
+* the steps published, so a new window gets the lowest step after the newest one the trainer
+  announced that no surviving window holds: after all of them, or into a gap the broker
+  left (a SIGKILLed embedded broker can forget a whole window's tasks while the next
+  window's, on other partitions, survive; numbered after the newest, that window's step
+  stayed empty and the trainer waited out its step timeout, 90 s in ``srl chaos``), never
+  into a step that already has its groups;
 * which tasks were *generated*, read from the trajectories topic since the newest task found
   (less ``SLACK_MS`` for clocks apart): a broker that is SIGKILLed forgets the records it
   acknowledged in its last ~0.5 s (docs/broker.md), so the newest tasks may be gone from the
@@ -98,17 +102,24 @@ class Published:
         """Whether every sample of ``task`` (as planned now) is complete on the topic."""
         return all(trajectory_id_for(task.task_id, i) in self.complete for i in task.samples())
 
+    def held(self) -> set[int]:
+        """The steps that surviving windows hold: by their tasks, or by their tasks' chunks
+        (read since the newest task less ``SLACK_MS``; a chunk carries no run, so another
+        run's on a shared topic may hold a step here, which then stays empty as before)."""
+        return {s.step for s in (*self.step_of.values(), *self.chunk_stamp.values())}
+
     def rest(self, tasks: Iterable[PromptTask]) -> tuple[list[PromptTask], Stamp | None]:
         """The tasks of a planned window not published yet (nor generated), and the stamp of
-        the step that its published part went out in (None when none of it went out); a step
-        known only from chunks counts in ``last_step`` from here on."""
+        the step that its published or started part went out in (None when none of it went
+        out); a step known only from chunks counts in ``last_step`` from here on."""
         todo, stamp = [], None
         for t in tasks:
             if (t.prompt_id, t.sample_indices) in self.keys:
                 stamp = stamp or self.step_of.get(t.prompt_id)
-            elif self.generated(t):
-                stamp = stamp or self.chunk_stamp.get(t.task_id)
-            else:
+                continue
+            # generated, or started: its chunks say its step (a started one goes out again)
+            stamp = stamp or self.chunk_stamp.get(t.task_id)
+            if not self.generated(t):
                 todo.append(t)
         if stamp is not None:
             self.last_step = max(self.last_step, stamp.step)

@@ -327,10 +327,11 @@ class Windows:
         self.summary, self.by_bucket = DispatchSummary(), Counter[str]()
 
     def paced(self, source: Iterable[PromptLike], anns: Announcements, k: int) -> DispatchSummary:
-        """A window per trainer step, from the step after the newest announced or published
-        one, each released by ``release`` and stamped with its step and ``min_version``; the
-        rest of a window a previous dispatcher published in part goes out in its step."""
-        step = 0  # numbered at the first new window, once the windows before it are known
+        """A window per trainer step, each released by ``release`` and stamped with its step
+        and ``min_version``: the lowest step after the newest announced one that no window a
+        previous dispatcher published holds (``producers.dispatch_log``); the rest of a window
+        it published in part goes out in its step."""
+        step, held = 0, self.published.held()  # steps that surviving windows hold
         for window, tasks in self._planned(source, self.cfg.groups_per_step):
             t0 = time.monotonic()
             if (stamp := self._resumed(tasks)) is not None:
@@ -338,9 +339,11 @@ class Windows:
                 continue
             if not tasks:
                 continue
-            if not step:  # the trainer's next new step
-                step = max(anns.step, self.published.last_step) + 1
-                self.summary.first_step = step
+            # the lowest step after the trainer's newest and this run's last that none holds
+            step = max(anns.step, step) + 1
+            while step in held:
+                step += 1
+            self.summary.first_step = self.summary.first_step or step
             min_version = release(anns, step, k, self.cfg.barrier_timeout_s, self.stop)
             self.summary.versions_seen.append(min_version)
             stamped = [
@@ -348,7 +351,6 @@ class Windows:
                 for t in tasks
             ]
             self._publish(window, stamped, t0)
-            step += 1
         return self.summary
 
     def unpaced(self, source: Iterable[PromptLike]) -> DispatchSummary:
