@@ -80,8 +80,8 @@ class Consumer:
 
     def _forget(self, partitions: Sequence[TopicPartition]) -> None:
         """Assigned, revoked or sought: what ``Quiet`` knew of them no longer holds."""
-        if self._quiet is not None and (wake := self._quiet.assigned(partitions)):
-            self._c.resume([TopicPartition(t, p) for t, p in wake])
+        if self._quiet is not None:
+            self._quiet.assigned(partitions)
 
     def assign_from(
         self,

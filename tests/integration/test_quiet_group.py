@@ -3,14 +3,29 @@ on the embedded broker, which answers a fetch at the end of a partition at once.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from srl.config import CommonConfig
-from srl.kafka import Consumer, Producer, TopicPartition, create_topics, make_consumer
+from srl import broker
+from srl.broker import free_port
+from srl.config import CommonConfig, load_config
+from srl.errors import SrlError
+from srl.kafka import (
+    Consumer,
+    KafkaException,
+    Producer,
+    TopicPartition,
+    create_topics,
+    make_consumer,
+)
 from srl.topics import TopicSpec
 
 
@@ -105,3 +120,76 @@ def test_a_partition_the_member_paused_itself_stays_paused(cfg: CommonConfig) ->
         assert [v for _p, _o, v in take(c, 1)] == [b"held"]
     finally:
         c.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_quiet_member_reads_on_after_broker_restarts(tmp_path: Path) -> None:
+    """The embedded broker SIGKILLed and restarted under a member that keeps polling and
+    committing while records keep coming: the group forgets the member, takes its partitions
+    back and gives them out again. librdkafka keeps a partition's pause across that, so a
+    partition that was quiet then was never fetched again (the trainer read nothing for 4
+    minutes in a full ``srl chaos`` run at 49923c6). After the restarts, records written to
+    every partition must all be read."""
+    data, port = tmp_path / "broker", free_port()
+    info = broker.start(port, data)
+    cfg = load_config(CommonConfig, cli={"bootstrap_servers": f"127.0.0.1:{port}"}, env={})
+    topic = "quiet-restarts"
+    create_topics(cfg, [TopicSpec(topic, 3, {})])
+    time.sleep(1.0)  # the topic is on disk
+    floor: dict[tuple[str, int], int] = {}
+    stop = threading.Event()
+
+    def write() -> None:  # a record per partition every 250 ms, through the restarts
+        while not stop.is_set():
+            with contextlib.suppress(SrlError), Producer(cfg, "test") as p:
+                while not stop.wait(0.25):
+                    for i in range(3):
+                        p.produce(topic, b"steady", key=b"k", partition=i)
+
+    def on_assign(c: Consumer, parts: list[TopicPartition]) -> None:
+        c.assign_from(parts, dict(floor))  # as the trainer: never below what it read
+
+    def read(c: Consumer, seconds: float, seen: set[bytes]) -> None:
+        end, last_commit = time.monotonic() + seconds, 0.0
+        while time.monotonic() < end:
+            for m in c.next_batch(100, 0.2):
+                if m.error() is None:
+                    seen.add(m.value() or b"")
+                    floor[(topic, m.partition() or 0)] = (m.offset() or 0) + 1
+            if floor and time.monotonic() - last_commit > 1.0:
+                last_commit = time.monotonic()
+                offsets = [TopicPartition(t, p, o) for (t, p), o in floor.items()]
+                with contextlib.suppress(KafkaException):
+                    c.commit_sync(offsets)
+
+    c = make_consumer(cfg, "restarts", "quiet-test", **{"session.timeout.ms": 6000})
+    c.subscribe([topic], on_assign=on_assign)
+    writer = threading.Thread(target=write)
+    writer.start()
+    seen: set[bytes] = set()
+    try:
+        for _ in range(6):
+            read(c, 4.0, seen)
+            os.kill(info.pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(info.pid, 0)
+            broker.stop(data)
+            info = broker.start(port, data)
+        read(c, 4.0, seen)
+        stop.set()
+        writer.join()
+        read(c, 1.5, seen)  # caught up: quiet
+        with Producer(cfg, "test") as p:
+            for i in range(3):
+                p.produce(topic, f"last-{i}".encode(), key=b"k", partition=i)
+        want = {f"last-{i}".encode() for i in range(3)}
+        deadline = time.monotonic() + 30
+        while not want <= seen and time.monotonic() < deadline:
+            read(c, 0.5, seen)
+    finally:
+        stop.set()
+        writer.join()
+        c.close()
+        broker.stop(data)
+    assert want <= seen, sorted(want - seen)

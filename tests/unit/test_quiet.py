@@ -15,11 +15,13 @@ class FakeClient:
 
     def __init__(self, highs: dict[int, int], committed: dict[int, int]) -> None:
         self.highs, self.committed_at = highs, committed
-        self.paused: set[int] = set()
+        self.paused: set[int] = set()  # librdkafka keeps a pause across assignments
         self.sought: list[tuple[int, int]] = []
+        self.assigned: set[int] | None = None  # None: every partition of ``highs``
 
     def assignment(self) -> list[TopicPartition]:
-        return [TopicPartition(T, p) for p in self.highs]
+        parts = self.highs if self.assigned is None else self.assigned
+        return [TopicPartition(T, p) for p in parts]
 
     def offsets_for_times(self, tps: list[TopicPartition], timeout: float) -> list[Any]:
         return [TopicPartition(T, tp.partition, self.highs[tp.partition]) for tp in tps]
@@ -112,3 +114,29 @@ def test_a_partition_read_past_the_end_stays_awake() -> None:
     q.saw([Msg(0, 11)])  # type: ignore[list-item]
     probe(q)
     assert not raw.paused and q.at == {}
+
+
+def test_a_quiet_partition_revoked_and_given_back_is_not_left_paused() -> None:
+    """librdkafka keeps a pause across unassign and assign: a quiet partition that the group
+    took away (a broker restart's rebalance; revoked with no callback of ours) and gave back
+    was never fetched again (the trainer in a full ``srl chaos`` run read nothing for 4
+    minutes). Found unassigned, it is resumed; given back, it is read from its start."""
+    raw = FakeClient(highs={0: 5, 1: 3}, committed={0: 5, 1: 3})
+    q = Quiet(raw, 0.02)
+    probe(q)
+    assert raw.paused == {0, 1}  # both caught up: quiet
+    raw.assigned = set()  # revoked, no on_revoke of ours
+    probe(q)
+    assert raw.paused == set() and q.at == {}
+    raw.assigned, raw.highs[0] = {0, 1}, 7  # given back; partition 0 grew meanwhile
+    probe(q)
+    assert raw.paused == {1} and q.at == {(T, 1): 3}  # 0 has records: it fetches
+
+
+def test_an_assignment_resumes_the_quiet_partitions_it_names() -> None:
+    raw = FakeClient(highs={0: 5, 1: 3}, committed={0: 5, 1: 3})
+    q = Quiet(raw, 0.02)
+    probe(q)
+    q.paused([(T, 1)])  # the application pauses partition 1 too: its pause wins
+    q.assigned([TopicPartition(T, 0), TopicPartition(T, 1)])
+    assert raw.paused == {1} and q.at == {}
