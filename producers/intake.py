@@ -141,9 +141,8 @@ class Intake:
             except KafkaException as e:  # e.g. our group is already active: it has them
                 log.warning("taking over from %s: %s", cfg.take_over_from, e)
         if consumer is None:
-            # fetching continuously (not quiet, srl.kafka.quiet): with quiet partitions the
-            # pool stopped taking tasks after a broker restart in the chaos suite (2026-11-27)
-            consumer = make_consumer(cfg, cfg.consumer_group, "generator", quiet_s=None)
+            # quiet (srl.kafka.quiet): partitions read to their end are probed, not fetched
+            consumer = make_consumer(cfg, cfg.consumer_group, "generator")
         self._consumer = consumer
         if cfg.pool_liveness:  # assigned by the pool's epochs, never a group member
             self.pool = pool if pool is not None else PoolMember(cfg, self.topics).start()

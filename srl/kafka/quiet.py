@@ -6,10 +6,7 @@ idle member costs about 0.4 core in the broker and as much in the client (docs/b
 and a run has several (the trainer, every generator, the online ranker). ``QuietTail``
 (``srl.kafka.consumer``) does this for one assigned partition; ``Quiet`` does it for a
 group member's whole assignment, under its rebalances and its own pauses. Used by the
-trainer and the online ranker; not by the generators' task intake, which with it took no
-task after a broker restart in 2 of 6 chaos runs: records the broker forgot, published anew
-below where a new intake started, are not told apart from records read (docs/reliability.md,
-"The soak a fourth time"). What must hold:
+trainer, the generators' task intake and the online ranker. What must hold:
 
 * a partition whose next offset is at its high watermark (not past it) is paused (*quiet*)
   and its watermark probed every ``probe_s`` instead, all quiet partitions in one ListOffsets
