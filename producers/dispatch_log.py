@@ -75,7 +75,7 @@ class Published:
 
     keys: set[TaskKey] = field(default_factory=set)
     step_of: dict[str, Stamp] = field(default_factory=dict)  # prompt id -> its step's stamp
-    last_step: int = 0
+    last_step: int = 0  # the newest step of its tasks (logged)
     newest_ms: int | None = None  # creation time of the newest task found
     complete: set[str] = field(default_factory=set)  # trajectory ids complete on the topic
     chunk_stamp: dict[str, Stamp] = field(default_factory=dict)  # task id -> from its seq 0
@@ -111,7 +111,7 @@ class Published:
     def rest(self, tasks: Iterable[PromptTask]) -> tuple[list[PromptTask], Stamp | None]:
         """The tasks of a planned window not published yet (nor generated), and the stamp of
         the step that its published or started part went out in (None when none of it went
-        out); a step known only from chunks counts in ``last_step`` from here on."""
+        out)."""
         todo, stamp = [], None
         for t in tasks:
             if (t.prompt_id, t.sample_indices) in self.keys:
@@ -121,8 +121,6 @@ class Published:
             stamp = stamp or self.chunk_stamp.get(t.task_id)
             if not self.generated(t):
                 todo.append(t)
-        if stamp is not None:
-            self.last_step = max(self.last_step, stamp.step)
         return todo, stamp
 
 
