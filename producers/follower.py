@@ -106,12 +106,17 @@ class WeightFollower:
             ok = [v for v in self.announced if v not in self.refused]
         return max([self.loaded, *ok])
 
-    def refused_within(self, seconds: float) -> set[int]:
-        """Versions refused less than ``seconds`` ago (``producers.admission``: their tasks
-        wait for a newer good version)."""
+    def refused_within(self, seconds: float) -> dict[int, int]:
+        """Versions refused less than ``seconds`` ago, each with the trainer step it was
+        announced after (``producers.admission``: their tasks wait for a newer good version
+        unless their step is the trainer's next)."""
         since = time.monotonic() - seconds
         with self._cond:
-            return {v for v, at in self.refused_at.items() if at > since}
+            return {
+                v: ann.trainer_step if (ann := self.announced.get(v)) is not None else -1
+                for v, at in self.refused_at.items()
+                if at > since
+            }
 
     def take(self) -> Ready | None:
         with self._cond:

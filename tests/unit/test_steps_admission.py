@@ -66,11 +66,22 @@ def test_a_fresh_task_starts_only_with_weights_its_step_allows(
 
 
 def test_a_task_released_for_a_refused_version_waits_for_a_newer_one_then_takes_latest() -> None:
-    released_for_v5 = task(step=6, min_version=5)  # v5 refused here: latest stays 4
-    assert not may_start(released_for_v5, loaded=4, latest=4, k=1, waiting={5})
-    assert may_start(released_for_v5, loaded=4, latest=4, k=1, waiting={3})  # wait is over
-    assert may_start(released_for_v5, loaded=6, latest=6, k=1, waiting={5})  # newer one came
-    assert may_start(task(step=5, min_version=4), loaded=4, latest=4, k=1, waiting={5})
+    released_for_v5 = task(step=6, min_version=5)  # v5 (after trainer step 4) refused here
+    assert not may_start(released_for_v5, loaded=4, latest=4, k=1, waiting={5: 4})
+    assert may_start(released_for_v5, loaded=4, latest=4, k=1, waiting={3: 2})  # wait is over
+    assert may_start(released_for_v5, loaded=6, latest=6, k=1, waiting={5: 4})  # newer came
+    assert may_start(task(step=5, min_version=4), loaded=4, latest=4, k=1, waiting={5: 4})
+
+
+def test_a_task_of_the_trainers_next_step_does_not_wait_for_a_refused_version() -> None:
+    """v5, announced after trainer step 4, refused: step 5's tasks released for it start on
+    v4 at once (the trainer publishes nothing newer before training step 5); step 6's wait
+    for the version step 5 brings. Before, step 5's waited too, the trainer waited for them,
+    and after the 60 s wait the next step's samples were dropped as stale (the soak)."""
+    assert may_start(task(step=5, min_version=5), loaded=4, latest=4, k=1, waiting={5: 4})
+    assert not may_start(task(step=6, min_version=5), loaded=4, latest=4, k=1, waiting={5: 4})
+    unscheduled = task(step=None, min_version=5)  # no step: waits, as before
+    assert not may_start(unscheduled, loaded=4, latest=4, k=1, waiting={5: 4})
 
 
 def test_a_resumed_trajectory_continues_with_any_weights() -> None:
