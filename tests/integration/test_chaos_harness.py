@@ -108,7 +108,7 @@ def test_the_audit_gathered_as_records_arrive_is_the_one_read_back(cfg: CommonCo
     assert live.max_staleness == 1
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(400)
 def test_the_gathered_audit_keeps_what_a_restarted_broker_kept_not_what_it_forgot(
     tmp_path: Path,
 ) -> None:
@@ -116,7 +116,19 @@ def test_the_gathered_audit_keeps_what_a_restarted_broker_kept_not_what_it_forgo
     to the next ones. The watch read the forgotten ones and skipped the ones at the reused
     offsets (soak on 6b7eb9d: 4 trajectories 'published twice', 2 samples 'lost' at the
     broker restart). It now holds what it read for the audit a while, and reads again from
-    before the kill once the harness says the broker is back."""
+    before the kill once the harness says the broker is back. A kill that forgot nothing the
+    watch had read proves nothing (a loaded machine: the watch lagged, clean-clone make test
+    on 63d4776), so it is tried again, up to three times."""
+    for attempt in range(3):
+        if _restart_under_a_watch(tmp_path / f"attempt{attempt}"):
+            return
+    pytest.fail("in 3 tries the restart forgot nothing the watch read")
+
+
+def _restart_under_a_watch(tmp_path: Path) -> int:
+    """One kill and restart under a streaming writer and a watch; the audits from the watch
+    and from the topics agree. Returns how many records the watch read that the broker
+    forgot or gave to others."""
     data, port = tmp_path / "broker", free_port()
     info = broker.start(port, data)
     cfg = load_config(CommonConfig, cli={"bootstrap_servers": f"127.0.0.1:{port}"}, env={})
@@ -157,8 +169,8 @@ def test_the_gathered_audit_keeps_what_a_restarted_broker_kept_not_what_it_forgo
         assert watch.catch_up(60)
         live = audit_run(cfg, finished=False, recorded=watch.recorded)
         assert live == audit_run(cfg, finished=False)  # what the broker holds, read back
-        assert watch.forgotten + watch.replaced > 0, "the restart forgot nothing the watch read"
         assert live.published_twice == 0 and live.generated > 3
+        return watch.forgotten + watch.replaced
     finally:
         halt.set()
         if watch is not None:

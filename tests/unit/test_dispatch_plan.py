@@ -197,4 +197,4 @@ def test_a_task_generated_but_forgotten_by_the_broker_is_not_sent_again() -> Non
         tid = trajectory_id_for(done.task_id, i)
         for x in traj_chunks(done.prompt_id, i, 2, [1], [5], trajectory_id=tid):
             alone.chunk(dataclasses.replace(x, task_id=done.task_id, step=6, step_groups=1))
-    assert alone.rest([done]) == ([], Stamp(6, 1, 0)) and alone.last_step == 6
+    assert alone.rest([done]) == ([], Stamp(6, 1, 0)) and alone.held() == {6}
