@@ -214,45 +214,11 @@ def test_tasks_the_broker_forgot_after_workers_generated_them_are_not_sent_again
     assert sent == {("p0", 1), ("p1", 1), ("p4", 3), ("p5", 3)}
 
 
-def test_a_window_the_broker_forgot_whole_goes_out_in_its_own_step(make_cfg: Any) -> None:
-    """A SIGKILLed embedded broker forgot step 2's tasks (all on partitions it had not written
-    yet) while step 3's, on others, survived, and no worker had started step 2. The restarted
-    dispatcher sends window 2 into step 2 again, not after step 3: numbered after the newest
-    surviving step, step 2 stayed empty and the trainer waited out its step timeout (``srl
-    chaos`` broker-restart, 90 s; the row failed as not recovered)."""
-    dcfg = make_cfg(  # a step numbered wrong waits for a trainer step that never comes
-        DispatchConfig,
-        prompts="unused.jsonl",
-        group_size=2,
-        groups_per_step=2,
-        max_staleness=1,
-        barrier_timeout_s=10,
-    )
-    layout = Layout.from_config(dcfg)
-    create_topics(dcfg)
-    source, predictor = prompts(6), BaselinePredictor(10)
-    planned = [
-        plan_window(w, predictor.predict([p.text for p in w]), layout, dcfg)
-        for w in (source[0:2], source[2:4], source[4:6])
-    ]
-    with Producer(dcfg, "test") as p:
-        for step in (1, 3):  # window 2 (step 2) forgotten
-            for t in planned[step - 1]:
-                stamped = dataclasses.replace(t, step=step, step_groups=2, min_version=0)
-                p.produce(layout.prompts(t.bucket), encode(stamped), key=t.prompt_id)
-        p.flush()
-    announce_step(dcfg, 1)  # the trainer waits for step 2
-    summary = run_dispatcher(dcfg, source, predictor)
-    assert (summary.skipped, summary.tasks, summary.first_step) == (4, 2, 2)
-    steps = check_steps(tasks_of(dcfg), 6, 2)
-    assert steps[2] == {"p2", "p3"}
-
-
-def test_a_started_task_the_broker_forgot_goes_out_again_in_its_step(make_cfg: Any) -> None:
-    """Step 2's tasks forgotten (step 3's survived) after a worker had published the first
-    chunk of one of them, not its last: the window goes out again in step 2, where the
-    trainer waits for it (its chunk says so), not into a new step."""
-    dcfg = make_cfg(  # a step numbered wrong waits for a trainer step that never comes
+def step_2_forgotten(make_cfg: Any, started: bool) -> DispatchConfig:
+    """Three windows of two prompts; on the topics, steps 1 and 3 (step 2's tasks forgotten
+    by the broker), and with ``started`` the first chunk of one of step 2's tasks (not its
+    last). A step numbered wrong waits for a trainer step that never comes: 10 s."""
+    dcfg = make_cfg(
         DispatchConfig,
         prompts="unused.jsonl",
         group_size=2,
@@ -272,14 +238,38 @@ def test_a_started_task_the_broker_forgot_goes_out_again_in_its_step(make_cfg: A
             for t in planned[step - 1]:
                 stamped = dataclasses.replace(t, step=step, step_groups=2, min_version=0)
                 p.produce(layout.prompts(t.bucket), encode(stamped), key=t.prompt_id)
-        t = planned[1][1]
-        tid = trajectory_id_for(t.task_id, 0)
-        first = traj_chunks(t.prompt_id, 0, 2, [1], [5, 6, 7], trajectory_id=tid)[0]
-        first = dataclasses.replace(first, task_id=t.task_id, step=2, step_groups=2, is_last=False)
-        p.produce(layout.trajectories, encode(first), key=tid)
+        if started:
+            t = planned[1][1]
+            tid = trajectory_id_for(t.task_id, 0)
+            first = traj_chunks(t.prompt_id, 0, 2, [1], [5, 6, 7], trajectory_id=tid)[0]
+            first = dataclasses.replace(
+                first, task_id=t.task_id, step=2, step_groups=2, is_last=False
+            )
+            p.produce(layout.trajectories, encode(first), key=tid)
         p.flush()
-    announce_step(dcfg, 1)
-    summary = run_dispatcher(dcfg, source, predictor)
+    announce_step(dcfg, 1)  # the trainer waits for step 2
+    return dcfg
+
+
+def test_a_window_the_broker_forgot_whole_goes_out_in_its_own_step(make_cfg: Any) -> None:
+    """A SIGKILLed embedded broker forgot step 2's tasks (all on partitions it had not written
+    yet) while step 3's, on others, survived, and no worker had started step 2. The restarted
+    dispatcher sends window 2 into step 2 again, not after step 3: numbered after the newest
+    surviving step, step 2 stayed empty and the trainer waited out its step timeout (``srl
+    chaos`` broker-restart, 90 s; the row failed as not recovered)."""
+    dcfg = step_2_forgotten(make_cfg, started=False)
+    summary = run_dispatcher(dcfg, prompts(6), BaselinePredictor(10))
+    assert (summary.skipped, summary.tasks, summary.first_step) == (4, 2, 2)
+    steps = check_steps(tasks_of(dcfg), 6, 2)
+    assert steps[2] == {"p2", "p3"}
+
+
+def test_a_started_task_the_broker_forgot_goes_out_again_in_its_step(make_cfg: Any) -> None:
+    """Step 2's tasks forgotten (step 3's survived) after a worker had published the first
+    chunk of one of them, not its last: the window goes out again in step 2, where the
+    trainer waits for it (its chunk says so), not into a new step."""
+    dcfg = step_2_forgotten(make_cfg, started=True)
+    summary = run_dispatcher(dcfg, prompts(6), BaselinePredictor(10))
     assert (summary.skipped, summary.tasks) == (4, 2)
     steps = check_steps(tasks_of(dcfg), 6, 2)
     assert steps[2] == {"p2", "p3"}
