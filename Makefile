@@ -51,6 +51,8 @@ test: install-dev
 	$(BIN)/mypy
 	@# the suite starts a few hundred role processes: compile our modules once for all of them
 	$(BIN)/python -m compileall -q -j 0 $(PACKAGES)
+	@# Apache Kafka's jars (Maven Central, once per machine) for the Kafka and cluster tiers
+	$(BIN)/srl broker fetch
 	$(BIN)/python -m pytest --slow -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 # The fault-injection suite's full schedule, each fault alone then mixed (docs/reliability.md;

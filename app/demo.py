@@ -224,7 +224,7 @@ def _run_roles(plan: Plan, before: Any, eval_set: list[Any], progress: bool) -> 
     create_topics(live)
     _bootstrap_ranker(plan)
     fleet = Fleet(env=role_env(os.environ), cwd=plan.out)
-    watcher = Watcher(live, run, trainer_group(run))
+    watcher = Watcher(live, run, trainer_group(live.topic_prefix, run))
     watcher.start()
     t_run = time.monotonic()
     status = "ok"

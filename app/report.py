@@ -220,7 +220,7 @@ def build(
     events = metric_events(cfg, plan.run)
     samples = [e for e in events if e.kind == "sample"]
     steps = step_events(events)
-    audit = audit_trajectories(cfg, trainer_group(plan.run), samples)
+    audit = audit_trajectories(cfg, trainer_group(cfg.topic_prefix, plan.run), samples)
 
     final_dir, version = final_policy(cfg, plan.run, plan.model_dir, plan.out / "final-model")
     after = warmstart.evaluate(final_dir, eval_set)

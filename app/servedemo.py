@@ -197,7 +197,7 @@ def _serve_and_learn(
     create_topics(live)
     conf = plan.write()
     fleet = Fleet(env=role_env(os.environ), cwd=plan.out)
-    watcher = Watcher(live, plan.run, trainer_group(plan.run))
+    watcher = Watcher(live, plan.run, trainer_group(live.topic_prefix, plan.run))
     watcher.start()
     c = plan.cfg
     prompts = task.demo_prompts(c.steps * c.groups_per_step * 4, "train", seed=c.seed)

@@ -35,7 +35,7 @@ class TrainConfig(CommonConfig):
     )
     group_id: str | None = Field(
         None,
-        description="Consumer group on the trajectories topic; null: srl-trainer-{run}.",
+        description="Consumer group on the trajectories topic; null: {prefix}.trainer.{run}.",
     )
     start_from: str = Field(
         "earliest",
@@ -236,7 +236,7 @@ class TrainConfig(CommonConfig):
 
     @property
     def consumer_group(self) -> str:
-        return self.group_id or trainer_group(self.run)
+        return self.group_id or trainer_group(self.topic_prefix, self.run)
 
     @property
     def staleness_bound(self) -> int | None:

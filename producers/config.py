@@ -283,7 +283,7 @@ class GenerateConfig(CommonConfig, EngineSettings):
     backlog_group: str | None = Field(
         None,
         description="Consumer group whose lag is the backlog; null: the followed run's trainer "
-        "group, srl-trainer-{run}.",
+        "group, {prefix}.trainer.{run}.",
     )
     migrate_to: str | None = Field(
         None,
@@ -359,7 +359,7 @@ class GenerateConfig(CommonConfig, EngineSettings):
 
     @property
     def trainer_group(self) -> str:
-        return self.backlog_group or trainer_group(self.weights_run)
+        return self.backlog_group or trainer_group(self.topic_prefix, self.weights_run)
 
     @property
     def worker_name(self) -> str:

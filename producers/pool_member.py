@@ -40,6 +40,7 @@ from producers.pool import PoolView, Release, State, Take, TopicPart
 from srl.config import KafkaSettings, TopicsConfig
 from srl.errors import ProducerFailed, SrlError
 from srl.kafka import (
+    SESSION_TIMEOUT_MS,
     KafkaError,
     KafkaException,
     Message,
@@ -56,8 +57,10 @@ log = logging.getLogger("srl.pool")
 
 
 def session_timeout_s(cfg: KafkaSettings, group: str) -> float:
-    """The consumers' ``session.timeout.ms`` (``-X`` included): silence for this long is death."""
-    return int(consumer_settings(cfg, group)["session.timeout.ms"]) / 1000
+    """The consumers' ``session.timeout.ms`` (``-X`` included): silence for this long is death.
+    A KIP-848 member (``group.protocol=consumer``) sets none: srl's classic one then."""
+    settings = consumer_settings(cfg, group)
+    return int(settings.get("session.timeout.ms", SESSION_TIMEOUT_MS)) / 1000
 
 
 def current_assignment(

@@ -34,7 +34,7 @@ class RankerConfig(CommonConfig):
         ),
     )
     ranker_group: str | None = Field(
-        None, description="Consumer group of the online ranker trainer. null: srl-ranker-{run}."
+        None, description="Consumer group of the online ranker trainer. null: {prefix}.ranker.{run}."
     )
     window: int = Field(
         4000,
@@ -65,4 +65,4 @@ class RankerConfig(CommonConfig):
     )
 
     def group_id(self) -> str:
-        return self.ranker_group or f"srl-ranker-{self.run}"
+        return self.ranker_group or f"{self.topic_prefix}.ranker.{self.run}"

@@ -171,9 +171,12 @@ class Layout:
 
 
 # -- consumer groups ---------------------------------------------------------------------
-def trainer_group(run: str) -> str:
-    """The trainer's consumer group on the trajectories topic (unless ``group_id`` overrides)."""
-    return f"srl-trainer-{run}"
+def trainer_group(prefix: str, run: str) -> str:
+    """The trainer's consumer group on the trajectories topic (unless ``group_id`` overrides),
+    scoped by the topic prefix as the pools' groups are: two deployments on one cluster with
+    the same run name never share a group (on Apache Kafka a static member of one would take
+    the other's place and its stale assignment)."""
+    return f"{prefix}.trainer.{run}"
 
 
 def pool_group(prefix: str, pool: str) -> str:

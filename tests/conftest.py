@@ -1,18 +1,26 @@
-"""Shared fixtures: one real Kafka-protocol broker per test session, and per-test configs.
+"""Shared fixtures: real brokers for the test session, and per-test configs.
 
-The broker is, in order of preference:
+Three tiers (docs/broker.md):
 
-1. an external one when ``SRL_BOOTSTRAP_SERVERS`` is set;
-2. an Apache Kafka container when ``SRL_TEST_CONTAINER=1`` and a Docker engine answers;
-3. the embedded broker (``srl.broker.EmbeddedBroker``) on a free port: the default.
+* **Apache Kafka, one node** (the default ``bootstrap``): each test process starts its own
+  node (``srl.broker.apache``; ``make test`` fetches the jars once per machine first);
+* **embedded** (``@pytest.mark.embedded``): the tests of what ``make demo`` depends on and of
+  the embedded broker's own gaps, on a noida-db broker of their test process;
+* **cluster** (``@pytest.mark.cluster``): three Apache Kafka nodes (replication factor 3,
+  ``min.insync.replicas`` 2), one cluster shared by every test process, started by the first
+  test that asks for it (the ``cluster`` fixture) and stopped when the session ends.
 
-Each test gets its own random topic prefix and group ids, so tests never see each other's
-records. ``--slow`` runs the tests marked ``slow`` (``make test`` passes it).
+``SRL_BOOTSTRAP_SERVERS`` points the default tier at another broker; ``SRL_TEST_BROKER=embedded``
+runs it on the embedded broker (a machine without Java); ``SRL_TEST_CONTAINER=1`` on an Apache
+Kafka container where Docker runs. Each test gets its own random topic prefix and group ids,
+so tests never see each other's records. ``--slow`` runs the tests marked ``slow`` (``make
+test`` passes it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
@@ -20,6 +28,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,63 +65,163 @@ def docker_available() -> bool:
         return False
 
 
-KAFKA_IMAGE = "apache/kafka:3.9.1"  # the same image docker-compose.yml pins
+def kafka_image() -> str:
+    """The apache/kafka image of the pinned Kafka version (docker-compose.yml pins the same)."""
+    from srl.broker.apache import kafka_version
+
+    return f"apache/kafka:{kafka_version()}"
 
 
 @contextlib.contextmanager
 def apache_kafka_container() -> Iterator[str]:
-    """Apache Kafka (KRaft, single node) in a container on a free 127.0.0.1 port."""
+    """Apache Kafka (KRaft, single node) in a container on a free 127.0.0.1 port, with the
+    server settings of ``srl broker start --engine kafka`` (``image_environment``)."""
     from testcontainers.core.container import DockerContainer
     from testcontainers.core.wait_strategies import LogMessageWaitStrategy
 
     from srl.broker import free_port
+    from srl.broker.apache import image_environment
 
     port = free_port()
     container = (
-        DockerContainer(KAFKA_IMAGE)
+        DockerContainer(kafka_image())
         .with_bind_ports(9092, ("127.0.0.1", port))
         .with_env("KAFKA_NODE_ID", "1")
-        .with_env("KAFKA_PROCESS_ROLES", "broker,controller")
         .with_env("KAFKA_LISTENERS", "PLAINTEXT://:9092,CONTROLLER://:9093")
         .with_env("KAFKA_ADVERTISED_LISTENERS", f"PLAINTEXT://127.0.0.1:{port}")
-        .with_env("KAFKA_CONTROLLER_LISTENER_NAMES", "CONTROLLER")
         .with_env(
             "KAFKA_LISTENER_SECURITY_PROTOCOL_MAP", "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT"
         )
         .with_env("KAFKA_CONTROLLER_QUORUM_VOTERS", "1@localhost:9093")
-        .with_env("KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR", "1")
-        .with_env("KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR", "1")
-        .with_env("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR", "1")
-        .with_env("KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS", "0")
         .waiting_for(LogMessageWaitStrategy("Kafka Server started").with_startup_timeout(120))
     )
+    for k, v in image_environment(1).items():
+        container = container.with_env(k, v)
     with container:
         yield f"127.0.0.1:{port}"
 
 
+def test_broker() -> str:
+    """What the default tier runs on: ``external``, ``container``, ``embedded`` or ``kafka``."""
+    if os.environ.get("SRL_BOOTSTRAP_SERVERS"):
+        return "external"
+    if os.environ.get("SRL_TEST_CONTAINER") == "1" and docker_available():
+        return "container"
+    return "embedded" if os.environ.get("SRL_TEST_BROKER") == "embedded" else "kafka"
+
+
 def embedded_broker_in_use() -> bool:
-    """True when the session's broker is the embedded noida-db (no external broker, no
-    container)."""
-    return not os.environ.get("SRL_BOOTSTRAP_SERVERS") and not (
-        os.environ.get("SRL_TEST_CONTAINER") == "1" and docker_available()
-    )
+    """True when the default tier runs on the embedded noida-db."""
+    return test_broker() == "embedded"
+
+
+def kafka_in_use() -> bool:
+    """True when the default tier runs on an Apache Kafka node of this session."""
+    return test_broker() == "kafka"
+
+
+# a test process's nodes get less heap than a user's (srl.broker.apache): a few hundred MB
+# hold every topic of a session, and C1 alone starts a node with less CPU on 2 cores
+TEST_KAFKA_JVM_OPTS = (
+    "-Xms96m -Xmx512m -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -XX:TieredStopAtLevel=1"
+)
+
+
+@contextlib.contextmanager
+def kafka_node(nodes: int = 1, data_dir: Path | None = None) -> Iterator[Any]:
+    """Apache Kafka nodes on free ports for the ``with`` block (``srl.broker.apache``)."""
+    from srl.broker import apache
+
+    os.environ.setdefault("SRL_KAFKA_JVM_OPTS", TEST_KAFKA_JVM_OPTS)
+    if data_dir is None:
+        with apache.temporary(nodes) as cluster:
+            yield cluster
+        return
+    cluster = apache.KafkaCluster(data_dir, nodes=nodes)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="session")
-def bootstrap() -> Iterator[str]:
-    """host:port of a real broker for the whole session."""
-    external = os.environ.get("SRL_BOOTSTRAP_SERVERS")
-    if external:
-        yield external
-        return
-    if os.environ.get("SRL_TEST_CONTAINER") == "1" and docker_available():
+def default_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """host:port of this test process's default broker (see the module docstring)."""
+    kind = test_broker()
+    if kind == "external":
+        yield os.environ["SRL_BOOTSTRAP_SERVERS"]
+    elif kind == "container":
         with apache_kafka_container() as bootstrap:
             yield bootstrap
-        return
+    elif kind == "embedded":
+        from srl.broker import EmbeddedBroker
+
+        with EmbeddedBroker() as broker:
+            yield broker.bootstrap
+    else:
+        with kafka_node(1, tmp_path_factory.mktemp("kafka")) as node:
+            yield node.bootstrap
+
+
+@pytest.fixture(scope="session")
+def embedded_bootstrap() -> Iterator[str]:
+    """host:port of this test process's embedded broker (noida-db), started on first use."""
     from srl.broker import EmbeddedBroker
 
     with EmbeddedBroker() as broker:
         yield broker.bootstrap
+
+
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every test process of this session shares (xdist workers' common base)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Three Apache Kafka nodes shared by every test process of the session: the first to ask
+    starts them (under a file lock), the end of the session stops them (``pytest_unconfigure``
+    of the controller); a test that stops a node starts it again before it ends."""
+    from srl.broker import apache
+
+    os.environ.setdefault("SRL_KAFKA_JVM_OPTS", TEST_KAFKA_JVM_OPTS)
+    data = shared_dir(tmp_path_factory) / "kafka-cluster"
+    data.mkdir(parents=True, exist_ok=True)
+    with open(data.parent / "kafka-cluster.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = apache.load(data)
+        c = found if found is not None else apache.KafkaCluster(data, nodes=3)
+        if not all(c.running(n) for n in c.nodes):
+            c.start()
+    return c
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Stop the shared cluster, in the xdist controller (or the only test process)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is None:
+        return
+    from srl.broker import apache
+
+    with contextlib.suppress(Exception):
+        data = factory.getbasetemp() / "kafka-cluster"
+        c = apache.load(data) if data.is_dir() else None
+        if c is not None:
+            c.stop()
+
+
+@pytest.fixture
+def bootstrap(request: pytest.FixtureRequest) -> str:
+    """host:port of the broker of this test's tier (the ``embedded`` and ``cluster`` marks,
+    else the default)."""
+    if request.node.get_closest_marker("embedded"):
+        return str(request.getfixturevalue("embedded_bootstrap"))
+    if request.node.get_closest_marker("cluster"):
+        return str(request.getfixturevalue("cluster").bootstrap)
+    return str(request.getfixturevalue("default_bootstrap"))
 
 
 def delete_topics(bootstrap: str, prefix: str) -> None:

@@ -362,26 +362,45 @@ def serve_bench(
     show_default=True,
     help="How long each mode runs.",
 )
+@click.option(
+    "--broker",
+    "brokers",
+    type=click.Choice(["embedded", "kafka"]),
+    multiple=True,
+    default=("embedded", "kafka"),
+    show_default=True,
+    help="Brokers to run both modes on, one after the other (repeat the option).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def idle(partitions: int, records: int, bursts: int, seconds: float, as_json: bool) -> None:
+def idle(
+    partitions: int,
+    records: int,
+    bursts: int,
+    seconds: float,
+    brokers: tuple[str, ...],
+    as_json: bool,
+) -> None:
     """A group member waiting for records: quiet (srl.kafka.quiet) against fetching.
 
-    Broker and client CPU, records read and their delay, both modes side by side on one
-    embedded broker (the embedded broker answers a fetch at the end of a partition at once).
+    Broker and client CPU, records read and their delay, both modes side by side on a fresh
+    broker of each engine (the embedded broker answers a fetch at the end of a partition at
+    once; Apache Kafka holds it for fetch.wait.max.ms).
     """
     from app.bench.idle import run
 
-    r = run(partitions, records, bursts, seconds)
+    r = run(partitions, records, bursts, seconds, brokers)  # type: ignore[arg-type]
     if as_json:
         echo_json(r)
         return
-    for row in r["rows"]:
+    for engine in brokers:
+        for row in r[engine]["rows"]:
+            click.echo(
+                f"{engine:>8} {row['mode']:>8}: broker {row['broker_cores']:.3f} cores, client "
+                f"{row['client_cores']:.3f} cores; {row['records_read']} records read "
+                f"(each once, in order: {row['each_once_in_order']}); delay p50 "
+                f"{row['delay_ms_p50']} ms, p99 {row['delay_ms_p99']} ms"
+            )
         click.echo(
-            f"{row['mode']:>8}: broker {row['broker_cores']:.3f} cores, client "
-            f"{row['client_cores']:.3f} cores; {row['records_read']} records read "
-            f"(each once, in order: {row['each_once_in_order']}); delay p50 "
-            f"{row['delay_ms_p50']} ms, p99 {row['delay_ms_p99']} ms"
+            f"{engine:>8} quiet / fetching CPU: broker {r[engine]['broker_cpu_ratio']}, "
+            f"client {r[engine]['client_cpu_ratio']}"
         )
-    click.echo(
-        f"quiet / fetching CPU: broker {r['broker_cpu_ratio']}, client {r['client_cpu_ratio']}"
-    )

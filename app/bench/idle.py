@@ -1,6 +1,7 @@
 """``srl bench idle``: what a group member costs while it waits for records, quiet
 (``srl.kafka.quiet``: partitions read to their end paused and probed) against fetching them
-continuously, side by side on one embedded broker.
+continuously, side by side on one broker of each engine asked for (the embedded one answers a
+fetch at the end of a partition at once; Apache Kafka holds it up to ``fetch.wait.max.ms``).
 
 Each mode: a fresh topic of ``partitions`` partitions, one member of its own group
 (``make_consumer`` with ``quiet_s`` 0.02 or None) and, in a thread of this process, a
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from srl.broker import EmbeddedBroker
+from srl.broker import Engine, temporary
 from srl.config import CommonConfig, load_config
 from srl.kafka import Producer, create_topics, make_consumer, produced_ms
 from srl.topics import TopicSpec
@@ -30,15 +31,18 @@ from srl.topics import TopicSpec
 QUIET_S = 0.02
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (Linux ``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of processes ``pids`` (Linux ``/proc``)."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def phase(
     cfg: CommonConfig,
-    broker_pid: int,
+    broker_pids: list[int],
     quiet: bool,
     partitions: int,
     records: int,
@@ -62,7 +66,7 @@ def phase(
 
     member.next_batch(100, 1.0)  # assigned before the clock starts
     sender = threading.Thread(target=send, name="bench-idle-producer")
-    b0, m0, t0 = cpu_s(broker_pid), time.process_time(), time.monotonic()
+    b0, m0, t0 = cpu_s(broker_pids), time.process_time(), time.monotonic()
     sender.start()
     while sender.is_alive() or sum(map(len, seen.values())) < records:
         for m in member.next_batch(500, 0.2):
@@ -72,7 +76,7 @@ def phase(
         if time.monotonic() - t0 > seconds + 30:
             break
     wall = time.monotonic() - t0
-    b1, m1 = cpu_s(broker_pid), time.process_time()
+    b1, m1 = cpu_s(broker_pids), time.process_time()
     member.close()
     got = sorted(v for vs in seen.values() for v in vs)
     in_order = all(vs == sorted(vs) for vs in seen.values())
@@ -88,21 +92,33 @@ def phase(
     }
 
 
-def run(partitions: int, records: int, bursts: int, seconds: float) -> dict[str, Any]:
-    """Both modes, fetching first, on one embedded broker; their rows and the CPU ratios."""
-    with EmbeddedBroker() as b:
-        assert b.info is not None
-        values = {"bootstrap_servers": b.bootstrap, "topic_prefix": "bench-idle"}
-        cfg = load_config(CommonConfig, cli=values, env={})
-        rows = [
-            phase(cfg, b.info.pid, q, partitions, records, bursts, seconds) for q in (False, True)
-        ]
-    fetching, quiet = rows
-    return {
-        "partitions": partitions,
-        "records": records,
-        "bursts": bursts,
-        "rows": rows,
-        "broker_cpu_ratio": round(quiet["broker_cores"] / max(fetching["broker_cores"], 1e-3), 3),
-        "client_cpu_ratio": round(quiet["client_cores"] / max(fetching["client_cores"], 1e-3), 3),
-    }
+def run(
+    partitions: int,
+    records: int,
+    bursts: int,
+    seconds: float,
+    brokers: tuple[Engine, ...] = ("embedded",),
+) -> dict[str, Any]:
+    """Both modes, fetching first, on one broker of each engine in ``brokers``; their rows
+    and the CPU ratios, per broker."""
+    out: dict[str, Any] = {"partitions": partitions, "records": records, "bursts": bursts}
+    for engine in brokers:
+        with temporary(engine) as b:
+            values = {"bootstrap_servers": b.bootstrap, "topic_prefix": "bench-idle"}
+            cfg = load_config(CommonConfig, cli=values, env={})
+            if engine == "kafka":  # the node's start-up is over before the clock starts
+                time.sleep(3)
+            rows = [
+                phase(cfg, b.pids, q, partitions, records, bursts, seconds) for q in (False, True)
+            ]
+        fetching, quiet = rows
+        out[engine] = {
+            "rows": rows,
+            "broker_cpu_ratio": round(
+                quiet["broker_cores"] / max(fetching["broker_cores"], 1e-3), 3
+            ),
+            "client_cpu_ratio": round(
+                quiet["client_cores"] / max(fetching["client_cores"], 1e-3), 3
+            ),
+        }
+    return out

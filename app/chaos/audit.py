@@ -166,7 +166,7 @@ def audit_run(cfg: CommonConfig, finished: bool, recorded: Recorded | None = Non
     layout = Layout.from_config(cfg)
     done = committed_offsets(
         cfg,
-        trainer_group(cfg.run),
+        trainer_group(cfg.topic_prefix, cfg.run),
         {(layout.trajectories, p) for t in rec.trajs.values() for p in t.firsts},
     )
     committed = {p: off for (_t, p), off in done.items()}

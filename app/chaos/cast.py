@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from srl import broker as embedded
+from srl.broker import embedded
 
 log = logging.getLogger("app.chaos")
 

@@ -39,7 +39,7 @@ def cli(verbose: int) -> None:
 # -- broker -------------------------------------------------------------------------------
 @cli.group()
 def broker() -> None:
-    """Run the embedded Kafka-protocol broker on 127.0.0.1 (no Docker needed)."""
+    """Run a Kafka broker on 127.0.0.1: the embedded one (default, no Java) or Apache Kafka."""
 
 
 def _data_dir_option(f: Any) -> Any:
@@ -48,31 +48,71 @@ def _data_dir_option(f: Any) -> Any:
         type=click.Path(file_okay=False, path_type=Path),
         default=Path(".srl/broker"),
         show_default=True,
-        help="Where the broker keeps its data, log and pid file.",
+        help="Where the broker keeps its data, logs and pid files.",
     )(f)
 
 
 @broker.command("start")
 @click.option(
+    "--engine",
+    type=click.Choice(["embedded", "kafka"]),
+    default="embedded",
+    show_default=True,
+    help="embedded: noida-db from PyPI; kafka: Apache Kafka 4.x in KRaft mode (Java 17; the "
+    "jars come from Maven Central once).",
+)
+@click.option(
+    "--nodes",
+    type=click.Choice(["1", "3"]),
+    default="1",
+    show_default=True,
+    help="Apache Kafka nodes (each a broker and controller); 3: replication factor 3, "
+    "min.insync.replicas 2.",
+)
+@click.option(
     "--port",
     type=click.IntRange(1, 65535),
     default=9092,
     show_default=True,
-    help="Port on 127.0.0.1.",
+    help="Port on 127.0.0.1 (Apache Kafka: node N on PORT+N-1, its controllers after them).",
+)
+@click.option(
+    "--kafka-home",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Use this Apache Kafka install's libs/ instead of fetching the jars.",
 )
 @_data_dir_option
-def broker_start(port: int, data_dir: Path) -> None:
+def broker_start(
+    engine: str, nodes: str, port: int, kafka_home: Path | None, data_dir: Path
+) -> None:
     """Start the broker in the background and wait until it answers."""
     from srl import broker as b
 
-    info = b.start(port, data_dir)
-    click.echo(f"broker running: pid {info.pid}, bootstrap {info.bootstrap}, data {info.data_dir}")
+    st = b.start(
+        port,
+        data_dir,
+        engine=engine,  # type: ignore[arg-type]
+        nodes=int(nodes),
+        kafka_home=kafka_home,
+        log=lambda line: click.echo(line, err=True),
+    )
+    if st["engine"] == "embedded":
+        click.echo(
+            f"broker running: pid {st['pid']}, bootstrap {st['bootstrap']}, data {st['data_dir']}"
+        )
+        return
+    pids = ", ".join(str(n["pid"]) for n in st["nodes"])
+    click.echo(
+        f"Apache Kafka running: {len(st['nodes'])} node(s), pid {pids}, bootstrap "
+        f"{st['bootstrap']}, data {st['data_dir']}"
+    )
 
 
 @broker.command("stop")
 @_data_dir_option
 def broker_stop(data_dir: Path) -> None:
-    """Stop the broker started from DATA_DIR (its data stays)."""
+    """Stop the broker started from DATA_DIR, whichever engine (its data stays)."""
     from srl import broker as b
 
     click.echo("broker stopped" if b.stop(data_dir) else "no broker was running")
@@ -88,14 +128,55 @@ def broker_status(data_dir: Path, as_json: bool) -> None:
     st = b.status(data_dir)
     if as_json:
         echo_json(st)
-    elif st["running"]:
+    elif st["running"] and st["engine"] == "embedded":
         click.echo(
             f"running: pid {st['pid']}, bootstrap {st['bootstrap']}, answering {st['answering']}"
         )
+    elif st["running"]:
+        for n in st["nodes"]:
+            state = f"pid {n['pid']}, answering {n['answering']}" if n["running"] else "stopped"
+            click.echo(f"Apache Kafka node {n['node_id']}: {n['bootstrap']}, {state}")
     else:
         click.echo(f"not running (data dir {st['data_dir']})")
     if not st["running"]:
         raise click.exceptions.Exit(1)
+
+
+@broker.command("fetch")
+def broker_fetch() -> None:
+    """Fetch Apache Kafka's jars from Maven Central now (once per machine; `start --engine
+    kafka` does it on first use) and print where they are."""
+    from srl.broker import apache
+
+    apache.check_java()
+    click.echo(apache.fetch(log=lambda line: click.echo(line, err=True)))
+
+
+@broker.command(
+    "tool",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+@click.argument("name")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.option(
+    "--kafka-home",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Use this Apache Kafka install's libs/ instead of the fetched jars.",
+)
+def broker_tool(name: str, args: tuple[str, ...], kafka_home: Path | None) -> None:
+    """Run one of Apache Kafka's own admin tools from the same jars, e.g. `srl broker tool
+    kafka-consumer-groups --bootstrap-server 127.0.0.1:9092 --describe --all-groups`
+    (kafka-consumer-groups, kafka-topics, kafka-configs, kafka-console-consumer,
+    kafka-console-producer, kafka-get-offsets, kafka-metadata-quorum, kafka-storage)."""
+    import sys
+
+    from srl.broker import apache
+
+    out = apache.run_tool(name, args, kafka_home, timeout_s=3600)
+    sys.stdout.write(out.stdout)
+    sys.stderr.write(out.stderr)
+    raise click.exceptions.Exit(out.returncode)
 
 
 # -- topics -------------------------------------------------------------------------------

@@ -53,12 +53,15 @@ from srl.kafka.consumer import (
 from srl.kafka.producer import DeliveryCallback, Producer, start_over
 from srl.kafka.ranges import read_range
 from srl.kafka.settings import (
+    SESSION_TIMEOUT_MS,
     base_settings,
     broker_answers,
+    broker_count,
     check_settings,
     client_id,
     consumer_settings,
     describe,
+    for_group_protocol,
     producer_settings,
     wait_for_broker,
 )
@@ -67,6 +70,7 @@ __all__ = [
     "OFFSET_BEGINNING",
     "OFFSET_END",
     "POSITION_SUFFIX",
+    "SESSION_TIMEOUT_MS",
     "Consumer",
     "DeliveryCallback",
     "GroupState",
@@ -82,6 +86,7 @@ __all__ = [
     "admin",
     "base_settings",
     "broker_answers",
+    "broker_count",
     "check_settings",
     "client_id",
     "commit_sync",
@@ -89,6 +94,7 @@ __all__ = [
     "consumer_settings",
     "create_topics",
     "describe",
+    "for_group_protocol",
     "describe_groups",
     "lag",
     "make_consumer",

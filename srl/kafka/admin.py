@@ -28,7 +28,14 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetS
 from srl.config import KafkaSettings, TopicsConfig
 from srl.errors import SrlError
 from srl.kafka.consumer import Consumer, reader
-from srl.kafka.settings import SESSION_TIMEOUT_MS, base_settings, describe, wait_for_broker
+from srl.kafka.ranges import watermarks_of
+from srl.kafka.settings import (
+    SESSION_TIMEOUT_MS,
+    base_settings,
+    describe,
+    for_group_protocol,
+    wait_for_broker,
+)
 from srl.topics import Layout, TopicSpec
 
 log = logging.getLogger("srl.kafka")
@@ -58,7 +65,9 @@ def create_topics(cfg: TopicsConfig, specs: Iterable[TopicSpec] | None = None) -
 def _create(client: AdminClient, todo: list[TopicSpec], timeout_s: float) -> list[str]:
     if not todo:
         return []
-    new = [NewTopic(s.name, s.partitions, replication_factor=1, config=s.config) for s in todo]
+    # replication_factor -1: the broker's default.replication.factor (1 on one node, 3 on the
+    # three-node cluster srl starts; KIP-464), so the same layout fits any cluster
+    new = [NewTopic(s.name, s.partitions, replication_factor=-1, config=s.config) for s in todo]
     futures = client.create_topics(new, operation_timeout=timeout_s, request_timeout=timeout_s)
     created = []
     for name, fut in futures.items():
@@ -72,13 +81,35 @@ def _create(client: AdminClient, todo: list[TopicSpec], timeout_s: float) -> lis
 
 
 def _wait_for_leaders(client: AdminClient, names: list[str], timeout_s: float) -> None:
+    """Until every partition of ``names`` has a leader that answers for it. Apache Kafka
+    creates a topic's partitions asynchronously: its metadata can name a leader that still
+    refuses a ListOffsets (NOT_LEADER_OR_FOLLOWER) for a moment after CreateTopics returned."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         md = client.list_topics(timeout=timeout_s)
         topics = md.topics
-        if all(n in topics and topics[n].partitions and topics[n].error is None for n in names):
+        if all(
+            n in topics
+            and topics[n].partitions
+            and topics[n].error is None
+            and all(p.leader >= 0 and p.error is None for p in topics[n].partitions.values())
+            for n in names
+        ) and _leaders_answer(client, {n: len(topics[n].partitions) for n in names}):
             return
         time.sleep(0.05)
+
+
+def _leaders_answer(client: AdminClient, partitions: dict[str, int]) -> bool:
+    """Whether a ListOffsets of every partition succeeds (one request per leader)."""
+    asked = {
+        TopicPartition(t, p): OffsetSpec.latest() for t, n in partitions.items() for p in range(n)
+    }
+    try:
+        for fut in client.list_offsets(asked, request_timeout=5).values():
+            fut.result()
+    except KafkaException:
+        return False
+    return True
 
 
 def watermarks(
@@ -87,7 +118,7 @@ def watermarks(
     """``{(topic, partition): (low, high)}`` for every partition of ``topics``."""
     with reader(cfg, "watermarks") as c:
         return {
-            (tp.topic, tp.partition): c.get_watermark_offsets(tp, timeout=timeout_s)
+            (tp.topic, tp.partition): watermarks_of(c, tp, time.monotonic() + timeout_s)
             for tp in c.partitions_of(list(topics), timeout_s)
         }
 
@@ -100,7 +131,9 @@ def committed_offsets(
 ) -> dict[tuple[str, int], int | None]:
     """Committed offset of ``group_id`` per partition; None where nothing is committed."""
     settings = base_settings(cfg, "offsets") | {"group.id": group_id}
-    with Consumer(settings | {"session.timeout.ms": SESSION_TIMEOUT_MS} | cfg.kafka) as c:
+    with Consumer(
+        for_group_protocol(settings | {"session.timeout.ms": SESSION_TIMEOUT_MS} | cfg.kafka)
+    ) as c:
         tps = c.committed([TopicPartition(t, p) for t, p in partitions], timeout=timeout_s)
         return {(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None) for tp in tps}
 
@@ -160,7 +193,7 @@ class Lag:
                 "group.id": group,
                 "session.timeout.ms": SESSION_TIMEOUT_MS,
             }
-            self._groups[group] = Consumer(settings | self.cfg.kafka)
+            self._groups[group] = Consumer(for_group_protocol(settings | self.cfg.kafka))
         return self._groups[group]
 
     def partitions(self, groups: Sequence[str], topics: Sequence[str]) -> list[PartitionLag]:
@@ -175,7 +208,7 @@ class Lag:
                 furthest[key] = max(furthest.get(key, -1), tp.offset)
         rows = []
         for tp in tps:
-            low, high = self._reader.get_watermark_offsets(tp, timeout=self.timeout_s)
+            low, high = watermarks_of(self._reader, tp, time.monotonic() + self.timeout_s)
             done = furthest.get((tp.topic, tp.partition), -1)
             rows.append(
                 PartitionLag(tp.topic, tp.partition, low, high, done if done >= 0 else None)

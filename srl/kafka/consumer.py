@@ -26,7 +26,13 @@ from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 from srl.config import KafkaSettings
 from srl.kafka.callbacks import callback
 from srl.kafka.quiet import Quiet, key
-from srl.kafka.settings import SESSION_TIMEOUT_MS, base_settings, consumer_settings
+from srl.kafka.settings import (
+    SESSION_TIMEOUT_MS,
+    base_settings,
+    consumer_settings,
+    for_group_protocol,
+    idle_fetches_spin,
+)
 
 log = logging.getLogger("srl.kafka")
 
@@ -40,6 +46,7 @@ class Consumer:
 
     def __init__(self, settings: dict[str, Any], quiet_s: float | None = None) -> None:
         self._c = confluent_kafka.Consumer(settings)
+        self.bootstrap = str(settings.get("bootstrap.servers", ""))
         # stop fetching partitions read to their end, probe them every quiet_s (srl.kafka.quiet)
         self._quiet = Quiet(self._c, quiet_s) if quiet_s else None
         # incremental (cooperative, or KIP-848) rebalances add partitions; eager ones replace all
@@ -244,16 +251,23 @@ def produced_ms(msg: Message) -> int | None:
     return int(ts) if kind != confluent_kafka.TIMESTAMP_NOT_AVAILABLE else None
 
 
+AUTO = -1.0  # make_consumer's quiet_s: quiet on a broker whose idle fetches spin
+
+
 def make_consumer(
     cfg: KafkaSettings,
     group_id: str,
     role: str = "consumer",
-    quiet_s: float | None = QUIET_PROBE_S,
+    quiet_s: float | None = AUTO,
     **overrides: Any,
 ) -> Consumer:
-    """A member of ``group_id`` with manual offset storage (``srl.kafka.settings``); it stops
-    fetching partitions read to their end and probes them every ``quiet_s`` (None: it
-    fetches them continuously, ``srl.kafka.quiet``)."""
+    """A member of ``group_id`` with manual offset storage (``srl.kafka.settings``). On a
+    broker that answers a fetch at the end of a partition at once (the embedded one:
+    ``idle_fetches_spin``) it stops fetching partitions read to their end and probes them
+    every ``quiet_s`` (``srl.kafka.quiet``); on Apache Kafka, which holds such a fetch, it
+    fetches continuously. An explicit ``quiet_s`` (None: never quiet) decides instead."""
+    if quiet_s == AUTO:
+        quiet_s = QUIET_PROBE_S if idle_fetches_spin(cfg.bootstrap_servers) else None
     if quiet_s:
         # librdkafka fetches a resumed partition it has read nothing from only after its next
         # metadata refresh (measured: ~0.9 s at the default 5 min, ~0 at 100 ms): an empty
@@ -271,7 +285,7 @@ def reader(cfg: KafkaSettings, role: str) -> Consumer:
         "enable.auto.offset.store": False,
         "session.timeout.ms": SESSION_TIMEOUT_MS,  # else -X max.poll.interval.ms<45000 fails
     }
-    return Consumer(settings | cfg.kafka)
+    return Consumer(for_group_protocol(settings | cfg.kafka))
 
 
 def commit_sync(consumer: Consumer, offsets: list[TopicPartition]) -> None:
@@ -302,6 +316,8 @@ class QuietTail:
     ) -> None:
         self.consumer, self.tp, self.probe_s = consumer, tp, probe_s
         self.start = start  # the concrete offset ``tp`` was assigned at, if it was
+        # Apache Kafka holds an idle fetch itself: nothing to do there but poll
+        self.enabled = idle_fetches_spin(consumer.bootstrap)
         self.paused = False
         self.end = -1  # the highest high watermark seen (probed or fetched)
 
@@ -339,6 +355,8 @@ class QuietTail:
 
     def poll(self, timeout_s: float) -> Message | None:
         """The next record, or None after at most ``timeout_s``."""
+        if not self.enabled:
+            return self.consumer.poll(timeout_s)
         deadline = time.monotonic() + timeout_s
         while True:
             if self.paused:

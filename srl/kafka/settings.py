@@ -84,7 +84,22 @@ def consumer_settings(
     )
     settings.update(overrides)
     settings.update(cfg.kafka)
-    return settings
+    return for_group_protocol(settings)
+
+
+# What a classic group member sets and a KIP-848 one (group.protocol=consumer) must not: the
+# broker owns the session, the heartbeat and the assignor there, and librdkafka refuses a
+# consumer that sets them ("`session.timeout.ms` is not supported for group.protocol=consumer")
+CLASSIC_ONLY = ("session.timeout.ms", "heartbeat.interval.ms", "partition.assignment.strategy")
+
+
+def for_group_protocol(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` without the classic-only ones when they ask for ``group.protocol=consumer``
+    (KIP-848: the broker's ``group.consumer.*`` settings decide them, srl's
+    apache_kafka/server.properties sets the same 10 s and 1 s)."""
+    if str(settings.get("group.protocol", "classic")).lower() != "consumer":
+        return settings
+    return {k: v for k, v in settings.items() if k not in CLASSIC_ONLY}
 
 
 def check_settings(cfg: KafkaSettings) -> None:
@@ -138,11 +153,44 @@ def describe(e: BaseException | None) -> str:
     return " ".join(str(e).split())[:200]
 
 
+# noida-db 0.2.3, the embedded broker, reports this fixed cluster id (it is in its binary);
+# Apache Kafka makes a random one per cluster (``kafka-storage random-uuid``)
+EMBEDDED_CLUSTER_ID = "MkU3OEVBNTctOEUyRi00"
+_spins: dict[str, bool] = {}
+
+
+def idle_fetches_spin(bootstrap: str, timeout_s: float = 5.0) -> bool:
+    """Whether a consumer of the broker at ``bootstrap`` that has read to the end of its
+    partitions fetches again at once, busily: the embedded broker answers such a fetch empty
+    and at once, Apache Kafka holds it for ``fetch.wait.max.ms`` (docs/broker.md). Known by
+    the broker's cluster id, asked once per process and bootstrap; True when the broker does
+    not answer (the workaround, ``srl.kafka.quiet``, is correct on every broker, only
+    needless on Kafka). ``SRL_KAFKA_QUIET=on|off`` decides instead (benchmarks)."""
+    forced = os.environ.get("SRL_KAFKA_QUIET", "").lower()
+    if forced in ("on", "off"):
+        return forced == "on"
+    if bootstrap not in _spins:
+        client = AdminClient({"bootstrap.servers": bootstrap, "logger": _rdkafka_log})
+        try:
+            md = client.list_topics(timeout=timeout_s)
+        except KafkaException:
+            return True
+        if not md.brokers:
+            return True
+        _spins[bootstrap] = md.cluster_id == EMBEDDED_CLUSTER_ID
+    return _spins[bootstrap]
+
+
 def broker_answers(bootstrap: str, timeout_s: float = 1.0) -> bool:
     """Whether a broker at ``bootstrap`` answers a metadata request within ``timeout_s``."""
+    return broker_count(bootstrap, timeout_s) > 0
+
+
+def broker_count(bootstrap: str, timeout_s: float = 1.0) -> int:
+    """How many brokers the metadata from ``bootstrap`` lists (0: none answered in time)."""
     settings: dict[str, Any] = {"bootstrap.servers": bootstrap, "logger": _rdkafka_log}
     client = AdminClient(settings)
     try:
-        return bool(client.list_topics(timeout=timeout_s).brokers)
+        return len(client.list_topics(timeout=timeout_s).brokers)
     except KafkaException:
-        return False
+        return 0

@@ -163,15 +163,20 @@ def test_bench_idle_json() -> None:
         "3",
         "--seconds",
         "2",
+        "--broker",
+        "embedded",
+        "--broker",
+        "kafka",
         "--json",
-        timeout=120,
+        timeout=240,
     )
     assert out.returncode == 0, out.stderr
     r = orjson.loads(out.stdout)
-    fetching, quiet = r["rows"]
-    assert (fetching["mode"], quiet["mode"]) == ("fetching", "quiet")
-    for row in r["rows"]:
-        assert row["records_read"] == 30 and row["each_once_in_order"], row
-        assert 0 <= row["delay_ms_p50"] <= row["delay_ms_p99"]
-    ratio = quiet["broker_cores"] / max(fetching["broker_cores"], 1e-3)
-    assert abs(r["broker_cpu_ratio"] - ratio) < 2e-3
+    for engine in ("embedded", "kafka"):
+        fetching, quiet = r[engine]["rows"]
+        assert (fetching["mode"], quiet["mode"]) == ("fetching", "quiet")
+        for row in r[engine]["rows"]:
+            assert row["records_read"] == 30 and row["each_once_in_order"], (engine, row)
+            assert 0 <= row["delay_ms_p50"] <= row["delay_ms_p99"]
+        ratio = quiet["broker_cores"] / max(fetching["broker_cores"], 1e-3)
+        assert abs(r[engine]["broker_cpu_ratio"] - ratio) < 2e-3

@@ -15,7 +15,7 @@ import orjson
 import pytest
 import yaml
 
-from tests.conftest import KAFKA_IMAGE, ROOT, bin_path, docker_available
+from tests.conftest import ROOT, bin_path, docker_available, kafka_image
 
 COMPOSE = ROOT / "docker-compose.yml"
 
@@ -42,7 +42,7 @@ def test_images_are_pinned_and_built_services_use_the_dockerfile() -> None:
         assert "@sha256:" in image or (
             tag and tag != "latest" and re.fullmatch(r"v?\d[\w.\-]*|RELEASE\.[\w\-]+", tag)
         ), f"{name}: image {image} is not pinned to a version"
-    assert services()["kafka"]["image"] == KAFKA_IMAGE  # the tests' container runs the same Kafka
+    assert services()["kafka"]["image"] == kafka_image()  # the tests' container runs the same
     base = next(
         line for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("FROM ")
     )

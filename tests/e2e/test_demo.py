@@ -19,6 +19,9 @@ from tests.conftest import bin_path
 REWARD = '''
 import os
 
+# the embedded broker's tier (tests/conftest.py): what `make demo` runs on
+pytestmark = pytest.mark.embedded
+
 def odd_length(prompt, completion, metadata):
     """A reward srl has never seen: it leaves a mark, and prefers odd-length answers."""
     with open(os.environ["MARK_FILE"], "a") as f:

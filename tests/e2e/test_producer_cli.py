@@ -18,7 +18,7 @@ import pytest
 from srl.config import CommonConfig, load_config
 from srl.kafka import committed_offsets
 from srl.topics import Layout, pool_group
-from tests.conftest import bin_path
+from tests.conftest import bin_path, kafka_in_use
 from tests.integration.test_generation import Trajectories, check_exactly_once
 
 
@@ -125,22 +125,38 @@ def incomplete_of(t: Trajectories, wid: str) -> list[str]:
     return out
 
 
+MEMBERSHIP = {
+    # the pool assigns its partitions itself (pool epochs, producers.pool): any broker
+    "pool-epochs": ({}, ()),
+    # the pool's broker consumer group, classic protocol, and KIP-848 (group.protocol=consumer,
+    # Apache Kafka 4.x): the broker evicts the dead member after its session timeout
+    "classic-group": ({"SRL_POOL_LIVENESS": "false"}, ()),
+    "kip848-group": ({"SRL_POOL_LIVENESS": "false"}, ("-X", "group.protocol=consumer")),
+}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("membership", list(MEMBERSHIP))
 def test_sigkill_of_a_worker_mid_trajectory_is_resumed_by_another(
-    cli_env: dict[str, str], tiny_model: Path, tmp_path: Path
+    cli_env: dict[str, str], tiny_model: Path, tmp_path: Path, membership: str
 ) -> None:
     """SIGKILL one of two workers; a supervisor-style restart joins; the dead one's work is resumed.
 
     The embedded noida-db 0.2.3 never evicts a dead group member (docs/reliability.md), so
-    the pool assigns its partitions itself (pool epochs, ``producers.pool``): once the dead
-    worker has been silent for the session timeout, the survivor and the newcomer share its
-    partitions, whatever the broker.
+    by default the pool assigns its partitions itself (pool epochs, ``producers.pool``): once
+    the dead worker has been silent for the session timeout, the survivor and the newcomer
+    share its partitions, whatever the broker. On Apache Kafka the pool's own consumer group
+    does the same, classic or KIP-848 (``-X group.protocol=consumer``).
     """
+    if membership != "pool-epochs" and not kafka_in_use():
+        pytest.skip("a broker group evicts a dead member on Apache Kafka only")
+    env, protocol = MEMBERSHIP[membership]
+    cli_env = {**cli_env, **env}
     ids = balanced_prompts(tmp_path / "p.jsonl", 6)
     cfg = cfg_from_env(cli_env)
     assert run("srl", "topics", "create", env=cli_env).returncode == 0
     t = Trajectories(cfg)
-    fast = ("-X", "max.poll.interval.ms=15000")
+    fast = ("-X", "max.poll.interval.ms=15000", *protocol)
     logs = {w: tmp_path / f"{w}.log" for w in ("wa", "wb", "wc")}
     with (
         worker(cli_env, tiny_model, "wa", logs["wa"], *fast) as wa,

@@ -54,16 +54,18 @@ def weights(store_url: str, run: str, version: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def one_rank(
-    bootstrap: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    default_bootstrap: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Env]:
     """Records on one partition (every run sees them in the same order and forms the same
     steps), then run "one": a single torch rank, 3 steps. Produced and trained once for the
     module: each two-rank run reads the same records under its own run name (its own consumer
     group, weights and checkpoints). Yields the environment for those runs."""
     prefix = f"t{uuid.uuid4().hex[:10]}"
-    cli_env = cli_environment(bootstrap, prefix, tmp_path_factory.mktemp("ranks"))
+    cli_env = cli_environment(default_bootstrap, prefix, tmp_path_factory.mktemp("ranks"))
     env = {**cli_env, "SRL_PARTITIONS_PER_BUCKET": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    cfg = CommonConfig(bootstrap_servers=bootstrap, topic_prefix=prefix, partitions_per_bucket=1)
+    cfg = CommonConfig(
+        bootstrap_servers=default_bootstrap, topic_prefix=prefix, partitions_per_bucket=1
+    )
     create_topics(cfg)
     produce(cfg, make_groups(6, seed=3))
     # the run name goes by SRL_RUN: torchrun would take a --run after the module for its own
@@ -77,7 +79,7 @@ def one_rank(
     assert one.returncode == 0, one.stderr[-3000:]
     assert "trained 3 steps; policy version 3" in one.stdout
     yield env
-    delete_topics(bootstrap, prefix)
+    delete_topics(default_bootstrap, prefix)
 
 
 def two_ranks(env: Env, tiny_model: Path, run: str, *extra: str) -> str:

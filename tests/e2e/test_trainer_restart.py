@@ -32,7 +32,7 @@ from tests.chunks import (
     text_ids,
     traj_chunks,
 )
-from tests.conftest import bin_path
+from tests.conftest import bin_path, kafka_in_use
 
 
 def wave(first: int, count: int, rng: random.Random) -> list[TrajectoryChunk]:
@@ -69,6 +69,7 @@ def train(
     log: Path,
     reward: str = "consumers.rewards:first_line_match",
     idle_exit_s: int = 6,
+    extra: tuple[str, ...] = (),
 ) -> subprocess.Popen[bytes]:
     args = [
         bin_path("srl-consumer"),
@@ -94,6 +95,7 @@ def train(
         "cpu",
         "--reward",
         reward,
+        *extra,
     ]
     with log.open("ab") as out:
         return subprocess.Popen(args, env=cli_env, stdout=out, stderr=subprocess.STDOUT)
@@ -124,9 +126,21 @@ def published(store_dir: Path, run: str = "default") -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["classic", "consumer"], ids=["classic", "kip848"])
 def test_sigkill_and_restart_train_each_trajectory_exactly_once(
-    cli_env: dict[str, str], tiny_model: Path, tmp_path: Path, bootstrap: str, prefix: str
+    cli_env: dict[str, str],
+    tiny_model: Path,
+    tmp_path: Path,
+    bootstrap: str,
+    prefix: str,
+    protocol: str,
 ) -> None:
+    """SIGKILL the trainer mid-run and start it again: each trajectory is decided once. With
+    ``-X group.protocol=consumer`` (KIP-848, Apache Kafka 4.x) the restarted trainer takes
+    its static member's place back in the broker-run group as it does in a classic one."""
+    if protocol == "consumer" and not kafka_in_use():
+        pytest.skip("KIP-848 groups need Apache Kafka 4.x")
+    extra = ("-X", f"group.protocol={protocol}")
     cfg = CommonConfig(bootstrap_servers=bootstrap, topic_prefix=prefix, store=cli_env["SRL_STORE"])
     layout = Layout.from_config(cfg)
     store_dir = Path(cli_env["SRL_STORE"][len("file://") :])
@@ -137,7 +151,7 @@ def test_sigkill_and_restart_train_each_trajectory_exactly_once(
     produce(cfg, first)
     log = tmp_path / "trainer.log"
 
-    proc = train(cli_env, tiny_model, log)
+    proc = train(cli_env, tiny_model, log, extra=extra)
     try:
         deadline = time.monotonic() + 120
         while len(published(store_dir)) < 4 and proc.poll() is None and time.monotonic() < deadline:
@@ -154,7 +168,7 @@ def test_sigkill_and_restart_train_each_trajectory_exactly_once(
     produce(cfg, second)
 
     generated = {c.trajectory_id for c in first + second}
-    proc = train(cli_env, tiny_model, log)
+    proc = train(cli_env, tiny_model, log, extra=extra)
     try:
         assert stop_once_decided(cfg, proc, len(generated), 180) == 0, log.read_text()[-3000:]
     finally:

@@ -20,14 +20,13 @@ from app.chaos.audit import Recorded, audit_run
 from app.chaos.netns import FullDisk, GenNamespace
 from app.chaos.watch import Watch
 from schemas.records import MetricEvent, PromptTask, encode
-from srl import broker
+from srl.broker import embedded as broker
 from srl.broker import free_port
 from srl.config import CommonConfig, load_config
 from srl.kafka import Producer, create_topics
 from srl.metrics import dead_letter
 from srl.topics import Layout
 from tests.chunks import produce, traj_chunks
-from tests.conftest import embedded_broker_in_use
 
 
 def wait(pred, timeout_s: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
@@ -189,7 +188,7 @@ def _answers(ns: GenNamespace, bootstrap: str) -> bool:
     return out.returncode == 0
 
 
-@pytest.mark.skipif(not embedded_broker_in_use(), reason="the relay joins a loopback broker")
+@pytest.mark.embedded  # the relay joins the loopback broker it fronts (noida advertises it)
 def test_partition_cuts_the_namespace_off_until_it_heals(bootstrap: str, tmp_path: Path) -> None:
     why = GenNamespace.unavailable()
     if why is not None:

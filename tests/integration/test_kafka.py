@@ -12,7 +12,7 @@ import pytest
 
 from app.smoke import synthetic_chunks
 from schemas.records import TrajectoryChunk, decode_as, encode
-from srl import broker
+from srl.broker import embedded as broker
 from srl.broker import free_port
 from srl.config import CommonConfig, load_config
 from srl.errors import BrokerUnavailable, SrlError

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from srl import broker
+from srl.broker import embedded as broker
 from srl.broker import free_port
 from srl.config import CommonConfig, load_config
 from srl.errors import SrlError
@@ -27,6 +27,9 @@ from srl.kafka import (
     make_consumer,
 )
 from srl.topics import TopicSpec
+
+# the embedded broker's tier (tests/conftest.py): quiet members are its workaround (srl.kafka.quiet)
+pytestmark = pytest.mark.embedded
 
 
 class Fetches:

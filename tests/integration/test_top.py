@@ -252,7 +252,7 @@ def test_a_partition_whose_offset_does_not_move_is_flagged(cfg) -> None:  # type
         assert monitor.stalled([moved], now=1_062_000) == []
         assert monitor.stalled([{**moved, "lag": 0}], now=1_200_000) == []  # caught up: fine
         # the trainer's position group has no members by design: flagged only when it stops
-        pos = {**row, "group": "srl-trainer-r.position", "consumer_id": None}
+        pos = {**row, "group": "p.trainer.r.position", "consumer_id": None}
         assert monitor.stalled([pos], now=2_000_000) == []
         assert monitor.stalled([pos], now=2_061_000)[0]["reason"].startswith(
             "committed offset unchanged"
@@ -392,7 +392,7 @@ def test_top_reads_what_the_real_trainer_reports(cfg, cli_env, tiny_model) -> No
     out = subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     snap = top_json(cli_env)
-    rows = [r for r in snap["groups"] if r["group"] == "srl-trainer-default"]
+    rows = [r for r in snap["groups"] if r["group"] == f"{cfg.topic_prefix}.trainer.default"]
     assert rows and all(r["lag"] == 0 for r in rows if r["log_end_offset"] > 0)
     assert sum(r["log_end_offset"] for r in rows) == len(chunks)
     assert snap["weights"]["version"] == 2 and snap["weights"]["manifest_ok"] is True

@@ -32,6 +32,9 @@ from tests.genpool import (
 )
 from tests.integration.test_generation import Trajectories, check_exactly_once
 
+# the embedded broker's tier (tests/conftest.py): the broker that never evicts a dead member
+pytestmark = pytest.mark.embedded
+
 
 @pytest.mark.slow
 def test_a_sigkilled_generator_does_not_wedge_its_pool(

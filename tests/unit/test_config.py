@@ -258,7 +258,7 @@ def test_the_demo_uses_a_given_broker(env: dict, cli: dict, embedded: bool) -> N
 def test_the_trainer_and_pool_groups_have_one_spelling() -> None:
     train = load_config(TrainConfig, env={}, cli={"run": "r"})
     gen = load_config(GenerateConfig, env={}, cli={**GEN, "run": "r", "pool": "p"})
-    assert train.consumer_group == gen.trainer_group == trainer_group("r") == "srl-trainer-r"
+    assert train.consumer_group == gen.trainer_group == trainer_group("srl", "r") == "srl.trainer.r"
     assert gen.consumer_group == pool_group("srl", "p") == "srl.gen.p"
     override = load_config(GenerateConfig, env={}, cli={**GEN, "backlog_group": "g"})
     assert override.trainer_group == "g"

@@ -177,4 +177,4 @@ def test_sync_barrier_config_rules() -> None:
     with pytest.raises(ConfigError, match="reward: .*module:function"):
         load_config(TrainConfig, cli={"reward": "nocolon"}, env={})
     cfg = load_config(TrainConfig, cli={"sync_barrier": True, "max_staleness": 0}, env={})
-    assert cfg.sync_barrier and cfg.consumer_group == "srl-trainer-default"
+    assert cfg.sync_barrier and cfg.consumer_group == "srl.trainer.default"

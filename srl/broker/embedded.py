@@ -1,4 +1,4 @@
-"""The embedded Kafka-protocol broker: start, stop and inspect it on 127.0.0.1.
+"""The embedded Kafka-protocol broker (noida-db): start, stop and inspect it on 127.0.0.1.
 
 Owns the lifecycle of the broker process that ``srl broker``, ``srl demo`` and the test
 suite run when no external Kafka is given. The broker is ``noida-db`` (pinned in
@@ -17,11 +17,7 @@ Called by ``app.cli.main`` (``srl broker``), ``srl demo`` and ``tests/conftest.p
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import socket
-import subprocess
 import time
 from dataclasses import dataclass
 from importlib.resources import files
@@ -30,15 +26,24 @@ from typing import Any
 
 import orjson
 
+from srl.broker.process import (
+    alive,
+    exit_code,
+    free_port,
+    kill,
+    last_line,
+    port_open,
+    spawn,
+)
 from srl.errors import SrlError
 from srl.kafka import broker_answers
 
-# Brokers started by this process, kept referenced so they are reaped (not warned about) on stop.
-_children: dict[int, subprocess.Popen[bytes]] = {}
+__all__ = ["EmbeddedBroker", "free_port", "port_open", "start", "status", "stop"]
 
 DEFAULT_PORT = 9092
 DEFAULT_DATA_DIR = Path(".srl/broker")
 BROKER_PACKAGE = "noida-db"
+MARKER = b"noida-db"  # in the command line of the broker process
 
 
 def broker_binary() -> Path:
@@ -55,25 +60,8 @@ def broker_binary() -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def port_open(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex((host, port)) == 0
-
-
 def _alive(pid: int) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
-    return b"noida-db" in cmdline and stat[0] != "Z"
+    return alive(pid, MARKER)
 
 
 @dataclass
@@ -116,11 +104,11 @@ def status(data_dir: Path = DEFAULT_DATA_DIR) -> dict[str, Any]:
     return {"running": True, "answering": port_open(info.port), **info.to_dict()}
 
 
-def _wait_ready(port: int, proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float) -> None:
+def _wait_ready(port: int, pid: int, log_path: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SrlError(f"broker exited with code {proc.returncode}: {_last_line(log_path)}")
+        if (code := exit_code(pid)) is not None:
+            raise SrlError(f"broker exited with code {code}: {_last_line(log_path)}")
         if port_open(port) and broker_answers(f"127.0.0.1:{port}"):
             return
         time.sleep(0.05)
@@ -130,15 +118,7 @@ def _wait_ready(port: int, proc: subprocess.Popen[bytes], log_path: Path, timeou
 
 
 def _last_line(log_path: Path) -> str:
-    try:
-        lines = [
-            ln
-            for ln in log_path.read_text(errors="replace").splitlines()
-            if ln.strip() and "GLIBC" not in ln
-        ]
-    except OSError:
-        return "no log"
-    return lines[-1].strip()[:300] if lines else "no output"
+    return last_line(log_path, skip=("GLIBC",))
 
 
 def start(
@@ -169,52 +149,20 @@ def start(
         "--data-dir",
         str(data_dir / "data"),
     ]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-            cwd=data_dir,
-        )
-    _children[proc.pid] = proc
-    info = BrokerInfo(proc.pid, port, str(data_dir), time.time())
+    pid = spawn(cmd, log_path, data_dir)
+    info = BrokerInfo(pid, port, str(data_dir), time.time())
     _state_file(data_dir).write_bytes(orjson.dumps(info.to_dict()))
     try:
-        _wait_ready(port, proc, log_path, timeout_s)
+        _wait_ready(port, pid, log_path, timeout_s)
     except BaseException:
-        _kill(proc.pid)
+        _kill(pid)
         _state_file(data_dir).unlink(missing_ok=True)
         raise
     return info
 
 
 def _kill(pid: int, grace_s: float = 10.0) -> None:
-    if not _alive(pid):
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            break
-        _reap(pid)
-        time.sleep(0.05)
-    else:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    _reap(pid)
-
-
-def _reap(pid: int) -> None:
-    proc = _children.get(pid)
-    if proc is not None:
-        if proc.poll() is not None:
-            _children.pop(pid, None)
-        return
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
+    kill([pid], MARKER, grace_s)
 
 
 def stop(data_dir: Path = DEFAULT_DATA_DIR) -> bool:
