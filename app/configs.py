@@ -9,6 +9,7 @@ The roles' configs live beside the roles (``producers/config.py``, ``consumers/c
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from pathlib import Path
@@ -60,7 +61,9 @@ class ServeConfig(CommonConfig, EngineSettings):
     section: ClassVar[str] = "serve"
 
     host: str = Field(
-        "127.0.0.1", description="Address to listen on (loopback by default; put a proxy in front)."
+        "127.0.0.1",
+        description="Address to listen on (loopback by default; any other address needs "
+        "--api-key).",
     )
     port: int = Field(8000, ge=0, le=65535, description="TCP port; 0: any free port.")
     model_name: str | None = Field(
@@ -100,11 +103,42 @@ class ServeConfig(CommonConfig, EngineSettings):
         description="On SIGTERM: how long running requests may finish before the server closes.",
         json_schema_extra=cli("--drain-timeout"),
     )
+    api_key: str | None = Field(
+        None,
+        min_length=1,
+        description="Key every /v1 request must send (Authorization: Bearer KEY); required "
+        "unless the host is a loopback address; null: no key (/health and /metrics are open).",
+    )
+    feedback_api_key: str | None = Field(
+        None,
+        min_length=1,
+        description="A separate key for POST /v1/feedback (whoever holds it sets rewards); null: "
+        "api_key.",
+    )
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="Largest request body; a larger one gets 413."
+    )
+    max_queue_wait_s: float = Field(
+        60.0,
+        gt=0,
+        description="Longest a request waits for a batch slot; then 503 with Retry-After.",
+    )
+    max_request_slots: int | None = Field(
+        None,
+        ge=1,
+        description="Most batch slots one request's choices hold while other requests wait "
+        "(fair share; alone a request may use the whole batch); null: half of max_batch.",
+    )
 
     @model_validator(mode="after")
     def _engine_needs(self) -> ServeConfig:
         if self.engine in ("hf", "vllm") and not self.model:
             raise ConfigError(f"engine {self.engine} needs --model DIR (policy version 0)")
+        if self.api_key is None and not _loopback(self.host):
+            raise ConfigError(
+                f"host {self.host} is not a loopback address: set --api-key (or SRL_API_KEY) so "
+                "that only your clients can send prompts and rewards"
+            )
         return self
 
     @property
@@ -122,6 +156,16 @@ class ServeConfig(CommonConfig, EngineSettings):
     @property
     def worker_name(self) -> str:
         return self.worker_id or f"{socket.gethostname()}-{os.getpid()}-serve"
+
+
+def _loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class ServeBenchConfig(ProducerSettings, TopicsConfig, EngineSettings):

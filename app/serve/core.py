@@ -1,9 +1,11 @@
 """The engine thread of ``srl serve``: every concurrent request in one continuous batch.
 
-Owns the engine (``producers.engines``: hf, sim, vllm), the text of each choice, and the
-publishing of served trajectories. One thread runs the decode loop; the HTTP side (asyncio)
-only puts commands into a thread-safe inbox (:meth:`ServeEngine.submit`, :meth:`cancel`) and
-receives events through its sink. Each iteration, in this order:
+Owns the engine (``producers.engines``: hf, sim, vllm), the queue of requests waiting for a
+batch slot, the text of each choice, and the publishing of served trajectories. One thread
+runs the decode loop; the HTTP side (asyncio) prepares a request on a worker thread
+(:meth:`ServeEngine.prepare`: chat template, tokenizing, the engine's checks), then only puts
+commands into a thread-safe inbox (:meth:`submit`, :meth:`cancel`) and receives events through
+its sink. Each iteration, in this order:
 
 1. **weights**: re-raise a failure of the follower thread; if the follower
    (``producers.follower.WeightFollower``) has a newer verified version, publish every open
@@ -11,43 +13,59 @@ receives events through its sink. Each iteration, in this order:
    verified version; running requests continue under it, their later tokens carry it); a
    version the engine rejects is refused and the old weights stay;
 2. **intake**: take every command waiting (block up to 50 ms when nothing runs): a new job
-   is tokenized and checked here (``Rejected`` on a user error, else ``Accepted``) and its
-   ``n`` choices join the engine's queue; a cancelled job's choices are aborted and closed
-   in the log with ``finish_reason = abort``;
-3. **one decode step** for every running choice; each output goes through the choice's
+   joins the queue; a cancelled job's choices are aborted (below);
+3. **queue**: a job that has had no batch slot for ``max_queue_wait_s`` leaves the queue
+   unserved (``Overloaded``: 503 with Retry-After); free slots go to the oldest job holding
+   fewer than ``max_request_slots``, and to a job at its cap only when no other waits (fair
+   share: one n = 16 request cannot take every slot from the requests behind it, and alone
+   it still uses the whole batch); a job's first slot sends ``Accepted``;
+4. **one decode step** for every running choice; each output goes through the choice's
    ``TextStream`` (text, stop strings: a stop ends the choice at the token that completed it)
-   and through the publisher (``app.serve.publish``: chunks to ``{prefix}.trajectories``);
-4. **events** of the step go to the sink in one batch (one wake-up of the event loop per step);
-5. **housekeeping**: serve producer callbacks, report new delivery failures at once (log line,
-   ``/health``), a ``serve_stats`` metric event every ``stats_interval_s``.
+   and through the publisher (``app.serve.publish``: chunks to ``{prefix}.trajectories``); the
+   finish reason is decided once, so the API and the log always show the same one;
+5. **events** of the step go to the sink in one batch (one wake-up of the event loop per step);
+6. **housekeeping**: serve producer callbacks, report new delivery failures and dropped
+   trajectories at once (log line, ``/health``), a ``serve_stats`` metric event every
+   ``stats_interval_s``.
 
-A failure of the thread is kept (``error``), every open job gets ``Failed`` and the
-``on_failure`` callback runs (the server then stops). Called by ``app.serve.http`` (submit,
-cancel, health) and ``app.serve.run`` (start, stop).
+What must hold: one request never stops the thread. Its bad input was refused by
+``prepare``; a failure while handling its outputs fails that job alone (``Failed``, counted
+in ``request_errors``, its choices aborted); publishing never raises here (``Publisher``
+drops and counts). A cancelled job that never had a slot leaves nothing in the log; one that
+had closes every unfinished choice in the log with ``finish_reason = abort`` (its group stays
+complete, and aborts are never trained). Only a failure of the engine itself (or the
+follower) stops the thread: it is kept (``error``), every open job gets ``Failed`` and the
+``on_failure`` callback runs (the server then stops). Called by ``app.serve.http`` (prepare,
+submit, cancel, health) and ``app.serve.run`` (start, stop).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from app.serve.jobs import Accepted, Delta, Event, Failed, Finished, Job, Rejected
+from app.serve.jobs import Accepted, Delta, Event, Failed, Finished, Job, Overloaded
+from app.serve.protocol import Sampling
 from app.serve.publish import Publisher
-from app.serve.text import TextCodec, TextStream, choice_seed
+from app.serve.text import TextCodec, TextStream, choice_seed, token_logprobs
+from app.serve.upkeep import ServeStats, Upkeep
 from producers.engines.base import FINISH_ABORT, FINISH_STOP, Emitted, Engine, Request, RequestError
 from producers.follower import WeightFollower
 from producers.recovery import trajectory_id_for
-from srl.errors import WeightsError
-from srl.metrics import Metrics, dead_letter
+from srl.metrics import Metrics
 
 log = logging.getLogger("srl.serve")
 
 Sink = Callable[[list[tuple[Job, Event]]], None]
+Prompt = str | list[int] | list[dict[str, str]]  # completion text, token ids, chat messages
 
 
 class Busy(Exception):
@@ -59,26 +77,55 @@ class Stopped(Exception):
 
 
 @dataclass
-class ServeStats:
-    requests: int = 0  # jobs taken by the engine thread
-    rejected: int = 0  # of them, refused (prompt too long, bad token ids …)
-    completions: int = 0  # choices finished (stop, length)
-    cancelled: int = 0  # choices aborted (client gone, server stopping)
-    tokens: int = 0  # completion tokens generated
-    weights_loaded: int = 0
-    weights_refused: int = 0
-    delivery_failures: int = 0  # records the broker did not take
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-@dataclass
 class _Choice:
     job: Job
     index: int
     text: TextStream
     tokens: int = 0
+
+
+@dataclass
+class _Queued:
+    """A job the engine thread holds: choices not yet in the engine, and how many are."""
+
+    job: Job
+    seq: int  # arrival order
+    arrived: float  # time.monotonic()
+    pending: deque[int] = field(default_factory=deque)  # choice indices without a slot
+    running: int = 0  # choices in the engine
+    unfinished: int = 0  # choices not finished
+    accepted: bool = False  # had a slot (the response has started)
+
+
+class _Lineup(dict[Job, _Queued]):
+    """The jobs with unfinished choices, in arrival order, and who gets the next slot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._arrivals = itertools.count()
+
+    def add(self, job: Job) -> None:
+        q = _Queued(job, next(self._arrivals), time.monotonic(), deque(range(job.sampling.n)))
+        q.unfinished = job.sampling.n
+        self[job] = q
+
+    def expired(self, max_wait_s: float) -> list[_Queued]:
+        """Jobs that had no slot for ``max_wait_s``, removed."""
+        deadline = time.monotonic() - max_wait_s
+        out = [q for q in self.values() if not q.accepted and q.arrived < deadline]
+        for q in out:
+            del self[q.job]
+        return out
+
+    def next(self, cap: int) -> _Queued | None:
+        """The job whose next choice gets a free slot: the oldest holding fewer than ``cap``,
+        else the oldest at its cap (None: no choice waits)."""
+        waiting = [q for q in self.values() if q.pending]
+        return min(waiting, key=lambda q: (q.running >= cap, q.seq)) if waiting else None
+
+    def waiting(self) -> int:
+        """Choices without a slot (read from other threads too: over a copy)."""
+        return sum(len(q.pending) for q in self.copy().values())
 
 
 class ServeEngine:
@@ -93,23 +140,27 @@ class ServeEngine:
         metrics: Metrics | None = None,
         max_pending: int = 1024,
         stats_interval_s: float = 5.0,
+        max_queue_wait_s: float = 60.0,
+        max_request_slots: int | None = None,
     ) -> None:
         self.engine, self.codec, self.publisher = engine, codec, publisher
         self.follower, self.metrics = follower, metrics
         self.max_pending, self.stats_interval_s = max_pending, stats_interval_s
+        self.max_queue_wait_s = max_queue_wait_s
+        self.max_request_slots = max_request_slots or max(1, engine.max_batch // 2)
         self.stats = ServeStats()
         self.error: BaseException | None = None
         self.on_failure: Callable[[], None] | None = None
         self._inbox: queue.SimpleQueue[tuple[str, Job]] = queue.SimpleQueue()
-        self._choices: dict[str, _Choice] = {}  # by trajectory id
+        self._jobs = _Lineup()
+        self._choices: dict[str, _Choice] = {}  # running choices by trajectory id
         self._out: list[tuple[Job, Event]] = []
         self._sink: Sink | None = None
         self._pending = 0  # choices submitted and not finished (HTTP side's admission bound)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last_stats = time.monotonic()
-        self._stats_tokens = 0
+        self.upkeep = Upkeep(engine, publisher, self.stats, follower, metrics, stats_interval_s)
 
     # -- HTTP side -----------------------------------------------------------------------
     def start(self, sink: Sink) -> None:
@@ -126,12 +177,36 @@ class ServeEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
+    def prepare(self, prompt: Prompt, chat: bool, s: Sampling) -> list[int]:
+        """The prompt's token ids, checked against the engine; RequestError for a request
+        that can never run. Runs on a worker thread of the HTTP side (chat templates and
+        tokenizers take time, never on the event loop or the decode loop)."""
+        if chat:
+            assert isinstance(prompt, list)
+            try:
+                text = self.codec.chat_prompt(prompt)  # type: ignore[arg-type]
+            except Exception as e:  # a template that refuses the conversation (jinja raises)
+                raise RequestError(f"chat template: {e}") from None
+            ids = self.codec.encode(text, chat=True)
+        elif isinstance(prompt, str):
+            ids = self.codec.encode(prompt, chat=False)
+        else:
+            vocab = self.codec.vocab_size
+            bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad[0]}")
+            ids = list(prompt)  # type: ignore[arg-type]
+        probe = Request("prompt", ids, s.max_tokens, s.temperature, s.top_p)
+        self.engine.validate(probe)
+        return ids
+
     def submit(self, job: Job) -> None:
         """Hand a job to the engine thread; Busy or Stopped if it cannot take it now."""
         if not self.alive:
-            raise Stopped("the engine is not running" + (f": {self.error}" if self.error else ""))
+            raise Stopped("the server is not accepting requests")
         with self._lock:
             if self._pending + job.sampling.n > self.max_pending:
+                self.stats.busy += 1
                 raise Busy(f"{self._pending} choices pending (max_pending {self.max_pending})")
             self._pending += job.sampling.n
         self._inbox.put(("submit", job))
@@ -147,11 +222,15 @@ class ServeEngine:
             "simulated": self.engine.simulated,
             "policy_version": self.engine.version,
             "running": self.engine.running,
-            "waiting": len(self.engine.waiting),
+            "waiting": self._waiting(),
             "pending": self._pending,
             "publish": self.publisher.enabled,
             "published_chunks": self.publisher.chunks,
         } | self.stats.to_dict()
+
+    def _waiting(self) -> int:
+        """Choices without a batch slot (read from other threads too: a copy of the jobs)."""
+        return len(self.engine.waiting) + self._jobs.waiting()
 
     def _release(self, n: int) -> None:
         with self._lock:
@@ -161,19 +240,22 @@ class ServeEngine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._swap()
-                self._take_inbox(wait=not self.engine.has_work)
+                self.upkeep.swap()
+                self._take_inbox(wait=not (self.engine.has_work or self._jobs))
+                self._schedule()
                 if self.engine.has_work:
                     self._emit(self.engine.step())
                 self._send()
-                self._tick()
+                self.upkeep.tick(self._waiting())
         except BaseException as e:  # kept for the server, reported to every open job
             self.error = e
             log.error("serve engine failed: %s", e, exc_info=True)
         finally:
-            self._close_all()
-        if self.error is not None and self.on_failure is not None:
-            self.on_failure()
+            try:
+                self._close_all()
+            finally:
+                if self.error is not None and self.on_failure is not None:
+                    self.on_failure()
 
     def _take_inbox(self, wait: bool) -> None:
         try:
@@ -182,7 +264,8 @@ class ServeEngine:
             return
         while True:
             if cmd == "submit":
-                self._accept(job)
+                self.stats.requests += 1
+                self._jobs.add(job)
             else:
                 self._cancel(job)
             try:
@@ -190,47 +273,59 @@ class ServeEngine:
             except queue.Empty:
                 return
 
-    def _accept(self, job: Job) -> None:
-        s = job.sampling
-        self.stats.requests += 1
-        try:
-            ids = self._prompt_ids(job)
-            reqs = [
-                Request(
-                    trajectory_id_for(job.completion_id, i),
-                    ids,
-                    s.max_tokens,
-                    s.temperature,
-                    s.top_p,
-                    seed=choice_seed(s.seed, i),
-                )
-                for i in range(s.n)
-            ]
-            for r in reqs:
-                self.engine.validate(r)
-        except RequestError as e:
-            self.stats.rejected += 1
-            self._release(s.n)
-            self._out.append((job, Rejected(_user_message(str(e)))))
-            return
-        self._out.append((job, Accepted(len(ids))))
-        for i, r in enumerate(reqs):
-            self.engine.add(r)
-            self.publisher.open(job, i, r.key, ids)
-            self._choices[r.key] = _Choice(job, i, TextStream(self.codec.decode, s.stop))
+    def _schedule(self) -> None:
+        """Queue-wait bound, then free batch slots to the jobs by fair share."""
+        for late in self._jobs.expired(self.max_queue_wait_s):
+            self._release(late.job.sampling.n)
+            self.stats.queue_timeouts += 1
+            wait = f"{self.max_queue_wait_s:g}"
+            self._out.append((late.job, Overloaded(f"no capacity within {wait} s; retry later")))
+        free = self.engine.max_batch - self.engine.running - len(self.engine.waiting)
+        while free > 0 and (q := self._jobs.next(self.max_request_slots)) is not None:
+            self._guard(q.job, functools.partial(self._start, q))
+            free -= 1
 
-    def _prompt_ids(self, job: Job) -> list[int]:
-        if isinstance(job.prompt, str):
-            return self.codec.encode(job.prompt, chat=job.chat)
-        vocab = self.codec.vocab_size
-        bad = [t for t in job.prompt if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad[0]}")
-        return list(job.prompt)
+    def _start(self, q: _Queued) -> None:
+        """The next choice of ``q``'s job into the engine (and into the log)."""
+        job, s, index = q.job, q.job.sampling, q.pending[0]
+        key = trajectory_id_for(job.completion_id, index)
+        self.engine.add(
+            Request(
+                key,
+                job.prompt_ids,
+                s.max_tokens,
+                s.temperature,
+                s.top_p,
+                seed=choice_seed(s.seed, index),
+                top_logprobs=s.logprobs or 0,
+            )
+        )
+        q.pending.popleft()
+        q.running += 1
+        if not q.accepted:
+            q.accepted = True
+            self._out.append((job, Accepted(len(job.prompt_ids))))
+        self.publisher.open(job, index, key)
+        self._choices[key] = _Choice(job, index, TextStream(self.codec.decode, s.stop))
 
     def _cancel(self, job: Job) -> None:
+        """Abort every unfinished choice of ``job``: nothing in the log if it never had a slot
+        (nothing was served), else each one closed with ``abort`` (the group stays whole)."""
+        q = self._jobs.pop(job, None)
+        if q is None:  # finished, failed or timed out already
+            return
+        if not q.accepted:
+            self._release(job.sampling.n)
+            return
         for key in [k for k, c in self._choices.items() if c.job is job]:
             self._abort(key)
+        for index in q.pending:  # never started: an empty trajectory that ends as an abort
+            key = trajectory_id_for(job.completion_id, index)
+            self.publisher.open(job, index, key)
+            self.publisher.add(key, [], [], self.engine.version, FINISH_ABORT)
+            self._release(1)
+            self.stats.cancelled += 1
+        q.pending.clear()
 
     def _abort(self, key: str) -> None:
         self.engine.abort(key)
@@ -243,28 +338,56 @@ class ServeEngine:
         for e in outputs:
             c = self._choices.get(e.key)
             if c is not None:
-                self._advance(c, e)
+                self._guard(c.job, functools.partial(self._advance, c, e))
 
     def _advance(self, c: _Choice, e: Emitted) -> None:
         used, text, stopped = c.text.feed(e.tokens)
-        reason = FINISH_STOP if stopped else e.finish_reason
+        reason: str | None = FINISH_STOP if stopped else None
         if stopped and e.finish_reason is None:
             self.engine.abort(e.key)  # the stop string ends it here, not the engine
-        c.tokens += used
-        self.stats.tokens += used
-        self.publisher.add(e.key, e.tokens[:used], e.logprobs[:used], self.engine.version, reason)
-        if reason is None:
-            if text:
-                self._out.append((c.job, Delta(c.index, text)))
-            return
-        if not stopped:
+        elif e.finish_reason is not None:  # a stop string may still complete in held text
             rest, stopped = c.text.finish()
             text += rest
-            reason = FINISH_STOP if stopped else reason
-        self._out.append((c.job, Finished(c.index, text, reason, c.tokens, self.engine.version)))
+            reason = FINISH_STOP if stopped else e.finish_reason
+        c.tokens += used
+        self.stats.tokens += used
+        logprobs = None
+        if c.job.sampling.logprobs is not None:
+            logprobs = token_logprobs(self.codec.decode, e.tokens[:used], e.logprobs, e.top)
+        self.publisher.add(e.key, e.tokens[:used], e.logprobs[:used], self.engine.version, reason)
+        if reason is None:
+            if text or logprobs:
+                self._out.append((c.job, Delta(c.index, text, logprobs)))
+            return
+        version = self.engine.version
+        self._out.append((c.job, Finished(c.index, text, reason, c.tokens, version, logprobs)))
         del self._choices[e.key]
         self._release(1)
         self.stats.completions += 1
+        q = self._jobs[c.job]
+        q.running -= 1
+        q.unfinished -= 1
+        if not q.unfinished:
+            del self._jobs[c.job]
+
+    def _guard(self, job: Job, work: Callable[[], None]) -> None:
+        """``work()`` for one job; if it raises, that job alone fails (its choices aborted)."""
+        try:
+            work()
+        except Exception as e:
+            log.error("request %s failed: %s", job.completion_id, e, exc_info=True)
+            self.stats.request_errors += 1
+            self._fail(job)
+
+    def _fail(self, job: Job) -> None:
+        try:
+            self._cancel(job)
+        except Exception as e:  # its log is incomplete: the trainer expires it
+            log.error("request %s: aborting failed too: %s", job.completion_id, e)
+            self._jobs.pop(job, None)
+            for key in [k for k, c in self._choices.items() if c.job is job]:
+                del self._choices[key]
+        self._out.append((job, Failed("the server could not complete this request")))
 
     def _send(self) -> None:
         if self._out and self._sink is not None:
@@ -273,11 +396,13 @@ class ServeEngine:
 
     def _close_all(self) -> None:
         """On the way out: open choices end as aborts in the log, their jobs get ``Failed``."""
-        why = f"the engine failed: {self.error}" if self.error else "the server is stopping"
-        failed: dict[int, Job] = {}
-        for key in list(self._choices):
-            failed[id(self._choices[key].job)] = self._choices[key].job
-            self._abort(key)
+        why = "the server failed" if self.error else "the server is stopping"
+        failed = list(self._jobs)
+        for job in failed:
+            try:
+                self._cancel(job)
+            except Exception as e:
+                log.error("closing request %s: %s", job.completion_id, e)
         while True:
             try:
                 cmd, job = self._inbox.get_nowait()
@@ -285,73 +410,12 @@ class ServeEngine:
                 break
             if cmd == "submit":
                 self._release(job.sampling.n)
-                failed[id(job)] = job
-        self._out += [(job, Failed(why)) for job in failed.values()]
+                failed.append(job)
+        self._out += [(job, Failed(f"{why}; retry later", status=503)) for job in failed]
         self._send()
 
-    # -- weights and housekeeping ------------------------------------------------------------
-    def _swap(self) -> None:
-        if self.follower is None:
-            return
-        self.follower.check()
-        m = self.metrics
-        for bad in self.follower.drain_poison():  # weights-topic records that are no announcement
-            if m is not None and (producer := m.producer) is not None:
-                dead_letter(producer, m.layout, bad.value, bad.key, bad.reason, bad.origin, m)
-        for version, reason in self.follower.drain_refusals():
-            self.stats.weights_refused += 1
-            self._metric("weights_refused", {"version": version}, {"reason": reason[:500]})
-        ready = self.follower.take()
-        if ready is None or ready.version <= self.engine.version:
-            return
-        t0 = time.perf_counter()
-        self.publisher.flush_open()
-        try:
-            self.engine.load_weights(ready.tensors, ready.version)
-        except WeightsError as e:
-            self.follower.refuse(ready.version, str(e))
-            return
-        pause_ms = (time.perf_counter() - t0) * 1000
-        self.follower.swapped(ready.version)
-        self.stats.weights_loaded += 1
-        load_s = ready.fetch_s + pause_ms / 1000
-        values = {"version": ready.version, "load_s": load_s, "pause_ms": pause_ms}
-        self._metric("weights_loaded", values, {})
-        log.info("weights v%d loaded (pause %.0f ms)", ready.version, pause_ms)
 
-    def _tick(self) -> None:
-        self.publisher.poll()
-        failures = self.publisher.failures
-        if failures > self.stats.delivery_failures:
-            log.warning(
-                "%d record(s) failed delivery to Kafka (%d in all; served text was not affected, "
-                "the log misses them): %s",
-                failures - self.stats.delivery_failures,
-                failures,
-                self.publisher.last_error,
-            )
-            self.stats.delivery_failures = failures
-        now = time.monotonic()
-        if now - self._last_stats >= self.stats_interval_s:
-            dt, self._last_stats = now - self._last_stats, now
-            tokens, self._stats_tokens = self.stats.tokens - self._stats_tokens, self.stats.tokens
-            values = {k: float(v) for k, v in self.stats.to_dict().items()}
-            values |= {
-                "tokens_per_s": tokens / dt,
-                "running": float(self.engine.running),
-                "waiting": float(len(self.engine.waiting)),
-                "policy_version": float(self.engine.version),
-                "published_chunks": float(self.publisher.chunks),
-            }
-            self._metric("serve_stats", values, {"publish": str(self.publisher.enabled).lower()})
-
-    def _metric(self, kind: str, values: dict[str, float], labels: dict[str, str]) -> None:
-        if self.metrics is not None:
-            common = {"engine": self.engine.name, "simulated": str(self.engine.simulated).lower()}
-            self.metrics.emit(kind, values, {"worker_id": self.metrics.source} | common | labels)
-
-
-def _user_message(error: str) -> str:
-    """An engine RequestError without the internal trajectory id (``request KEY: …``)."""
+def user_message(error: str) -> str:
+    """An engine RequestError without the internal request key (``request KEY: …``)."""
     head, sep, rest = error.partition(": ")
     return rest if sep and head.startswith("request ") else error

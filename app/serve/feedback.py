@@ -6,8 +6,10 @@ Owns how feedback reaches the log. What must hold:
   trajectory id (``producers.recovery.trajectory_id_for(completion id, index)``, the id its
   chunks carry), so a trainer joins it to that trajectory (``consumers.feedback``);
 * the request is answered only once the broker has acknowledged the record (200), or with
-  503 when it did not within ``timeout_s`` or refused it: an accepted rating is in the log,
-  a refused one is the application's to retry; nothing is dropped silently;
+  503 when it did not within ``timeout_s`` or refused it, or the producer could not queue it
+  (a full local queue while the broker is slow or gone: at once, the event loop never waits
+  for room): an accepted rating is in the log, a refused one is the application's to retry;
+  nothing is dropped silently;
 * with publishing off there is nothing to join feedback to: 503 ``feedback_disabled``.
 
 Deliveries are served by the producer's polls (the engine thread polls it every step and
@@ -18,6 +20,7 @@ every 50 ms when idle); the callback hands the outcome to the event loop. Called
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import orjson
@@ -27,6 +30,8 @@ from producers.recovery import trajectory_id_for
 from schemas.records import Feedback, encode
 from srl.kafka import Producer
 from srl.topics import Layout
+
+log = logging.getLogger("srl.serve")
 
 
 def feedback_record(req: FeedbackRequest, source: str) -> Feedback:
@@ -66,16 +71,29 @@ class FeedbackOut:
         def delivered(err: Any, _msg: Any) -> None:  # on whichever thread polls the producer
             loop.call_soon_threadsafe(_settle, done, None if err is None else str(err))
 
-        self.producer.produce(
-            self.layout.feedback, encode(rec), key=rec.trajectory_id, on_delivery=delivered
-        )
         try:
-            error = await asyncio.wait_for(done, self.timeout_s)
-        except TimeoutError:
-            error = f"not acknowledged within {self.timeout_s:g}s"
-        if error is not None:
+            self.producer.produce(
+                self.layout.feedback,
+                encode(rec),
+                key=rec.trajectory_id,
+                on_delivery=delivered,
+                block=False,
+            )
+        except BufferError:
+            error: str | None = "the producer's queue is full (the broker is slow or away)"
+        except Exception as e:  # a failed producer
+            error = f"not queued: {e}"
+        else:
+            try:
+                error = await asyncio.wait_for(done, self.timeout_s)
+            except TimeoutError:
+                error = f"not acknowledged within {self.timeout_s:g}s"
+        if error is not None:  # the broker's words go to the log, not to the client
             self.refused += 1
-            raise ApiError(503, f"feedback not stored: {error}; retry", None, "feedback_failed")
+            log.warning("feedback for %s not stored: %s", rec.trajectory_id, error)
+            raise ApiError(
+                503, "feedback not stored; retry", None, "feedback_failed", retry_after_s=1
+            )
         self.accepted += 1
         return rec
 

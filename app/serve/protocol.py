@@ -5,13 +5,20 @@ request may hold, how it becomes a :class:`Sampling`, and the exact JSON of resp
 streamed chunks (server-sent events) and errors; and of srl's own ``POST /v1/feedback``
 (:class:`FeedbackRequest`). What must hold:
 
-* a request is checked once, here; anything the engine cannot honour (penalties, logprobs,
-  tools, several prompts in one request) is refused with a 400 naming the parameter, never
-  silently ignored; unknown fields are ignored, as newer clients send them;
+* a request is checked once, here; anything the engine cannot honour (penalties, tools, a
+  structured ``response_format``, several prompts in one request …) is refused with a 400
+  naming the parameter (code ``unsupported_parameter``), never silently ignored; unknown
+  fields are ignored, as newer clients send them;
+* every field is bounded (lengths of strings and lists, integers within int64 and what the
+  log can hold), so no request can make a record the broker refuses or a prompt the engine
+  thread chokes on (the body as a whole is bounded by the app: ``max_body_bytes``);
 * every error is OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``;
 * bodies and chunks are OpenAI's: ``text_completion`` / ``chat.completion`` /
   ``chat.completion.chunk`` objects, ``[DONE]`` last; ``system_fingerprint`` names the engine
-  and the policy version that produced the text (``srl-hf-v3``).
+  and the policy version that produced the text (``srl-hf-v3``); ``logprobs`` are vLLM's
+  shapes (completions: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``;
+  chat: ``content`` of ``{token, logprob, bytes, top_logprobs}``), the log-probs being the
+  behaviour log-probs the log records for the same tokens.
 
 Pure functions and pydantic models; ``app.serve.http`` calls them.
 """
@@ -29,6 +36,13 @@ from pydantic import BaseModel, ConfigDict, Field
 Kind = Literal["completion", "chat"]
 
 MAX_STOPS = 4  # OpenAI's bound on stop sequences
+MAX_STOP_CHARS = 256  # characters of one stop sequence
+MAX_NAME_CHARS = 256  # model ids, user ids, message names
+MAX_MESSAGES = 1024  # messages of one chat request
+MAX_LOGPROBS = 20  # OpenAI's (and vLLM's default) bound on top_logprobs
+MAX_TOKENS = 2**31 - 1  # max_tokens, token ids
+INT64 = 2**63  # seeds are int64, as OpenAI's
+LOGPROB_FLOOR = -9999.0  # what JSON shows for -inf, as vLLM
 MAX_METADATA = 16  # OpenAI's bounds on request metadata: pairs, key and value lengths
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
@@ -45,6 +59,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         type_: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -52,6 +67,13 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+        self.retry_after_s = retry_after_s  # a Retry-After header (429, 503)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """``Retry-After`` when the client should retry; ``WWW-Authenticate`` on a 401."""
+        out = {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+        return out | ({"WWW-Authenticate": "Bearer"} if self.status == 401 else {})
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -71,24 +93,34 @@ class StreamOptions(BaseModel):
 
 
 class _Request(BaseModel):
-    """What both endpoints take (OpenAI's names and bounds)."""
+    """What both endpoints take (OpenAI's names and bounds). The fields after ``metadata`` are
+    the ones this server refuses unless they ask for nothing (:func:`refuse_unsupported`)."""
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
+    model: str = Field(max_length=MAX_NAME_CHARS)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=MAX_TOKENS)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     metadata: dict[str, str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
 
 
 class CompletionRequest(_Request):
@@ -96,7 +128,7 @@ class CompletionRequest(_Request):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token
 
 
 class ContentPart(BaseModel):
@@ -111,17 +143,14 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
 
 
 class ChatRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 @dataclass(frozen=True)
@@ -134,6 +163,7 @@ class Sampling:
     n: int = 1
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    logprobs: int | None = None  # None: none returned; k: each token's and k alternatives
 
 
 def sampling_of(
@@ -145,12 +175,21 @@ def sampling_of(
     if n > max_n:
         raise ApiError(400, f"n is {n}; this server allows at most {max_n}", "n")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stops) > MAX_STOPS or any(not s for s in stops):
-        raise ApiError(400, f"stop: at most {MAX_STOPS} non-empty strings", "stop")
+    if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(
+            400, f"stop: at most {MAX_STOPS} non-empty strings of <= {MAX_STOP_CHARS}", "stop"
+        )
     check_metadata(req.metadata)
     max_tokens = req.max_tokens
-    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
-        max_tokens = req.max_completion_tokens
+    logprobs: int | None = None
+    if isinstance(req, ChatRequest):
+        if req.max_completion_tokens is not None:
+            max_tokens = req.max_completion_tokens
+        if req.top_logprobs and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
     return Sampling(
         max_tokens=max_tokens or default_max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -158,34 +197,37 @@ def sampling_of(
         n=n,
         stop=tuple(stops),
         seed=req.seed,
+        logprobs=logprobs,
     )
 
 
 def refuse_unsupported(req: CompletionRequest | ChatRequest) -> None:
-    """ApiError 400 for a parameter the engine cannot honour."""
-    found: list[str] = []
-    if req.presence_penalty or req.frequency_penalty:
-        found.append("presence_penalty" if req.presence_penalty else "frequency_penalty")
-    if req.logit_bias:
-        found.append("logit_bias")
+    """ApiError 400 (code ``unsupported_parameter``) for a parameter the engine cannot honour;
+    the values a client sends to ask for nothing (zero penalties, ``tool_choice: "none"``, a
+    text ``response_format``, ``modalities: ["text"]``) are accepted."""
+    asks = {
+        "presence_penalty": bool(req.presence_penalty),
+        "frequency_penalty": bool(req.frequency_penalty),
+        "logit_bias": bool(req.logit_bias),
+        "tools": bool(req.tools),
+        "tool_choice": req.tool_choice not in (None, "none", "auto"),
+        "functions": bool(req.functions),
+        "function_call": req.function_call not in (None, "none", "auto"),
+        "response_format": req.response_format not in (None, {"type": "text"}),
+        "audio": req.audio is not None,
+        "modalities": req.modalities not in (None, ["text"]),
+        "prediction": req.prediction is not None,
+        "web_search_options": req.web_search_options is not None,
+    }
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            found.append("echo")
-        if req.suffix:
-            found.append("suffix")
-        if req.best_of not in (None, 1) and req.best_of != req.n:
-            found.append("best_of")
-        if req.logprobs is not None:
-            found.append("logprobs")
-    else:
-        if req.logprobs or req.top_logprobs:
-            found.append("logprobs")
-        if req.tools or req.functions:
-            found.append("tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            found.append("response_format")
+        asks["echo"] = bool(req.echo)
+        asks["suffix"] = bool(req.suffix)
+        asks["best_of"] = req.best_of not in (None, 1) and req.best_of != req.n
+    found = [name for name, asked in asks.items() if asked]
     if found:
-        raise ApiError(400, f"{found[0]} is not supported by this server", found[0])
+        raise ApiError(
+            400, f"{found[0]} is not supported by this server", found[0], "unsupported_parameter"
+        )
 
 
 def check_metadata(metadata: dict[str, str] | None) -> None:
@@ -240,6 +282,7 @@ def request_record(req: CompletionRequest | ChatRequest, kind: Kind, s: Sampling
         "n": s.n,
         "stop": list(s.stop),
         "seed": s.seed,
+        "logprobs": s.logprobs,
         "stream": bool(req.stream),
         "user": req.user,
         "metadata": req.metadata,
@@ -280,6 +323,51 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token as ``logprobs`` show it: its text, its (behaviour) log-prob and the
+    most likely alternatives ``(text, log-prob)``, most likely first."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+Logprobs = list[TokenLogprob] | None  # a choice's (or a piece's) tokens; None: not asked for
+
+
+def _lp(x: float) -> float:
+    return max(x, LOGPROB_FLOOR)
+
+
+def completion_logprobs(items: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """A completion choice's ``logprobs`` (the legacy shape): each token's text, log-prob, a
+    dict of it and the alternatives, and its character offset (the first: ``offset``)."""
+    offsets = []
+    for t in items:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {
+        "tokens": [t.token for t in items],
+        "token_logprobs": [_lp(t.logprob) for t in items],
+        "top_logprobs": [{t.token: _lp(t.logprob)} | {s: _lp(v) for s, v in t.top} for t in items],
+        "text_offset": offsets,
+    }
+
+
+def _chat_token(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode())}
+
+
+def chat_logprobs(items: list[TokenLogprob]) -> dict[str, Any]:
+    """A chat choice's ``logprobs``: ``content``, one entry per token with its alternatives."""
+    content = [
+        _chat_token(t.token, t.logprob) | {"top_logprobs": [_chat_token(s, v) for s, v in t.top]}
+        for t in items
+    ]
+    return {"content": content, "refusal": None}
+
+
+@dataclass(frozen=True)
 class Reply:
     """The response of one request: its id, and OpenAI's bodies and chunks for it."""
 
@@ -297,24 +385,34 @@ class Reply:
             "system_fingerprint": fingerprint,
         }
 
+    def logprobs(self, items: Logprobs, offset: int = 0) -> dict[str, Any] | None:
+        """A choice's ``logprobs`` in this endpoint's shape (``offset``: of its first token's
+        text, completions only)."""
+        if items is None:
+            return None
+        return chat_logprobs(items) if self.kind == "chat" else completion_logprobs(items, offset)
+
     def body(
-        self, choices: list[tuple[str, str]], use: dict[str, int], fingerprint: str
+        self,
+        choices: list[tuple[str, str, Logprobs]],
+        use: dict[str, int],
+        fingerprint: str,
     ) -> dict[str, Any]:
-        """The whole response: ``choices`` are ``(text, finish_reason)`` by index."""
+        """The whole response: ``choices`` are ``(text, finish_reason, logprobs)`` by index."""
         if self.kind == "chat":
             out = [
                 {
                     "index": i,
                     "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
+                    "logprobs": self.logprobs(lps),
                     "finish_reason": reason,
                 }
-                for i, (text, reason) in enumerate(choices)
+                for i, (text, reason, lps) in enumerate(choices)
             ]
             return self._head("chat.completion", fingerprint) | {"choices": out, "usage": use}
         out = [
-            {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-            for i, (text, reason) in enumerate(choices)
+            {"index": i, "text": text, "logprobs": self.logprobs(lps), "finish_reason": reason}
+            for i, (text, reason, lps) in enumerate(choices)
         ]
         return self._head("text_completion", fingerprint) | {"choices": out, "usage": use}
 
@@ -325,17 +423,21 @@ class Reply:
         finish_reason: str | None,
         fingerprint: str,
         role: bool = False,
+        logprobs: Logprobs = None,
+        offset: int = 0,
     ) -> dict[str, Any]:
-        """One streamed piece of choice ``index`` (``role``: the chat's opening delta)."""
+        """One streamed piece of choice ``index`` (``role``: the chat's opening delta), with
+        the log-probs of its tokens (``offset``: of the first one's text, completions only)."""
+        lps = self.logprobs(logprobs, offset)
         if self.kind == "chat":
             delta: dict[str, str] = {"role": "assistant"} if role else {}
             if text or role:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None}
+            choice = {"index": index, "delta": delta, "logprobs": lps}
             return self._head("chat.completion.chunk", fingerprint) | {
                 "choices": [choice | {"finish_reason": finish_reason}]
             }
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": finish_reason}
         return self._head("text_completion", fingerprint) | {"choices": [choice]}
 
     def usage_chunk(self, use: dict[str, int], fingerprint: str) -> dict[str, Any]:

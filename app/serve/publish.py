@@ -13,18 +13,25 @@ Owns how a served choice becomes a trajectory in the log. What must hold:
 * the seq-0 chunk's ``metadata`` is ``{"source": "serve", "completion_id": …, "request":
   {…}}`` (``serve_metadata``), so any consumer tells served traffic from dispatched work and
   keeps what the application asked for;
+* publishing never blocks and never fails serving: records are produced with
+  ``block=False``, and a record the producer does not take (over the broker's record limit,
+  a full local queue while the broker is slow or gone, a failed producer) drops its
+  trajectory: counted in ``dropped``, nothing more of it is published, its request is still
+  answered (a trajectory with a gap would never assemble; the trainer expires what was sent);
 * a delivery failure is counted by the producer (``failures``) and reported by the engine
-  loop (log line, ``/health``, ``serve_stats``), never dropped silently;
+  loop (log line, ``/health``, ``serve_stats``, ``/metrics``), never dropped silently;
 * tokens wait in a per-trajectory buffer and reach the chunker a chunk at a time (a full
   chunk, a new policy version, the end, or a weight swap), which cuts exactly the chunks
   token-by-token calls would, for a list append per token on the decode loop.
 
 With publishing off (``producer=None``) every method does nothing. Called by the engine
-thread of ``app.serve.core`` only.
+thread of ``app.serve.core`` only. :class:`Lossy` gives the engine thread's metric events the
+same never-block rule.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +43,7 @@ from schemas.records import TrajectoryChunk, encode, pack_tokens
 from srl.kafka import Producer
 from srl.topics import Layout
 
+log = logging.getLogger("srl.serve")
 SOURCE = "serve"
 
 
@@ -46,9 +54,7 @@ def serve_metadata(completion_id: str, request: dict[str, Any]) -> str:
     ).decode()
 
 
-def trajectory_start(
-    job: Job, index: int, trajectory_id: str, prompt_ids: list[int], layout: Layout
-) -> TrajectoryStart:
+def trajectory_start(job: Job, index: int, trajectory_id: str, layout: Layout) -> TrajectoryStart:
     """Choice ``index`` of ``job`` as the chunker's trajectory."""
     return TrajectoryStart(
         trajectory_id=trajectory_id,
@@ -57,7 +63,7 @@ def trajectory_start(
         sample_index=index,
         group_size=job.sampling.n,
         bucket=layout.bucket_for(job.sampling.max_tokens),
-        prompt_tokens=pack_tokens(prompt_ids),
+        prompt_tokens=pack_tokens(job.prompt_ids),
         metadata=serve_metadata(job.completion_id, job.request),
     )
 
@@ -80,7 +86,9 @@ class Publisher:
         self.chunk_tokens = chunk_tokens
         self.chunker = Chunker(chunk_tokens, worker_id)
         self.chunks = 0
-        self._pending: dict[str, _Pending] = {}
+        self.dropped = 0  # trajectories the producer refused a record of (not published)
+        self.last_drop = ""  # why the last one was dropped
+        self._pending: dict[str, _Pending] = {}  # open trajectories
 
     @property
     def enabled(self) -> bool:
@@ -96,9 +104,9 @@ class Publisher:
         errors = self.producer.errors if self.producer is not None else []
         return errors[-1] if errors else ""
 
-    def open(self, job: Job, index: int, trajectory_id: str, prompt_ids: list[int]) -> None:
+    def open(self, job: Job, index: int, trajectory_id: str) -> None:
         if self.producer is not None:
-            self.chunker.open(trajectory_start(job, index, trajectory_id, prompt_ids, self.layout))
+            self.chunker.open(trajectory_start(job, index, trajectory_id, self.layout))
             self._pending[trajectory_id] = _Pending()
 
     def add(
@@ -109,10 +117,11 @@ class Publisher:
         version: int,
         finish_reason: str | None = None,
     ) -> None:
-        """Tokens of one trajectory, all sampled by ``version``; the end with a finish reason."""
-        if self.producer is None:
+        """Tokens of one trajectory, all sampled by ``version``; the end with a finish reason.
+        A trajectory that is not open (dropped, or publishing off) is ignored."""
+        p = self._pending.get(trajectory_id)
+        if p is None:
             return
-        p = self._pending[trajectory_id]
         if p.tokens and p.version != version:
             self._drain(trajectory_id, p)
         p.version = version
@@ -120,34 +129,68 @@ class Publisher:
         p.logprobs += logprobs
         if finish_reason is not None:
             self._drain(trajectory_id, p, finish_reason)
-            del self._pending[trajectory_id]
+            self._pending.pop(trajectory_id, None)
         elif len(p.tokens) >= self.chunk_tokens:
             self._drain(trajectory_id, p)
 
     def flush_open(self) -> None:
         """Every open partial chunk (before a weight swap: no chunk mixes versions)."""
+        for tid, p in list(self._pending.items()):
+            self._drain(tid, p)
         if self.producer is not None:
-            for tid, p in self._pending.items():
-                self._drain(tid, p)
             for chunk in self.chunker.flush_all():
-                self._produce(chunk)
+                self._publish(chunk)
 
     def poll(self) -> None:
+        """Serve the producer's delivery reports; a failed producer's error is not the
+        engine's (each later record of it drops its trajectory)."""
         if self.producer is not None:
-            self.producer.poll(0)
+            try:
+                self.producer.poll(0)
+            except Exception as e:  # a failed producer; counted as it drops records
+                self.last_drop = f"{type(e).__name__}: {e}"
 
     def _drain(self, tid: str, p: _Pending, finish_reason: str | None = None) -> None:
         chunks = self.chunker.add(tid, p.tokens, p.logprobs, p.version, finish_reason)
         p.tokens, p.logprobs = [], []
         for chunk in chunks:
-            self._produce(chunk)
+            if not self._publish(chunk):
+                return
 
-    def _produce(self, chunk: TrajectoryChunk) -> None:
+    def _publish(self, chunk: TrajectoryChunk) -> bool:
+        """Produce one chunk; False, its trajectory dropped, if the producer did not take it."""
         assert self.producer is not None
-        self.producer.produce(
-            self.layout.trajectories,
-            encode(chunk),
-            key=chunk.trajectory_id,
-            partition=self.layout.partition_for(chunk.bucket, chunk.trajectory_id),
-        )
+        tid = chunk.trajectory_id
+        try:
+            self.producer.produce(
+                self.layout.trajectories,
+                encode(chunk),
+                key=tid,
+                partition=self.layout.partition_for(chunk.bucket, tid),
+                block=False,
+            )
+        except Exception as e:  # any refusal costs this trajectory, not serving
+            self.dropped += 1
+            self.last_drop = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            self._pending.pop(tid, None)
+            self.chunker.drop(tid)
+            return False
         self.chunks += 1
+        return True
+
+
+class Lossy:
+    """A producer for the engine thread's metric events and dead letters: never blocks, and
+    a record it cannot queue is counted in ``lost`` instead of raised (what ``srl.metrics``
+    needs of a producer: ``produce``)."""
+
+    def __init__(self, producer: Producer) -> None:
+        self.producer = producer
+        self.lost = 0
+
+    def produce(self, topic: str, value: bytes, **kw: Any) -> None:
+        try:
+            self.producer.produce(topic, value, block=False, **kw)
+        except Exception as e:  # a metric event is not worth a request
+            self.lost += 1
+            log.debug("metric event not queued: %s", e)

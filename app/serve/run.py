@@ -7,10 +7,14 @@ hold:
   and its weights follow ``{prefix}.weights`` of ``--run`` through the same
   ``WeightFollower`` (verified versions only);
 * with publishing on, the trajectories topic exists before the first request (topics are
-  created if missing) and the producer is flushed after the last one; delivery failures are
-  counted while serving and the final flush raises if any record is still undelivered, so the
-  command exits non-zero and says so;
-* the server listens on ``host:port`` (loopback by default); SIGTERM/SIGINT stop accepting
+  created if missing) and the producer is flushed after the last one; delivery failures and
+  dropped trajectories are counted while serving (a broker that goes away costs training
+  data, never an answer) and the final flush raises if any record is still undelivered, so
+  the command exits non-zero and says so;
+* with publishing off the server opens no Kafka client at all: no broker is needed, no
+  weights are followed (it serves ``--model``'s own, version 0), no metric events are sent;
+* the server listens on ``host:port`` (loopback by default; another address only with an API
+  key, which the config checks); SIGTERM/SIGINT stop accepting
   connections, running requests get ``drain_timeout_s`` to finish, then the engine thread
   stops (anything still open is closed in the log as ``abort``);
 * an engine failure stops the server and is raised here (one line in the CLI).
@@ -33,7 +37,7 @@ from app.configs import ServeConfig
 from app.serve.core import ServeEngine
 from app.serve.feedback import FeedbackOut
 from app.serve.http import ServeInfo, create_app
-from app.serve.publish import Publisher
+from app.serve.publish import Lossy, Publisher
 from app.serve.text import codec_for
 from producers.engines import make_engine
 from producers.follower import WeightFollower
@@ -62,6 +66,7 @@ class ServeSummary:
         return (
             f"srl serve: {s['requests']} requests, {s['completions']} completions, "
             f"{s['tokens']} tokens, {self.published_chunks} chunks published, "
+            f"{s['publish_dropped']} trajectories not published, "
             f"{s['delivery_failures']} delivery failures"
         )
 
@@ -91,18 +96,9 @@ def run_serve(
 
     engine = make_engine(cfg)
     layout = Layout.from_config(cfg)
-    create_topics(cfg)
     with contextlib.ExitStack() as stack:
-        producer = stack.enter_context(Producer(cfg, "serve"))
-        if cfg.publish:
-            producer.warm([layout.trajectories])
-        store = store_from_config(cfg)
-        follower = WeightFollower(cfg, layout, store, run=cfg.weights_run).start()
-        stack.callback(follower.stop)
-        publisher = Publisher(
-            producer if cfg.publish else None, layout, cfg.chunk_tokens, cfg.worker_name
-        )
-        metrics = Metrics(producer, layout, cfg.run, cfg.worker_name)
+        producer, follower, metrics = _kafka(cfg, layout, stack) if cfg.publish else (None,) * 3
+        publisher = Publisher(producer, layout, cfg.chunk_tokens, cfg.worker_name)
         core = ServeEngine(
             engine,
             codec_for(engine),
@@ -111,20 +107,29 @@ def run_serve(
             metrics,
             cfg.max_pending,
             cfg.stats_interval_s,
+            cfg.max_queue_wait_s,
+            cfg.max_request_slots,
         )
         sock = bind(cfg.host, cfg.port)
         stack.callback(sock.close)
         host, port = sock.getsockname()[:2]
         url = f"http://{host}:{port}/v1"
-        info = ServeInfo(cfg.served_model, cfg.default_max_tokens, cfg.max_n, int(time.time()))
+        info = ServeInfo(
+            cfg.served_model,
+            cfg.default_max_tokens,
+            cfg.max_n,
+            int(time.time()),
+            api_key=cfg.api_key,
+            feedback_api_key=cfg.feedback_api_key,
+            max_body_bytes=cfg.max_body_bytes,
+        )
         where = f"{layout.trajectories}" if cfg.publish else "nowhere (--no-publish)"
+        key = "API key required" if cfg.api_key else "no API key"
         line = (
             f"srl serve: {url} (model {info.model}, engine {engine.name}"
-            f"{' SIMULATED' if engine.simulated else ''}, publishing to {where})"
+            f"{' SIMULATED' if engine.simulated else ''}, publishing to {where}, {key})"
         )
-        out = FeedbackOut(
-            producer if cfg.publish else None, layout, cfg.worker_name, cfg.connect_timeout_s
-        )
+        out = FeedbackOut(producer, layout, cfg.worker_name, cfg.connect_timeout_s)
         app = create_app(core, info, on_start=lambda: announce(line), feedback=out)
         server = uvicorn.Server(_uvicorn_config(app, cfg))
         core.on_failure = lambda: setattr(server, "should_exit", True)
@@ -141,6 +146,21 @@ def run_serve(
         core.stats.to_dict(),
         publisher.chunks,
     )
+
+
+def _kafka(
+    cfg: ServeConfig, layout: Layout, stack: contextlib.ExitStack
+) -> tuple[Producer, WeightFollower, Metrics]:
+    """Publishing's Kafka side, closed by ``stack``: topics created, the producer (flushed on
+    exit), the weight follower and the metric events."""
+    create_topics(cfg)
+    producer = stack.enter_context(Producer(cfg, "serve"))
+    producer.warm([layout.trajectories])
+    follower = WeightFollower(cfg, layout, store_from_config(cfg), run=cfg.weights_run).start()
+    stack.callback(follower.stop)
+    # the engine thread's metric events and dead letters never wait for the broker
+    metrics = Metrics(Lossy(producer), layout, cfg.run, cfg.worker_name)  # type: ignore[arg-type]
+    return producer, follower, metrics
 
 
 def _uvicorn_config(app: Any, cfg: ServeConfig) -> Any:

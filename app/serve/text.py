@@ -10,7 +10,8 @@ Owns what a served choice's text is. What must hold:
   string is held back until it cannot (``scan_stops``); the token that completes a stop string
   is the choice's last token, so the published trajectory ends there too (``TextStream``);
 * a chat request becomes one prompt string: the tokenizer's chat template when it has one
-  (with the generation prompt), else the plain join of ``plain_chat_prompt``.
+  (with the generation prompt), else the plain join of ``plain_chat_prompt``;
+* ``logprobs`` show each token's own text (``token_logprobs``).
 
 Pure functions and small classes; the engine thread of ``app.serve.core`` calls them.
 """
@@ -20,6 +21,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
+
+from app.serve.protocol import TokenLogprob
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -94,6 +97,21 @@ def codec_for(engine: Any) -> TextCodec:
     if tokenizer is not None:
         return HfCodec(tokenizer, engine.tokenize)
     return SimCodec(int(getattr(engine, "vocab", 32_000)), engine.tokenize)
+
+
+def token_logprobs(
+    decode: Decode,
+    tokens: Sequence[int],
+    logprobs: Sequence[float],
+    top: Sequence[Sequence[tuple[int, float]]] | None,
+) -> list[TokenLogprob]:
+    """What the API shows of ``tokens``: each one's text, (behaviour) log-prob and the engine's
+    most likely alternatives (``top``, per token; None: none)."""
+    alts = top or [()] * len(tokens)
+    return [
+        TokenLogprob(decode([t]), lp, tuple((decode([a]), alp) for a, alp in alt))
+        for t, lp, alt in zip(tokens, logprobs, alts, strict=False)
+    ]
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:

@@ -13,6 +13,9 @@ Owns the contract between a generator worker and an engine:
   sequences continue under the new weights (their KV cache is kept), and tokens sampled after
   the call carry the new version.
 * ``abort(key)`` drops a queued or running request without further output (hand-off).
+* a request with ``top_logprobs = k > 0`` (``srl serve``'s ``logprobs``) also gets, per
+  token, the ``k`` most likely tokens and their log-probs in the distribution its behaviour
+  log-prob is taken from (``Emitted.top``).
 
 Behaviour log-probs are ``log softmax(logits / T)`` of the sampled token for ``T > 0`` (before
 top-p truncation) and ``log softmax(logits)`` for greedy decoding (``T = 0``); trainers compute
@@ -56,6 +59,7 @@ class Request:
     priority: float = 0.0  # admission order: higher first (the predicted length)
     target_length: int | None = None  # sim engine only: the oracle completion length
     seed: int | None = None  # this request's own sampling seed (srl serve); None: the engine's
+    top_logprobs: int = 0  # per token, report this many most likely alternatives (srl serve)
 
     def check(self) -> None:
         if not self.prompt_ids and not self.prefix:
@@ -65,6 +69,8 @@ class Request:
                 f"request {self.key}: max_new_tokens {self.max_new_tokens} leaves nothing after "
                 f"a prefix of {len(self.prefix)} tokens"
             )
+        if self.top_logprobs < 0:
+            raise RequestError(f"request {self.key}: top_logprobs must be >= 0")
         if not 0 <= self.temperature < math.inf or not 0 < self.top_p <= 1:
             raise RequestError(
                 f"request {self.key}: temperature must be >= 0 and top_p in (0, 1], "
@@ -80,6 +86,9 @@ class Emitted:
     tokens: list[int]
     logprobs: list[float]
     finish_reason: str | None = None  # set on the sequence's last output
+    # per token, the request's ``top_logprobs`` most likely ``(token id, log-prob)``, most
+    # likely first; None when it asked for none
+    top: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass

@@ -43,7 +43,7 @@ from producers.engines.base import (
     Request,
     RequestError,
 )
-from producers.engines.sampling import sample
+from producers.engines.sampling import sample, top_logprobs
 from srl.errors import ConfigError, WeightsError
 from srl.tinymodel import load_model, load_tokenizer
 
@@ -203,13 +203,15 @@ class HFEngine(Engine):
         self.mask = mask
         for r in self.rows:
             r.valid += 1
-        tokens, logprobs = self._sample(logits, [r.request for r in self.rows])
+        reqs = [r.request for r in self.rows]
+        tokens, logprobs = self._sample(logits, reqs)
+        tops = self._tops(logits, reqs)
         out, keep = [], []
         for i, (row, tok, lp) in enumerate(zip(self.rows, tokens, logprobs, strict=True)):
             row.generated += 1
             row.next_token = tok
             finish = self._finish(row, tok)
-            out.append(Emitted(row.request.key, [tok], [lp], finish))
+            out.append(Emitted(row.request.key, [tok], [lp], finish, tops[i]))
             if finish is None:
                 keep.append(i)
         if len(keep) < len(self.rows):
@@ -234,7 +236,7 @@ class HFEngine(Engine):
         if finish is None:
             self._merge(cache, len(ids))
             self.rows.append(row)
-        return [Emitted(req.key, [tokens[0]], [logprobs[0]], finish)]
+        return [Emitted(req.key, [tokens[0]], [logprobs[0]], finish, self._tops(logits, [req])[0])]
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float]]:
         import torch
@@ -251,6 +253,26 @@ class HFEngine(Engine):
             out_t.append(int(t[0]))
             out_lp.append(float(lp[0]))
         return out_t, out_lp
+
+    def _tops(
+        self, logits: torch.Tensor, reqs: list[Request]
+    ) -> list[list[list[tuple[int, float]]] | None]:
+        """Per row, the ``top_logprobs`` most likely tokens of its one new token (None for a
+        request that asked for none)."""
+        import torch
+
+        k = max(r.top_logprobs for r in reqs)
+        if k == 0:
+            return [None] * len(reqs)
+        temp = torch.tensor([r.temperature for r in reqs], device=self.device)
+        ids, lps = top_logprobs(logits, temp, min(k, logits.shape[-1]))
+        ids_l, lps_l = ids.tolist(), lps.tolist()
+        return [
+            [list(zip(ids_l[i][: r.top_logprobs], lps_l[i][: r.top_logprobs], strict=True))]
+            if r.top_logprobs
+            else None
+            for i, r in enumerate(reqs)
+        ]
 
     def _generator_of(self, req: Request) -> torch.Generator:
         import torch

@@ -34,10 +34,8 @@ def sample(
     """
     import torch
 
-    logits = logits.float()
     greedy = temperature <= 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    logp = torch.log_softmax(scaled, dim=-1)
+    logp = _behaviour_logp(logits, temperature)
     tokens = logp.argmax(dim=-1)
     sampled_rows = ~greedy
     if bool(sampled_rows.any()):
@@ -48,6 +46,25 @@ def sample(
         tokens[sampled_rows] = draw
     chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, chosen
+
+
+def top_logprobs(
+    logits: torch.Tensor, temperature: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(token ids [B, k], log-probs [B, k])``: each row's ``k`` most likely tokens, most
+    likely first, in the distribution whose log-prob :func:`sample` reports."""
+    values, ids = _behaviour_logp(logits, temperature).topk(k, dim=-1)
+    return ids, values
+
+
+def _behaviour_logp(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits / T)`` per row, ``T = 1`` for greedy rows (``T <= 0``)."""
+    import torch
+
+    logits = logits.float()
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    return torch.log_softmax(scaled, dim=-1)
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

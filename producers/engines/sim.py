@@ -9,7 +9,10 @@ What is simulated and what is real:
 * real: continuous batching (admission as sequences finish, ``max_batch``), the length of
   every trajectory, and everything downstream (chunks, Kafka, weights verification).
 
-A trajectory's length is its request's ``target_length`` (task metadata ``sim_length``,
+A request with its own ``seed`` (``srl serve``) draws its tokens from its own generator, so
+they do not depend on what else runs; ``top_logprobs`` alternatives are the sampled token and
+the ids after it (every token is equally likely). A trajectory's length is its request's
+``target_length`` (task metadata ``sim_length``,
 an oracle length), else a draw from the histogram file, else ``max_new_tokens``; it ends
 with ``stop`` at that length or ``length`` at ``max_new_tokens``. ``simulated = True`` puts
 ``simulated=true`` on every metric and into the CLI's output.
@@ -38,6 +41,7 @@ class _SimRow:
     request: Request
     target: int
     generated: int
+    rng: np.random.Generator | None = None  # the request's own (a seeded request)
 
 
 class SimEngine(Engine):
@@ -82,7 +86,9 @@ class SimEngine(Engine):
     def step(self) -> list[Emitted]:
         while self.waiting and len(self.rows) < self.max_batch:
             req = self._next_waiting()
-            self.rows.append(_SimRow(req, self._target(req), len(req.prefix)))
+            own = None if req.seed is None else np.random.default_rng(req.seed)
+            target = self._target(req, own or self.rng)
+            self.rows.append(_SimRow(req, target, len(req.prefix), own))
         if not self.rows:
             return []
         k = self.tokens_per_step
@@ -101,11 +107,21 @@ class SimEngine(Engine):
                 finish = FINISH_STOP
             if row.generated >= row.request.max_new_tokens:
                 finish = FINISH_LENGTH
-            out.append(Emitted(row.request.key, toks[:n], [logprob] * n, finish))
+            if row.rng is not None:
+                toks = row.rng.integers(4, self.vocab, k).tolist()
+            top = self._top(row, toks[:n])
+            out.append(Emitted(row.request.key, toks[:n], [logprob] * n, finish, top))
             if finish is None:
                 keep.append(row)
         self.rows = keep
         return out
+
+    def _top(self, row: _SimRow, tokens: list[int]) -> list[list[tuple[int, float]]] | None:
+        k = row.request.top_logprobs
+        if not k:
+            return None
+        lp, span = -math.log(self.vocab - 4), self.vocab - 4
+        return [[(4 + (t - 4 + j) % span, lp) for j in range(min(k, span))] for t in tokens]
 
     def _pace(self, seconds: float) -> None:
         """Sleep until this step's modelled end. A step that follows the previous one within
@@ -118,11 +134,11 @@ class SimEngine(Engine):
         if self._next_step_at > now:
             time.sleep(self._next_step_at - now)
 
-    def _target(self, req: Request) -> int:
+    def _target(self, req: Request, rng: np.random.Generator) -> int:
         if req.target_length is not None:
             return max(1, int(req.target_length))
         if self.lengths is not None:
-            return int(self.lengths.sample(1, self.rng)[0])
+            return int(self.lengths.sample(1, rng)[0])
         return req.max_new_tokens
 
     def running_keys(self) -> list[str]:

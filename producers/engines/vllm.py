@@ -10,7 +10,8 @@ to the srl engine contract (``producers.engines.base``):
 * log-probs: ``logprobs=0`` returns the sampled token's log-prob, and the engine is created
   with ``logprobs_mode="processed_logprobs"`` so it is taken after temperature scaling, the
   quantity the hf engine reports (vLLM takes it after top-p filtering too; equal for
-  ``top_p = 1``);
+  ``top_p = 1``); a request's ``top_logprobs = k`` asks vLLM for ``logprobs=k``, which adds the
+  ``k`` most likely tokens (by rank) to the sampled one;
 * weights: ``load_weights`` writes the verified tensors to a local safetensors file and asks
   every vLLM worker to load it in place (``collective_rpc`` into :class:`SrlWorkerExtension`,
   which calls the model's own ``load_weights``); requests in flight keep running.
@@ -87,6 +88,7 @@ class VLLMEngine(Engine):
         self.llm = LLMEngine.from_engine_args(args)
         self.tokenizer = self.llm.get_tokenizer()
         self._running: set[str] = set()
+        self._top_k: dict[str, int] = {}  # top_logprobs of the running requests that ask
         self._tmp = tempfile.TemporaryDirectory(prefix="srl-vllm-weights-")
 
     @property
@@ -107,14 +109,16 @@ class VLLMEngine(Engine):
                 continue
             comp = ro.outputs[0]
             tokens = list(comp.token_ids)
-            logprobs = [
-                float(lp[t].logprob) for t, lp in zip(tokens, comp.logprobs or [], strict=True)
-            ]
+            steps = comp.logprobs or []
+            logprobs = [float(lp[t].logprob) for t, lp in zip(tokens, steps, strict=True)]
             finish = _FINISH.get(comp.finish_reason or "", FINISH_STOP) if ro.finished else None
+            k = self._top_k.get(ro.request_id, 0)
+            top = [_ranked(lp, k) for lp in steps] if k else None
             if tokens or finish:
-                out.append(Emitted(ro.request_id, tokens, logprobs, finish))
+                out.append(Emitted(ro.request_id, tokens, logprobs, finish, top))
             if ro.finished:
                 self._running.discard(ro.request_id)
+                self._top_k.pop(ro.request_id, None)
         return out
 
     def _submit(self, req: Request) -> None:
@@ -126,7 +130,7 @@ class VLLMEngine(Engine):
             n=1,
             temperature=req.temperature,
             top_p=req.top_p,
-            logprobs=0,
+            logprobs=req.top_logprobs,
             seed=req.seed,
             max_tokens=req.max_new_tokens - len(req.prefix),
             output_kind=RequestOutputKind.DELTA,
@@ -134,6 +138,8 @@ class VLLMEngine(Engine):
         prompt = TokensPrompt(prompt_token_ids=[*req.prompt_ids, *req.prefix])
         self.llm.add_request(req.key, prompt, params)
         self._running.add(req.key)
+        if req.top_logprobs:
+            self._top_k[req.key] = req.top_logprobs
 
     def running_keys(self) -> list[str]:
         return list(self._running)
@@ -143,6 +149,7 @@ class VLLMEngine(Engine):
             return False
         self.llm.abort_request([key])
         self._running.discard(key)
+        self._top_k.pop(key, None)
         return True
 
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
@@ -159,3 +166,10 @@ class VLLMEngine(Engine):
         finally:
             path.unlink(missing_ok=True)
         self.version = version
+
+
+def _ranked(logprobs: dict[int, Any], k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely ``(token id, log-prob)`` of one position's vLLM logprobs (the
+    sampled token plus the top ``k`` by rank)."""
+    ranked = sorted(logprobs.items(), key=lambda item: item[1].rank or 0)
+    return [(t, float(lp.logprob)) for t, lp in ranked[:k]]

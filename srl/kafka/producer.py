@@ -1,6 +1,7 @@
 """``Producer``: an idempotent producer with counted deliveries (STYLE.md's producer discipline).
 
-``poll(0)`` after each produce, poll-and-retry on ``BufferError``, delivery failures counted and
+``poll(0)`` after each produce, poll-and-retry on ``BufferError`` (or, for a caller that must
+never wait, ``block=False``: the ``BufferError`` is raised), delivery failures counted and
 surfaced (``flush`` raises), flush on exit of a ``with`` block. A record produced with its own
 ``on_delivery`` callback is its caller's to account for: a failure goes to that callback and
 is not raised again by ``flush`` (a generator's chunks: its outlet decides what a failure
@@ -143,7 +144,11 @@ class Producer:
         partition: int | None = None,
         headers: list[tuple[str, str | bytes | None]] | None = None,
         on_delivery: DeliveryCallback | None = None,
+        block: bool = True,
     ) -> None:
+        """Queue one record. On a full local queue: serve callbacks and retry until it fits,
+        or, with ``block=False`` (a caller that must not wait, e.g. ``srl serve``'s engine
+        thread), raise ``BufferError`` at once: the record is not queued."""
         # the per-record path of every generator: no kwargs dict, no closure unless the
         # caller wants its own callback (partition -1: librdkafka's partitioner picks)
         if on_delivery is None:
@@ -163,6 +168,8 @@ class Producer:
                     p.produce(topic, value, key, partition=part, on_delivery=cb, headers=headers)
                     break
                 except BufferError:
+                    if not block:
+                        raise
                     p.poll(0.05)  # local queue full: serve callbacks, then retry
             p.poll(0)
         except SystemError as e:

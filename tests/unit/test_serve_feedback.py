@@ -89,13 +89,28 @@ def test_bad_feedback_is_a_400_naming_the_parameter(
     assert not feedback_records(producer)
 
 
-def test_feedback_the_broker_refuses_is_a_503_and_counted(producer: FakeProducer) -> None:
+def test_feedback_the_broker_refuses_is_a_503_and_counted(
+    producer: FakeProducer, caplog: pytest.LogCaptureFixture
+) -> None:
     producer.refuse = "Broker: not enough replicas"
     with feedback_app(producer) as client:
         r = client.post("/v1/feedback", json={"id": "cmpl-" + "b" * 32, "reward": 1})
-        assert r.status_code == 503 and "not enough replicas" in r.json()["error"]["message"]
-        assert r.json()["error"]["code"] == "feedback_failed"
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        err = r.json()["error"]
+        assert err["code"] == "feedback_failed" and "replicas" not in err["message"]
         assert client.get("/health").json()["feedback_refused"] == 1
+    assert any("not enough replicas" in rec.getMessage() for rec in caplog.records)
+
+
+def test_feedback_never_waits_for_room_in_the_producer(producer: FakeProducer) -> None:
+    """A full local queue (a slow or absent broker) is a 503 at once: the old produce polled
+    and retried on the event loop until the queue had room, freezing every request."""
+    producer.raise_for = lambda topic, _v: BufferError("Local: Queue full")
+    with feedback_app(producer) as client:
+        r = client.post("/v1/feedback", json={"id": "cmpl-" + "d" * 32, "reward": 1})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "feedback_failed"
+        assert client.get("/health").json()["feedback_refused"] == 1
+    assert producer.blocking == [False] and not feedback_records(producer)
 
 
 def test_feedback_with_publishing_off_is_refused(producer: FakeProducer) -> None:

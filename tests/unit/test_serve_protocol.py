@@ -6,6 +6,7 @@ from typing import Any
 
 import orjson
 import pytest
+from pydantic import ValidationError
 
 from app.serve.protocol import (
     SSE_DONE,
@@ -14,7 +15,10 @@ from app.serve.protocol import (
     CompletionRequest,
     Reply,
     Sampling,
+    TokenLogprob,
+    chat_logprobs,
     chat_messages,
+    completion_logprobs,
     new_completion_id,
     prompt_of,
     request_record,
@@ -62,14 +66,17 @@ def test_chat_prefers_max_completion_tokens() -> None:
         ({"echo": True}, "echo"),
         ({"suffix": "x"}, "suffix"),
         ({"best_of": 3}, "best_of"),
-        ({"logprobs": 1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
         ({"metadata": {"k": "v" * 513}}, "metadata"),
     ],
 )
 def test_completion_requests_refused(kw: dict[str, Any], param: str) -> None:
-    with pytest.raises(ApiError) as e:
+    with pytest.raises((ApiError, ValidationError)) as e:
         sampling_of(completion(**kw), 256, 16)
+    if isinstance(e.value, ValidationError):  # the app answers these 400 too
+        assert e.value.errors()[0]["loc"][0] == param
+        return
     assert e.value.status == 400 and e.value.param == param
     assert e.value.body()["error"]["type"] == "invalid_request_error"
 
@@ -85,15 +92,69 @@ def test_defaults_a_client_sends_are_accepted() -> None:
 @pytest.mark.parametrize(
     ("kw", "param"),
     [
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": {"name": "f"}}, "function_call"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"audio": {"voice": "x"}}, "audio"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ({"web_search_options": {}}, "web_search_options"),
     ],
 )
 def test_chat_requests_refused(kw: dict[str, Any], param: str) -> None:
     with pytest.raises(ApiError) as e:
         sampling_of(chat(**kw), 256, 16)
     assert e.value.param == param
+    if param != "top_logprobs":
+        assert e.value.code == "unsupported_parameter"
+
+
+def test_what_asks_for_nothing_is_accepted() -> None:
+    req = chat(tool_choice="none", response_format={"type": "text"}, modalities=["text"])
+    assert sampling_of(req, 256, 16).logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("kw", "logprobs"),
+    [({}, None), ({"logprobs": False, "top_logprobs": 0}, None), ({"logprobs": True}, 0)]
+    + [({"logprobs": True, "top_logprobs": 5}, 5)],
+)
+def test_chat_logprobs(kw: dict[str, Any], logprobs: int | None) -> None:
+    assert sampling_of(chat(**kw), 256, 16).logprobs == logprobs
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        ({"user": "u" * 257}, "user"),
+        ({"model": "m" * 257}, "model"),
+        ({"seed": 2**63}, "seed"),
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"logprobs": -1}, "logprobs"),
+    ],
+)
+def test_oversized_fields_are_refused_before_anything_runs(kw: dict[str, Any], param: str) -> None:
+    """An unbounded field (a 1.1 MB ``user``, a 10**30 ``max_tokens``) once made a record the
+    broker refuses, or a request record orjson cannot write, on the engine thread."""
+    with pytest.raises(ValidationError) as e:
+        completion(**kw)
+    assert e.value.errors()[0]["loc"][0] == param
+
+
+def test_a_long_stop_string_is_refused() -> None:
+    with pytest.raises(ApiError) as e:
+        sampling_of(completion(stop=["x" * 257]), 256, 16)
+    assert e.value.param == "stop"
+    assert sampling_of(completion(stop=["x" * 256]), 256, 16).stop == ("x" * 256,)
+
+
+def test_too_many_messages_are_refused() -> None:
+    with pytest.raises(ValidationError):
+        chat(messages=[{"role": "user", "content": "x"}] * 1025)
 
 
 @pytest.mark.parametrize(
@@ -141,6 +202,7 @@ def test_request_record_keeps_what_the_application_asked() -> None:
         "n": 1,
         "stop": [],
         "seed": None,
+        "logprobs": None,
         "stream": True,
         "user": "u1",
         "metadata": {"k": "v"},
@@ -149,7 +211,7 @@ def test_request_record_keeps_what_the_application_asked() -> None:
 
 def test_completion_body() -> None:
     r = Reply("completion", "cmpl-1", 10, "m")
-    body = r.body([("a", "stop"), ("b", "length")], usage(3, 4), "srl-hf-v2")
+    body = r.body([("a", "stop", None), ("b", "length", None)], usage(3, 4), "srl-hf-v2")
     assert body == {
         "id": "cmpl-1",
         "object": "text_completion",
@@ -166,7 +228,7 @@ def test_completion_body() -> None:
 
 def test_chat_body_and_chunks() -> None:
     r = Reply("chat", "chatcmpl-1", 10, "m")
-    body = r.body([("hi", "stop")], usage(1, 1), "fp")
+    body = r.body([("hi", "stop", None)], usage(1, 1), "fp")
     assert body["object"] == "chat.completion"
     assert body["choices"] == [
         {
@@ -206,3 +268,37 @@ def test_completion_ids() -> None:
     assert new_completion_id("completion").startswith("cmpl-")
     assert new_completion_id("chat").startswith("chatcmpl-")
     assert new_completion_id("chat") != new_completion_id("chat")
+
+
+TOKENS = [TokenLogprob("a", -0.5, (("a", -0.5), ("b", -1.5))), TokenLogprob("bc", -2.0, ())]
+
+
+def test_completion_logprobs_are_vllms_legacy_shape() -> None:
+    """The sampled token and its alternatives in one dict; offsets count the token texts."""
+    assert completion_logprobs(TOKENS, offset=3) == {
+        "tokens": ["a", "bc"],
+        "token_logprobs": [-0.5, -2.0],
+        "top_logprobs": [{"a": -0.5, "b": -1.5}, {"bc": -2.0}],
+        "text_offset": [3, 4],
+    }
+
+
+def test_chat_logprobs_carry_bytes_and_alternatives() -> None:
+    out = chat_logprobs([TokenLogprob("é", float("-inf"), (("é", -1.0),))])
+    assert out == {
+        "content": [
+            {
+                "token": "é",
+                "logprob": -9999.0,
+                "bytes": [195, 169],
+                "top_logprobs": [{"token": "é", "logprob": -1.0, "bytes": [195, 169]}],
+            }
+        ],
+        "refusal": None,
+    }
+
+
+def test_retry_after_and_authenticate_headers() -> None:
+    assert ApiError(429, "busy", retry_after_s=1).headers == {"Retry-After": "1"}
+    assert ApiError(401, "key").headers == {"WWW-Authenticate": "Bearer"}
+    assert ApiError(400, "bad").headers == {}

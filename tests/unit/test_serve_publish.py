@@ -30,15 +30,15 @@ def comparable(c: TrajectoryChunk) -> dict[str, Any]:
 @pytest.mark.parametrize("seed", range(6))
 def test_buffered_publishing_cuts_the_chunks_token_by_token_would(seed: int) -> None:
     rng = random.Random(seed)
-    job = Job("cmpl-x", "completion", "p", Sampling(max_tokens=300, n=2))
+    job = Job("cmpl-x", "completion", [1, 2], Sampling(max_tokens=300, n=2))
     producer = FakeProducer()
     pub = Publisher(producer, LAYOUT, 5, "w")  # type: ignore[arg-type]
     ref = Chunker(5, "w")
     expected: list[TrajectoryChunk] = []
     tids = ["a", "b"]
     for i, tid in enumerate(tids):
-        pub.open(job, i, tid, [1, 2])
-        ref.open(trajectory_start(job, i, tid, [1, 2], LAYOUT))
+        pub.open(job, i, tid)
+        ref.open(trajectory_start(job, i, tid, LAYOUT))
     version, live = 0, list(tids)
     while live:
         tid = rng.choice(live)
@@ -67,7 +67,7 @@ def test_buffered_publishing_cuts_the_chunks_token_by_token_would(seed: int) -> 
 def test_abort_before_any_token_is_an_empty_last_chunk_of_the_current_version() -> None:
     producer = FakeProducer()
     pub = Publisher(producer, LAYOUT, 4, "w")  # type: ignore[arg-type]
-    pub.open(Job("c", "chat", "p", Sampling(10)), 0, "t0", [1])
+    pub.open(Job("c", "chat", [1], Sampling(10)), 0, "t0")
     pub.add("t0", [], [], 3, "abort")
     (c,) = producer.chunks()
     assert (c.seq, c.n_tokens, c.is_last, c.finish_reason, c.policy_version) == (
@@ -81,7 +81,7 @@ def test_abort_before_any_token_is_an_empty_last_chunk_of_the_current_version() 
 
 def test_publishing_off_does_nothing() -> None:
     pub = Publisher(None, LAYOUT, 4, "w")
-    pub.open(Job("c", "chat", "p", Sampling(10)), 0, "t0", [1])
+    pub.open(Job("c", "chat", [1], Sampling(10)), 0, "t0")
     pub.add("t0", [5], [-1.0], 0, "stop")
     pub.flush_open()
     assert (pub.enabled, pub.chunks, pub.failures) == (False, 0, 0)
@@ -91,8 +91,8 @@ def test_publishing_off_does_nothing() -> None:
     ("max_tokens", "bucket"), [(1, "le256"), (256, "le256"), (257, "le1024"), (5000, "gt4096")]
 )
 def test_trajectory_start(max_tokens: int, bucket: str) -> None:
-    job = Job("cmpl-9", "completion", "p", Sampling(max_tokens, n=4), {"user": "u"})
-    s = trajectory_start(job, 2, "tid", [7, 8], LAYOUT)
+    job = Job("cmpl-9", "completion", [7, 8], Sampling(max_tokens, n=4), {"user": "u"})
+    s = trajectory_start(job, 2, "tid", LAYOUT)
     assert (s.prompt_id, s.task_id, s.sample_index, s.group_size, s.bucket) == (
         "cmpl-9",
         "cmpl-9",
