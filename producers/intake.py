@@ -65,6 +65,7 @@ from srl.kafka import (
     Message,
     TopicPartition,
     describe,
+    forgets_acknowledged,
     make_consumer,
 )
 
@@ -143,6 +144,10 @@ class Intake:
         if consumer is None:
             # quiet (srl.kafka.quiet): partitions read to their end are probed, not fetched
             consumer = make_consumer(cfg, cfg.consumer_group, "generator")
+            # a finished task is committable at once on a broker that keeps what it
+            # acknowledged (Apache Kafka), UNSURE_S later on the embedded one (producers.ackguard)
+            if not forgets_acknowledged(cfg.bootstrap_servers):
+                self.guard.unsure_s = 0.0
         self._consumer = consumer
         if cfg.pool_liveness:  # assigned by the pool's epochs, never a group member
             self.pool = pool if pool is not None else PoolMember(cfg, self.topics).start()

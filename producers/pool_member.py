@@ -213,7 +213,7 @@ class PoolMember:
                 self._apply(msg)
                 timeout = 0.0
         self._producer.poll(0)  # beats' delivery reports: the lease
-        if all(t.paused for t in self._tails):
+        if all(t.caught_up for t in self._tails):
             with self._cond:
                 self._synced_at = started  # every record appended before this is read
             self._caught_up.set()

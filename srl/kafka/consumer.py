@@ -251,6 +251,7 @@ def produced_ms(msg: Message) -> int | None:
     return int(ts) if kind != confluent_kafka.TIMESTAMP_NOT_AVAILABLE else None
 
 
+KIP848_EVICT_S = 60.0  # longest wait for a dead static member's eviction (KIP-848 groups)
 AUTO = -1.0  # make_consumer's quiet_s: quiet on a broker whose idle fetches spin
 
 
@@ -273,7 +274,15 @@ def make_consumer(
         # metadata refresh (measured: ~0.9 s at the default 5 min, ~0 at 100 ms): an empty
         # partition woken by its first record would wait that long
         overrides = {"topic.metadata.refresh.interval.ms": QUIET_METADATA_MS} | overrides
-    return Consumer(consumer_settings(cfg, group_id, role, **overrides), quiet_s)
+    settings = consumer_settings(cfg, group_id, role, **overrides)
+    instance = settings.get("group.instance.id")
+    if instance and settings.get("group.protocol") == "consumer":
+        from srl.kafka.admin import wait_instance_released
+
+        # the broker evicts a dead holder after its session: 10 s with srl's
+        # server.properties, Kafka's default 45 s
+        wait_instance_released(cfg, group_id, str(instance), timeout_s=KIP848_EVICT_S)
+    return Consumer(settings, quiet_s)
 
 
 def reader(cfg: KafkaSettings, role: str) -> Consumer:
@@ -305,6 +314,9 @@ class QuietTail:
     normally until the first record is read (a partition resumed from a logical start offset is
     fetched only ~1 s later). For low-rate single-partition topics (the weights topic); the
     consumer must be assigned ``tp`` and used from one thread.
+
+    On a broker that holds idle fetches (Apache Kafka: ``idle_fetches_spin``) it only polls;
+    ``caught_up`` tells, on either broker, whether it has read to the end it knows of.
     """
 
     def __init__(
@@ -320,6 +332,17 @@ class QuietTail:
         self.enabled = idle_fetches_spin(consumer.bootstrap)
         self.paused = False
         self.end = -1  # the highest high watermark seen (probed or fetched)
+        self._at_end = False  # not enabled: the last poll found nothing past the end
+
+    @property
+    def caught_up(self) -> bool:
+        """Read to the high watermark as far as it knows (paused, where it pauses)."""
+        return self.paused if self.enabled else self._at_end
+
+    def _read_to_end(self) -> bool:
+        self.end = max(self.end, self.consumer.get_watermark_offsets(self.tp, cached=True)[1])
+        pos = self._position()
+        return pos >= 0 and self.end >= 0 and pos >= self.end
 
     def _position(self) -> int:
         """The next offset to read; before the first record the concrete ``start`` it was
@@ -347,16 +370,16 @@ class QuietTail:
     def _maybe_pause(self) -> None:
         """Caught up: pause. Not before the first record: a partition resumed from a logical
         start offset is fetched only ~1 s later, even when sought."""
-        self.end = max(self.end, self.consumer.get_watermark_offsets(self.tp, cached=True)[1])
-        pos = self._position()
-        if pos >= 0 and self.end >= 0 and pos >= self.end:
+        if self._read_to_end():
             self.consumer.pause([self.tp])
             self.paused = True
 
     def poll(self, timeout_s: float) -> Message | None:
         """The next record, or None after at most ``timeout_s``."""
         if not self.enabled:
-            return self.consumer.poll(timeout_s)
+            msg = self.consumer.poll(timeout_s)
+            self._at_end = msg is None and self._read_to_end()
+            return msg
         deadline = time.monotonic() + timeout_s
         while True:
             if self.paused:

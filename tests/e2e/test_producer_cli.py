@@ -179,29 +179,35 @@ def test_sigkill_of_a_worker_mid_trajectory_is_resumed_by_another(
             env=cli_env,
         )
         assert out.returncode == 0, out.stderr
-        until(t, lambda t: len(incomplete_of(t, "wa")) >= 2, {"wa": wa, "wb": wb}, logs, 60)
-        wa.send_signal(signal.SIGKILL)
-        assert wa.wait(timeout=10) == -signal.SIGKILL
-        killed_mid = set(incomplete_of(t, "wa"))
+        # the victim: whichever worker is mid-way through two trajectories first (a broker's
+        # assignor may give one member every prompt partition)
+        procs = {"wa": wa, "wb": wb}
+        until(t, lambda t: any(len(incomplete_of(t, w)) >= 2 for w in procs), procs, logs, 60)
+        dead = max(procs, key=lambda w: len(incomplete_of(t, w)))
+        live = next(w for w in procs if w != dead)
+        procs[dead].send_signal(signal.SIGKILL)
+        assert procs[dead].wait(timeout=10) == -signal.SIGKILL
+        killed_mid = set(incomplete_of(t, dead))
         with worker(cli_env, tiny_model, "wc", logs["wc"], *fast) as wc:
-            until(t, lambda t: len(t.complete()) == 24, {"wb": wb, "wc": wc}, logs, 150)
-            for w in (wb, wc):
+            rest = {live: procs[live], "wc": wc}
+            until(t, lambda t: len(t.complete()) == 24, rest, logs, 150)
+            for w in rest.values():
                 w.send_signal(signal.SIGTERM)
-            for w, name in ((wb, "wb"), (wc, "wc")):
+            for name, w in rest.items():
                 assert w.wait(timeout=60) == 0, logs[name].read_text()[-3000:]
     done = check_exactly_once(t, {(p, s) for p in ids for s in range(4)})
     assert t.duplicates == 0
     resumed = [cs for cs in done.values() if cs[0].trajectory_id in killed_mid]
     assert resumed, "the killed worker's unfinished trajectories were not completed"
     # others continued the numbering right after the killed one's last chunk (check_exactly_once:
-    # seq 0..last once each). wc joining later moves partitions to it: a trajectory wb resumed
-    # may be handed off to wc mid-way (pool epochs), so one or both of them write the rest
+    # seq 0..last once each). wc joining later moves partitions to it: a trajectory the survivor
+    # resumed may be handed off to wc mid-way, so one or both of them write the rest
     for cs in resumed:
         workers_in_order = [c.worker_id for c in cs]
-        switch = next(i for i, w in enumerate(workers_in_order) if w != "wa")
-        assert set(workers_in_order[:switch]) == {"wa"}
-        assert set(workers_in_order[switch:]) <= {"wb", "wc"}
-    summaries = logs["wb"].read_text() + logs["wc"].read_text()
+        switch = next(i for i, w in enumerate(workers_in_order) if w != dead)
+        assert set(workers_in_order[:switch]) == {dead}
+        assert set(workers_in_order[switch:]) <= {live, "wc"}
+    summaries = logs[live].read_text() + logs["wc"].read_text()
     assert re.search(r"resumed [1-9]", summaries), summaries[-3000:]
 
 
