@@ -165,7 +165,8 @@ def embedded_broker(bootstrap: str, timeout_s: float = 5.0) -> bool | None:
     (docs/broker.md) are what srl's broker-specific workarounds answer, so they are on only
     where it runs (``idle_fetches_spin``, ``forgets_acknowledged``)."""
     if bootstrap not in _embedded:
-        client = AdminClient({"bootstrap.servers": bootstrap, "logger": _rdkafka_log})
+        settings: dict[str, Any] = {"bootstrap.servers": bootstrap, "logger": _rdkafka_log}
+        client = AdminClient(settings)
         try:
             md = client.list_topics(timeout=timeout_s)
         except KafkaException:

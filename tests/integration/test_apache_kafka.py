@@ -374,3 +374,26 @@ def test_srl_runs_unchanged_on_a_node_started_elsewhere_from_the_same_jars(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_an_idle_member_fetch_is_held_by_the_broker(cfg) -> None:  # type: ignore[no-untyped-def]
+    """Apache Kafka holds a fetch at the end of a partition (``fetch.wait.max.ms``): a member
+    that has read everything sends a few fetches a second, not the hundreds it sends to the
+    embedded broker (tests/integration/test_quiet_group.py), so srl's members are not quiet
+    here (``srl.kafka.idle_fetches_spin``)."""
+    from tests.integration.test_quiet_group import Fetches, member, take
+
+    topic = f"{cfg.topic_prefix}.held"
+    create_topics(cfg, [TopicSpec(topic, 3, {})])
+    with Producer(cfg, "test") as p:
+        for i in range(6):
+            p.produce(topic, f"a{i}".encode(), key=b"k", partition=i % 3)
+    fetches = Fetches()
+    c = member(cfg, topic, fetches)  # srl's default: quiet only where idle fetches spin
+    try:
+        assert c._quiet is None
+        assert len(take(c, 6)) == 6
+        idle = fetches.during(c, 1.5)
+        assert idle <= 10, f"{idle} fetches in 1.5 s while caught up"
+    finally:
+        c.close()
