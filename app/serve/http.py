@@ -49,7 +49,9 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.serve.core import Busy, Prompt, ServeEngine, Sink, Stopped, user_message
 from app.serve.feedback import FeedbackOut
@@ -131,8 +133,8 @@ def create_app(
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
-        max_body_size=info.max_body_bytes,
     )
+    app.add_middleware(BodyLimit, limit=info.max_body_bytes)
     _install_errors(app, info)
     _open_routes(app, core, info, out)
     api = APIRouter(dependencies=[Depends(_authorize(info.api_key))])
@@ -171,6 +173,42 @@ def deliver_event(job: Job, event: Event, limit: int, cancel: Callable[[Job], No
         job.mailbox.put_nowait(Failed("the client did not read its stream; request cancelled"))
         return
     job.mailbox.put_nowait(event)
+
+
+class BodyLimit:
+    """A request body over ``limit`` bytes is a 413 with OpenAI's error body: at once when its
+    Content-Length says so, else as it arrives (raised from ``receive``, answered by the app's
+    handler). Starlette's ``RequestBodyLimitMiddleware`` (FastAPI's ``max_body_size``) does the
+    same in plain text, which OpenAI clients cannot read."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.limit:
+            await _too_large(self.limit)(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise StarletteHTTPException(413)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _too_large(limit: int) -> Response:
+    msg = f"request body over {limit} bytes"
+    return _json(error_body(msg, "invalid_request_error", None, "request_too_large"), 413)
 
 
 _BEARER = HTTPBearer(auto_error=False)
@@ -219,8 +257,7 @@ def _install_errors(app: FastAPI, info: ServeInfo) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 413:
-            msg = f"request body over {info.max_body_bytes} bytes"
-            return _json(error_body(msg, "invalid_request_error", None, "request_too_large"), 413)
+            return _too_large(info.max_body_bytes)
         return _json(error_body(str(exc.detail), "invalid_request_error"), exc.status_code)
 
     @app.exception_handler(Exception)

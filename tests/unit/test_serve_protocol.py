@@ -74,11 +74,12 @@ def test_chat_prefers_max_completion_tokens() -> None:
 def test_completion_requests_refused(kw: dict[str, Any], param: str) -> None:
     with pytest.raises((ApiError, ValidationError)) as e:
         sampling_of(completion(**kw), 256, 16)
-    if isinstance(e.value, ValidationError):  # the app answers these 400 too
-        assert e.value.errors()[0]["loc"][0] == param
+    err = e.value
+    if isinstance(err, ValidationError):  # the app answers these 400 too
+        assert err.errors()[0]["loc"][0] == param
         return
-    assert e.value.status == 400 and e.value.param == param
-    assert e.value.body()["error"]["type"] == "invalid_request_error"
+    assert isinstance(err, ApiError) and err.status == 400 and err.param == param
+    assert err.body()["error"]["type"] == "invalid_request_error"
 
 
 def test_defaults_a_client_sends_are_accepted() -> None:
