@@ -1,4 +1,4 @@
-"""Generator faults on the embedded broker (issue 18): a zombie, a replacement (pool epochs).
+"""Generator faults (issue 18): a zombie, a replacement (pool epochs), on the test tier's broker.
 
 * SIGSTOP of a generator until the pool has declared it dead (silent for longer than its
   session timeout, as the pool sees it) and gone on without it (its partitions and in-flight
