@@ -91,7 +91,8 @@ def test_a_record_over_the_brokers_limit_and_oversized_fields(
 def test_a_stopped_broker_costs_training_data_not_answers(tmp_path: Path) -> None:
     """With the broker gone the producer's queue fills, and the old ``produce`` retried on the
     engine thread until it had room: every request hung. Now each record it cannot queue drops
-    its trajectory, counted, and every request is answered."""
+    its trajectory, counted, and every request is answered. (Records wait 5 minutes for the
+    broker: the old loop waited that long for room in the queue.)"""
     broker = EmbeddedBroker().__enter__()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SRL_")}
     env |= {
@@ -101,7 +102,8 @@ def test_a_stopped_broker_costs_training_data_not_answers(tmp_path: Path) -> Non
         "SRL_CONNECT_TIMEOUT_S": "2",
     }
     log = tmp_path / "serve.log"
-    args = ["--time-scale", "0.01", "--chunk-tokens", "2", "-X", "queue.buffering.max.messages=20"]
+    args = ["--time-scale", "0.01", "--chunk-tokens", "2"]
+    args += ["-X", "queue.buffering.max.messages=20", "-X", "message.timeout.ms=300000"]
     try:
         with serve(env, log, *args) as (url, proc):
             assert complete(url).status_code == 200
