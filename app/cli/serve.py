@@ -25,10 +25,12 @@ def serve(cfg: ServeConfig) -> None:
     """Serve the policy over the OpenAI API; every completion is also published as training data.
 
     POST /v1/completions and /v1/chat/completions (stream, n, max_tokens, temperature, top_p,
-    stop, seed), GET /v1/models, GET /health. The engine follows the run's newest verified
-    weights; each served choice goes chunk by chunk to {prefix}.trajectories like dispatched
-    work (metadata source "serve"). Point an OpenAI client at http://HOST:PORT/v1. SIGTERM or
-    Ctrl-C lets running requests finish (--drain-timeout), then exits. See docs/serving.md.
+    stop, seed, logprobs), GET /v1/models, POST /v1/feedback, GET /health, GET /metrics. The
+    engine follows the run's newest verified weights; each served choice goes chunk by chunk
+    to {prefix}.trajectories like dispatched work (metadata source "serve"); a slow or absent
+    broker costs training data (counted), never answers. Point an OpenAI client at
+    http://HOST:PORT/v1 (its api_key: --api-key, required off loopback). SIGTERM or Ctrl-C lets
+    running requests finish (--drain-timeout), then exits. See docs/serving.md.
     """
     from app.serve.run import run_serve
 

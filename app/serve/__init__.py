@@ -7,10 +7,13 @@ choice is published, chunk by chunk, to ``{prefix}.trajectories`` exactly like d
 
 * ``app.configs.ServeConfig``: the settings (the ``[serve]`` table);
 * ``protocol``: OpenAI request models, validation, response bodies and chunks (pure);
-* ``http``: the FastAPI app and the bridge to the engine thread;
+* ``http``: the FastAPI app (keys, body limit, disconnects) and the bridge to the engine
+  thread; ``metrics``: its Prometheus ``/metrics``;
 * ``jobs``: what crosses between them (a job and its events);
-* ``core``: the engine thread (continuous batching over every request, weights swaps);
-* ``text``: detokenization, stop strings, chat prompts (pure);
-* ``publish``: served choices as trajectory chunks;
+* ``core``: the engine thread (continuous batching over every request, fair-share slots, a
+  queue-wait bound; one request never stops it); ``upkeep``: its weight swaps, loss counters
+  and metric events;
+* ``text``: detokenization, stop strings, chat prompts, logprobs' token texts (pure);
+* ``publish``: served choices as trajectory chunks (never blocking: drop and count);
 * ``run``: the process (engine, follower, producer, uvicorn).
 """
