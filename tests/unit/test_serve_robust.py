@@ -237,9 +237,9 @@ def test_a_request_cannot_hold_every_slot_while_others_wait(producer: FakeProduc
     """n = 4 on 2 slots (cap 1 while others wait): a later n = 1 request gets the next free
     slot, not the end of the line. In the old FIFO queue it waited for all of A."""
     core = make_core(producer, max_batch=2, max_request_slots=1)
-    core.engine.time_scale = 0.25  # type: ignore[attr-defined]  # a's first two: ~0.6 s
+    core.engine.time_scale = 0.5  # type: ignore[attr-defined]  # a's first two: ~1.6 s
     with app_client(core) as client:
-        a = threading.Thread(target=complete, args=(client,), kwargs={"max_tokens": 300, "n": 4})
+        a = threading.Thread(target=complete, args=(client,), kwargs={"max_tokens": 400, "n": 4})
         a.start()
         wait_for(lambda: held(client) == (2, 2))
         b = complete(client, max_tokens=5)
