@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from consumers.assembler import Assembler, BadChunk, BadTrajectory, Trajectory
 from consumers.offsets import OffsetTracker
 from consumers.outcomes import Outcomes
-from schemas.records import TrajectoryChunk
+from schemas.records import ABORTED, TrajectoryChunk
 from srl.kafka import Consumer, Producer, TopicPartition, produced_ms
 from srl.metrics import Metrics, dead_letter, origin, read_record
 
@@ -86,6 +86,11 @@ class Intake:
             self._seen(msg, tid, holder)
             return self._invalid(msg, chunk, str(e))
         self._seen(msg, tid, holder)
+        if traj is not None and traj.finish_reason == ABORTED:
+            # cut short (a served choice whose client went away, a shutdown): not the answer
+            # the policy would have given, so never trained; decided invalid, its group slot
+            # filled. Not a dead letter: nothing is wrong with the record.
+            return Invalid(chunk, f"trajectory {tid}: aborted after {traj.n_tokens} tokens")
         if traj is not None and traj.length > self.max_len:
             reason = f"trajectory {tid}: {traj.length} tokens > the model's {self.max_len}"
             return self._invalid(msg, chunk, reason)

@@ -34,7 +34,8 @@ class RankerConfig(CommonConfig):
         ),
     )
     ranker_group: str | None = Field(
-        None, description="Consumer group of the online ranker trainer. null: {prefix}.ranker.{run}."
+        None,
+        description="Consumer group of the online ranker trainer. null: {prefix}.ranker.{run}.",
     )
     window: int = Field(
         4000,

@@ -33,6 +33,7 @@ _F32 = np.dtype("<f4")
 
 
 MIGRATED = "migrated"  # finish_reason of a non-last chunk: the trajectory continues in another pool
+ABORTED = "abort"  # finish_reason of a trajectory cut short (client gone, shutdown): not trained
 
 
 def now_ms() -> int:

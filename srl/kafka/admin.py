@@ -304,34 +304,6 @@ def describe_groups(client: AdminClient, timeout_s: float = 10.0) -> list[GroupS
     return out
 
 
-def wait_instance_released(
-    cfg: KafkaSettings, group: str, instance_id: str, timeout_s: float
-) -> None:
-    """Until no member of ``group`` holds the static ``instance_id``; SrlError after
-    ``timeout_s``. A KIP-848 group (``group.protocol=consumer``) refuses a static member
-    whose instance id a member that did not leave still holds (UNRELEASED_INSTANCE_ID, fatal
-    for librdkafka's consumer), where a classic group hands the place to the newcomer: a
-    trainer restarted after a SIGKILL waits here for the broker to evict its predecessor
-    (``group.consumer.session.timeout.ms``); a second live trainer of the run is refused."""
-    client = admin(cfg)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            desc = client.describe_consumer_groups([group], request_timeout=10)[group].result()
-            held = [m for m in desc.members if m.group_instance_id == instance_id]
-        except KafkaException:
-            held = []  # no such group yet: nobody holds it
-        if not held:
-            return
-        if time.monotonic() >= deadline:
-            raise SrlError(
-                f"consumer group {group}: static member {instance_id} is still held by a live "
-                f"member after {timeout_s:g}s (another process of this run?)"
-            )
-        log.info("waiting for the broker to evict the previous holder of %s", instance_id)
-        time.sleep(0.5)
-
-
 def topic_config(cfg: KafkaSettings, topic: str) -> dict[str, str]:
     """The broker's configuration of ``topic`` (``cleanup.policy``, ``retention.ms`` …)."""
     client = admin(cfg)  # held until the result is in: a dropped client cancels the request

@@ -22,8 +22,10 @@ from typing import Any
 
 import confluent_kafka
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from srl.config import KafkaSettings
+from srl.errors import SrlError
 from srl.kafka.callbacks import callback
 from srl.kafka.quiet import Quiet, key
 from srl.kafka.settings import (
@@ -277,12 +279,38 @@ def make_consumer(
     settings = consumer_settings(cfg, group_id, role, **overrides)
     instance = settings.get("group.instance.id")
     if instance and settings.get("group.protocol") == "consumer":
-        from srl.kafka.admin import wait_instance_released
-
         # the broker evicts a dead holder after its session: 10 s with srl's
         # server.properties, Kafka's default 45 s
         wait_instance_released(cfg, group_id, str(instance), timeout_s=KIP848_EVICT_S)
     return Consumer(settings, quiet_s)
+
+
+def wait_instance_released(
+    cfg: KafkaSettings, group: str, instance_id: str, timeout_s: float
+) -> None:
+    """Until no member of ``group`` holds the static ``instance_id``; SrlError after
+    ``timeout_s``. A KIP-848 group (``group.protocol=consumer``) refuses a static member
+    whose instance id a member that did not leave still holds (UNRELEASED_INSTANCE_ID, fatal
+    for librdkafka's consumer), where a classic group hands the place to the newcomer: a
+    trainer restarted after a SIGKILL waits here for the broker to evict its predecessor
+    (``group.consumer.session.timeout.ms``); a second live trainer of the run is refused."""
+    client = AdminClient(base_settings(cfg, "admin") | cfg.kafka)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            desc = client.describe_consumer_groups([group], request_timeout=10)[group].result()
+            held = [m for m in desc.members if m.group_instance_id == instance_id]
+        except KafkaException:
+            held = []  # no such group yet: nobody holds it
+        if not held:
+            return
+        if time.monotonic() >= deadline:
+            raise SrlError(
+                f"consumer group {group}: static member {instance_id} is still held by a live "
+                f"member after {timeout_s:g}s (another process of this run?)"
+            )
+        log.info("waiting for the broker to evict the previous holder of %s", instance_id)
+        time.sleep(0.5)
 
 
 def reader(cfg: KafkaSettings, role: str) -> Consumer:

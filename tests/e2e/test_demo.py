@@ -16,11 +16,11 @@ import pytest
 
 from tests.conftest import bin_path
 
-REWARD = '''
-import os
-
 # the embedded broker's tier (tests/conftest.py): what `make demo` runs on
 pytestmark = pytest.mark.embedded
+
+REWARD = '''
+import os
 
 def odd_length(prompt, completion, metadata):
     """A reward srl has never seen: it leaves a mark, and prefers odd-length answers."""

@@ -32,6 +32,10 @@ def srl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     )
 
 
+def kafka_start(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return srl("broker", "start", "--engine", "kafka", *args, env=env)
+
+
 def one_line_error(out: subprocess.CompletedProcess[str], text: str) -> None:
     assert out.returncode == 1, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
@@ -42,7 +46,7 @@ def one_line_error(out: subprocess.CompletedProcess[str], text: str) -> None:
 
 def test_start_status_stop_and_start_again_on_the_same_data(tmp_path: Path) -> None:
     data, port = tmp_path / "k", free_port()
-    out = srl("broker", "start", "--engine", "kafka", "--port", str(port), "--data-dir", str(data))
+    out = kafka_start("--port", str(port), "--data-dir", str(data))
     assert out.returncode == 0, out.stderr
     assert f"bootstrap 127.0.0.1:{port}" in out.stdout
     try:
@@ -52,9 +56,7 @@ def test_start_status_stop_and_start_again_on_the_same_data(tmp_path: Path) -> N
         assert (Path(node["data_dir"]) / "kafka.log").stat().st_size > 0  # its log, its folder
         assert (Path(node["data_dir"]) / "server.properties").is_file()
         # a second start finds it running; an embedded start from the same folder is refused
-        again = srl(
-            "broker", "start", "--engine", "kafka", "--port", str(port), "--data-dir", str(data)
-        )
+        again = kafka_start("--port", str(port), "--data-dir", str(data))
         assert again.returncode == 0 and str(node["pid"]) in again.stdout
         one_line_error(srl("broker", "start", "--data-dir", str(data)), "Apache Kafka broker runs")
         cfg = load_config(
@@ -70,9 +72,7 @@ def test_start_status_stop_and_start_again_on_the_same_data(tmp_path: Path) -> N
         assert srl("broker", "stop", "--data-dir", str(data)).stdout.strip() == "broker stopped"
         down = srl("broker", "status", "--data-dir", str(data))
         assert down.returncode == 1 and "not running" in down.stdout
-        out = srl(
-            "broker", "start", "--engine", "kafka", "--data-dir", str(data), "--port", str(port)
-        )
+        out = kafka_start("--data-dir", str(data), "--port", str(port))
         assert out.returncode == 0, out.stderr
         assert [m.value() for m in read_range(cfg, "t.kept", timeout_s=60)] == [
             str(i).encode() for i in range(5)
@@ -88,7 +88,7 @@ def test_kafka_home_uses_an_existing_install(tmp_path: Path) -> None:
     (home / "libs").symlink_to(apache.fetch(), target_is_directory=True)
     data, port = tmp_path / "k", free_port()
     args = ["--port", str(port), "--data-dir", str(data), "--kafka-home", str(home)]
-    out = srl("broker", "start", "--engine", "kafka", *args)
+    out = kafka_start(*args)
     try:
         assert out.returncode == 0, out.stderr
         topics = srl(
@@ -110,11 +110,7 @@ def test_kafka_home_uses_an_existing_install(tmp_path: Path) -> None:
     empty = tmp_path / "not-kafka"
     empty.mkdir()
     one_line_error(
-        srl(
-            "broker",
-            "start",
-            "--engine",
-            "kafka",
+        kafka_start(
             "--kafka-home",
             str(empty),
             "--data-dir",
@@ -128,7 +124,7 @@ def test_one_line_errors_for_no_java_no_maven_and_a_taken_port(tmp_path: Path) -
     venv_bin = str(Path(bin_path("srl")).parent)
     no_java = {"PATH": venv_bin, "JAVA_HOME": ""}
     one_line_error(
-        srl("broker", "start", "--engine", "kafka", "--data-dir", str(tmp_path / "a"), env=no_java),
+        kafka_start("--data-dir", str(tmp_path / "a"), env=no_java),
         "Apache Kafka needs Java 17 or newer",
     )
     # Java but no Maven, and no jars fetched yet (an empty cache)
@@ -137,7 +133,7 @@ def test_one_line_errors_for_no_java_no_maven_and_a_taken_port(tmp_path: Path) -
     (java_only / "java").symlink_to(apache.java_binary())
     no_mvn = {"PATH": f"{venv_bin}:{java_only}", "SRL_KAFKA_CACHE": str(tmp_path / "cache")}
     one_line_error(
-        srl("broker", "start", "--engine", "kafka", "--data-dir", str(tmp_path / "b"), env=no_mvn),
+        kafka_start("--data-dir", str(tmp_path / "b"), env=no_mvn),
         "needs Maven: no `mvn` on PATH",
     )
     with socket.socket() as taken:
@@ -145,11 +141,7 @@ def test_one_line_errors_for_no_java_no_maven_and_a_taken_port(tmp_path: Path) -
         taken.listen()
         port = taken.getsockname()[1]
         one_line_error(
-            srl(
-                "broker",
-                "start",
-                "--engine",
-                "kafka",
+            kafka_start(
                 "--port",
                 str(port),
                 "--data-dir",

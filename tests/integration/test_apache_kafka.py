@@ -40,8 +40,9 @@ from srl.kafka import (
 )
 from srl.topics import Layout, TopicSpec
 from srl.weights import latest_announcement, read_announcements
-from tests.chunks import produce, text_ids, traj_chunks
+from tests.chunks import produce, traj_chunks
 from tests.conftest import bin_path, kafka_in_use, kafka_node
+from tests.integration.test_trainer import make_groups
 
 pytestmark = pytest.mark.skipif(
     not kafka_in_use(), reason="needs the session's Apache Kafka node (SRL_TEST_BROKER unset)"
@@ -323,18 +324,7 @@ def test_srl_runs_unchanged_on_a_node_started_elsewhere_from_the_same_jars(
             env={},
         )
         create_topics(cfg)
-        chunks = []
-        for g in range(4):
-            for i in range(2):
-                chunks += traj_chunks(
-                    f"q{g}",
-                    i,
-                    2,
-                    text_ids(f"{g}+1="),
-                    text_ids(f"{g + i % 2 + 1}\n"),
-                    chunk_tokens=2,
-                    metadata={"answer": g + 1},
-                )
+        chunks = make_groups(4, n=2)  # four prompts of two samples: two steps of two
         produce(cfg, chunks)
         env["SRL_TOPIC_PREFIX"] = "elsewhere2"
         train = subprocess.run(

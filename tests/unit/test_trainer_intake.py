@@ -12,7 +12,7 @@ import pytest
 from consumers.assembler import Trajectory
 from consumers.intake import Intake, Invalid
 from consumers.outcomes import REMEMBER_STEPS, Ledger, Outcomes
-from schemas.records import TrajectoryChunk, encode
+from schemas.records import ABORTED, TrajectoryChunk, encode
 from srl.metrics import Metrics
 from srl.topics import Layout
 from tests.chunks import traj_chunks
@@ -230,3 +230,22 @@ def test_a_copy_published_anew_after_the_commit_is_a_duplicate_for_remember_step
     assert "t" in it.outcomes.ledger
     checkpoint_and_commit(it, 5 + REMEMBER_STEPS)  # bounded: older decisions go
     assert "t" not in it.outcomes.ledger and len(it.outcomes.ledger) == 0
+
+
+@pytest.mark.parametrize("n_tokens", [3, 0], ids=["partial", "empty"])
+def test_an_aborted_trajectory_is_invalid_not_trained_and_not_a_dead_letter(
+    n_tokens: int,
+) -> None:
+    """A served choice whose client went away (or a shutdown) is published with
+    finish_reason ``abort``, partial or with no token at all: it is decided invalid (its
+    group slot filled by the trainer), never trained or scored, and not dead-lettered."""
+    done = replace(chunks()[-1], finish_reason=ABORTED) if n_tokens else None
+    if n_tokens:
+        cs = [*chunks()[:-1], done]
+    else:
+        cs = [replace(chunks(n_tokens=2)[0], tokens=b"", logprobs=b"", finish_reason=ABORTED)]
+    it, dlq = intake()
+    got = [it.add(r) for r in records(cs)]  # type: ignore[arg-type]
+    assert isinstance(got[-1], Invalid) and "aborted" in got[-1].reason
+    assert not [g for g in got if isinstance(g, Trajectory)]
+    assert dlq.sent == []
