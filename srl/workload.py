@@ -4,8 +4,8 @@ Owns the two models of ``WORKLOAD.md`` that the simulated parts share:
 
 * :class:`LengthHistogram`: a piecewise-uniform output-length distribution, read from a file
   of ``lo,hi,probability`` rows (``#`` lines are comments; probabilities are normalised), e.g.
-  ``/work/shared/data/streamrl_output_length_hist.csv``. ``scale`` multiplies every bound
-  (0.25 and 0.5 give the 5K and 10K settings of the 20K histogram). A draw picks a bin by its
+  ``srl.data.STREAMRL_LENGTHS`` (StreamRL Fig. 7, package data). ``scale`` multiplies every
+  bound (0.25 and 0.5 give the 5K and 10K settings of the 20K histogram). A draw picks a bin by its
   probability, then a uniform length inside it; :meth:`LengthHistogram.quantile` is the
   inverse CDF (linear inside a bin).
 * :class:`PtlModel`: the per-token decode latency under continuous batching,

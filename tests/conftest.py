@@ -6,6 +6,8 @@ Three tiers (docs/broker.md):
   node (``srl.broker.apache``; ``make test`` fetches the jars once per machine first);
 * **embedded** (``@pytest.mark.embedded``): the tests of what ``make demo`` depends on and of
   the embedded broker's own gaps, on a noida-db broker of their test process;
+* **kafka** (``@pytest.mark.kafka``): what only Apache Kafka does (its tools, compaction,
+  KIP-848) runs on an Apache Kafka node whatever the default tier is;
 * **cluster** (``@pytest.mark.cluster``): three Apache Kafka nodes (replication factor 3,
   ``min.insync.replicas`` 2), one cluster shared by every test process, started by the first
   test that asks for it (the ``cluster`` fixture) and stopped when the session ends.
@@ -164,6 +166,19 @@ def default_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
 
 
 @pytest.fixture(scope="session")
+def kafka_bootstrap(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """host:port of an Apache Kafka node of this test process: the default tier's when that is
+    one, else a node of its own (tests of what only Apache Kafka does, ``@pytest.mark.kafka``)."""
+    if kafka_in_use():
+        yield str(request.getfixturevalue("default_bootstrap"))
+        return
+    with kafka_node(1, tmp_path_factory.mktemp("kafka-own")) as node:
+        yield node.bootstrap
+
+
+@pytest.fixture(scope="session")
 def embedded_bootstrap() -> Iterator[str]:
     """host:port of this test process's embedded broker (noida-db), started on first use."""
     from srl.broker import EmbeddedBroker
@@ -215,12 +230,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.fixture
 def bootstrap(request: pytest.FixtureRequest) -> str:
-    """host:port of the broker of this test's tier (the ``embedded`` and ``cluster`` marks,
-    else the default)."""
+    """host:port of the broker of this test's tier (the ``embedded``, ``cluster`` and
+    ``kafka`` marks, else the default)."""
     if request.node.get_closest_marker("embedded"):
         return str(request.getfixturevalue("embedded_bootstrap"))
     if request.node.get_closest_marker("cluster"):
         return str(request.getfixturevalue("cluster").bootstrap)
+    if request.node.get_closest_marker("kafka"):
+        return str(request.getfixturevalue("kafka_bootstrap"))
     return str(request.getfixturevalue("default_bootstrap"))
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from app.bench.modes import DESIGNS, MODES
-from app.cli.common import echo_json
+from app.cli.common import LENGTHS_SHOWN, default_lengths, echo_json
 from app.cli.options import ConfigGroup, with_config
 
 if TYPE_CHECKING:
@@ -153,8 +153,8 @@ def weights(sizes: str, repeats: int, swaps: int, as_json: bool) -> None:
 @click.option(
     "--lengths",
     type=click.Path(dir_okay=False),
-    default="../shared/data/streamrl_output_length_hist.csv",
-    show_default=True,
+    default=default_lengths,
+    show_default=LENGTHS_SHOWN,
     help="Output-length histogram (lo,hi,probability rows).",
 )
 @click.option(

@@ -82,3 +82,14 @@ def echo_json(obj: Any) -> None:
     import orjson
 
     click.echo(orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode())
+
+
+LENGTHS_SHOWN = "StreamRL's histogram, srl/data/streamrl_output_length_hist.csv"
+
+
+def default_lengths() -> str:
+    """The default ``--lengths``: StreamRL's output-length histogram, shipped with srl
+    (imported when asked, so that ``--help`` imports nothing of the core)."""
+    from srl.data import STREAMRL_LENGTHS
+
+    return str(STREAMRL_LENGTHS)

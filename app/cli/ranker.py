@@ -13,13 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from app.cli.common import echo_json
+from app.cli.common import LENGTHS_SHOWN, default_lengths, echo_json
 from app.cli.options import ConfigGroup, with_config
 
 if TYPE_CHECKING:
     from ranker.config import RankerConfig, RankerStoreConfig
-
-DEFAULT_LENGTHS = Path("../shared/data/streamrl_output_length_hist.csv")
 
 
 @click.group(cls=ConfigGroup)
@@ -228,8 +226,8 @@ def plan(
 @click.option(
     "--lengths",
     type=click.Path(dir_okay=False, path_type=Path),
-    default=DEFAULT_LENGTHS,
-    show_default=True,
+    default=default_lengths,
+    show_default=LENGTHS_SHOWN,
     help="Output-length histogram file (lo,hi,probability rows).",
 )
 @click.option(

@@ -16,9 +16,10 @@ import orjson
 import pytest
 
 from srl.config import CommonConfig, load_config
+from srl.data import STREAMRL_LENGTHS
 from srl.kafka import committed_offsets
 from srl.topics import Layout, pool_group
-from tests.conftest import bin_path, kafka_in_use
+from tests.conftest import bin_path
 from tests.integration.test_generation import Trajectories, check_exactly_once
 
 
@@ -136,7 +137,15 @@ MEMBERSHIP = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("membership", list(MEMBERSHIP))
+@pytest.mark.parametrize(
+    "membership",
+    [
+        "pool-epochs",
+        # a broker group evicts a dead member on Apache Kafka only
+        pytest.param("classic-group", marks=pytest.mark.kafka),
+        pytest.param("kip848-group", marks=pytest.mark.kafka),
+    ],
+)
 def test_sigkill_of_a_worker_mid_trajectory_is_resumed_by_another(
     cli_env: dict[str, str], tiny_model: Path, tmp_path: Path, membership: str
 ) -> None:
@@ -148,8 +157,6 @@ def test_sigkill_of_a_worker_mid_trajectory_is_resumed_by_another(
     share its partitions, whatever the broker. On Apache Kafka the pool's own consumer group
     does the same, classic or KIP-848 (``-X group.protocol=consumer``).
     """
-    if membership != "pool-epochs" and not kafka_in_use():
-        pytest.skip("a broker group evicts a dead member on Apache Kafka only")
     env, protocol = MEMBERSHIP[membership]
     cli_env = {**cli_env, **env}
     ids = balanced_prompts(tmp_path / "p.jsonl", 6)
@@ -373,7 +380,7 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(cli_env: dict[str, str], tmp_p
 
 
 def test_sim_generate_says_it_is_simulated(cli_env: dict[str, str], tmp_path: Path) -> None:
-    hist = "/work/shared/data/streamrl_output_length_hist.csv"
+    hist = str(STREAMRL_LENGTHS)
     env = cli_env
     out = run(
         "srl-producer",

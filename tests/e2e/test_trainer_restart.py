@@ -32,7 +32,7 @@ from tests.chunks import (
     text_ids,
     traj_chunks,
 )
-from tests.conftest import bin_path, kafka_in_use
+from tests.conftest import bin_path
 
 
 def wave(first: int, count: int, rng: random.Random) -> list[TrajectoryChunk]:
@@ -126,7 +126,11 @@ def published(store_dir: Path, run: str = "default") -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("protocol", ["classic", "consumer"], ids=["classic", "kip848"])
+@pytest.mark.parametrize(
+    "protocol",
+    ["classic", pytest.param("consumer", marks=pytest.mark.kafka)],  # KIP-848: Apache Kafka 4.x
+    ids=["classic", "kip848"],
+)
 def test_sigkill_and_restart_train_each_trajectory_exactly_once(
     cli_env: dict[str, str],
     tiny_model: Path,
@@ -138,8 +142,6 @@ def test_sigkill_and_restart_train_each_trajectory_exactly_once(
     """SIGKILL the trainer mid-run and start it again: each trajectory is decided once. With
     ``-X group.protocol=consumer`` (KIP-848, Apache Kafka 4.x) the restarted trainer takes
     its static member's place back in the broker-run group as it does in a classic one."""
-    if protocol == "consumer" and not kafka_in_use():
-        pytest.skip("KIP-848 groups need Apache Kafka 4.x")
     extra = ("-X", f"group.protocol={protocol}")
     cfg = CommonConfig(bootstrap_servers=bootstrap, topic_prefix=prefix, store=cli_env["SRL_STORE"])
     layout = Layout.from_config(cfg)

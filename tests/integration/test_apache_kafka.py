@@ -10,7 +10,7 @@
 * srl works unchanged (only ``--bootstrap``) on a node someone else started from the same
   jars with Kafka's stock settings.
 
-Run on the session's Apache Kafka node; skipped where the default tier is another broker.
+Marked ``kafka``: on an Apache Kafka node whatever the default tier is (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -41,12 +41,10 @@ from srl.kafka import (
 from srl.topics import Layout, TopicSpec
 from srl.weights import latest_announcement, read_announcements
 from tests.chunks import produce, traj_chunks
-from tests.conftest import bin_path, kafka_in_use, kafka_node
+from tests.conftest import bin_path, kafka_node
 from tests.integration.test_trainer import make_groups
 
-pytestmark = pytest.mark.skipif(
-    not kafka_in_use(), reason="needs the session's Apache Kafka node (SRL_TEST_BROKER unset)"
-)
+pytestmark = pytest.mark.kafka
 
 
 def tool(name: str, *args: str) -> str:

@@ -27,6 +27,7 @@ from producers.worker import GenSummary, run_generator
 from ranker.predictor import BaselinePredictor
 from schemas.records import MetricEvent, PromptTask, TrajectoryChunk, decode_as, encode, now_ms
 from srl.config import CommonConfig
+from srl.data import STREAMRL_LENGTHS
 from srl.errors import ProducerFailed
 from srl.kafka import (
     Producer,
@@ -42,7 +43,7 @@ from srl.tinymodel import load_model
 from srl.topics import Layout
 from srl.weights import announce, publish
 
-HIST = "/work/shared/data/streamrl_output_length_hist.csv"
+HIST = str(STREAMRL_LENGTHS)
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -18,12 +18,13 @@ from producers.recovery import trajectory_id_for
 from producers.sources import SourcePrompt, make_predictor, read_jsonl, sim_prompts
 from ranker.predictor import BaselinePredictor, LengthPredictor, OraclePredictor
 from srl.config import load_config
+from srl.data import STREAMRL_LENGTHS
 from srl.errors import ConfigError
 from srl.topics import Layout
 from srl.workload import LengthHistogram
 from tests.chunks import traj_chunks
 
-HIST = "/work/shared/data/streamrl_output_length_hist.csv"
+HIST = str(STREAMRL_LENGTHS)
 
 
 def cfg(**kw) -> DispatchConfig:  # type: ignore[no-untyped-def]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,10 +18,11 @@ from producers.planning import recovered, task_state
 from producers.recovery import Found, trajectory_id_for
 from producers.tasks import OffsetTracker, SamplePlan, TaskState
 from schemas.records import MIGRATED, PromptTask, pack_tokens
+from srl.data import STREAMRL_LENGTHS
 from srl.errors import SrlError
 from srl.workload import PTL, LengthHistogram
 
-HIST = Path("/work/shared/data/streamrl_output_length_hist.csv")
+HIST = STREAMRL_LENGTHS
 
 
 # -- sampling ---------------------------------------------------------------------------------
