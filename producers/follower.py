@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,19 @@ class Ready:
     version: int
     tensors: dict[str, torch.Tensor]
     fetch_s: float
+
+
+@dataclass(frozen=True)
+class Swap:
+    """A version loaded into an engine: its fetch time and the engine's pause."""
+
+    version: int
+    fetch_s: float
+    pause_ms: float
+
+    @property
+    def load_s(self) -> float:
+        return self.fetch_s + self.pause_ms / 1000
 
 
 class WeightFollower:
@@ -125,6 +139,24 @@ class WeightFollower:
 
     def swapped(self, version: int) -> None:
         self.loaded = max(self.loaded, version)
+
+    def swap_into(self, engine: Any, flush_open: Callable[[], None]) -> Swap | None:
+        """Load the newest verified version into ``engine`` if it is newer than the engine's:
+        ``flush_open`` first (what is queued of open trajectories goes out under the old
+        version), then ``engine.load_weights``; a version the engine refuses is refused here.
+        What was loaded and how long the engine paused, or None. On the decode thread."""
+        ready = self.take()
+        if ready is None or ready.version <= engine.version:
+            return None
+        t0 = time.perf_counter()
+        flush_open()
+        try:
+            engine.load_weights(ready.tensors, ready.version)
+        except WeightsError as e:
+            self.refuse(ready.version, str(e))
+            return None
+        self.swapped(ready.version)
+        return Swap(ready.version, ready.fetch_s, (time.perf_counter() - t0) * 1000)
 
     def refuse(self, version: int, reason: str) -> None:
         with self._cond:

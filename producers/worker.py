@@ -86,7 +86,7 @@ from schemas.records import (
     unpack_tokens,
 )
 from srl.codecs import use_schema_registry
-from srl.errors import ProducerFailed, SrlError, StartOver, WeightsError
+from srl.errors import ProducerFailed, SrlError, StartOver
 from srl.kafka import (
     KafkaException,
     Message,
@@ -235,31 +235,18 @@ class GeneratorWorker:
             self.summary.weights_refused += 1
             labels = {"worker_id": self.summary.worker_id, "reason": reason[:500]}
             self.metrics.emit("weights_refused", {"version": version}, labels)
-        ready = self.follower.take()
-        if ready is None or ready.version <= self.engine.version:
+        swap = self.follower.swap_into(self.engine, self.outlet.flush_open)
+        if swap is None:
             return
-        t0 = time.perf_counter()
-        self.outlet.flush_open()
-        try:
-            self.engine.load_weights(ready.tensors, ready.version)
-        except WeightsError as e:
-            self.follower.refuse(ready.version, str(e))
-            return
-        pause_ms = (time.perf_counter() - t0) * 1000
-        self.follower.swapped(ready.version)
         self.summary.weights_loaded += 1
-        self.summary.policy_version = ready.version
-        values = {
-            "version": ready.version,
-            "load_s": ready.fetch_s + pause_ms / 1000,
-            "pause_ms": pause_ms,
-        }
+        self.summary.policy_version = swap.version
+        values = {"version": swap.version, "load_s": swap.load_s, "pause_ms": swap.pause_ms}
         self.metrics.emit("weights_loaded", values, {"worker_id": self.summary.worker_id})
         log.info(
             "weights v%d loaded (fetch %.2fs, pause %.0f ms)",
-            ready.version,
-            ready.fetch_s,
-            pause_ms,
+            swap.version,
+            swap.fetch_s,
+            swap.pause_ms,
         )
 
     # -- intake ----------------------------------------------------------------------------

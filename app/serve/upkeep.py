@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass
 from app.serve.publish import Publisher
 from producers.engines.base import Engine
 from producers.follower import WeightFollower
-from srl.errors import WeightsError
 from srl.metrics import Metrics, dead_letter
 
 log = logging.getLogger("srl.serve")
@@ -78,23 +77,13 @@ class Upkeep:
         for version, reason in self.follower.drain_refusals():
             self.stats.weights_refused += 1
             self.metric("weights_refused", {"version": version}, {"reason": reason[:500]})
-        ready = self.follower.take()
-        if ready is None or ready.version <= self.engine.version:
+        swap = self.follower.swap_into(self.engine, self.publisher.flush_open)
+        if swap is None:
             return
-        t0 = time.perf_counter()
-        self.publisher.flush_open()
-        try:
-            self.engine.load_weights(ready.tensors, ready.version)
-        except WeightsError as e:
-            self.follower.refuse(ready.version, str(e))
-            return
-        pause_ms = (time.perf_counter() - t0) * 1000
-        self.follower.swapped(ready.version)
         self.stats.weights_loaded += 1
-        load_s = ready.fetch_s + pause_ms / 1000
-        values = {"version": ready.version, "load_s": load_s, "pause_ms": pause_ms}
+        values = {"version": swap.version, "load_s": swap.load_s, "pause_ms": swap.pause_ms}
         self.metric("weights_loaded", values, {})
-        log.info("weights v%d loaded (pause %.0f ms)", ready.version, pause_ms)
+        log.info("weights v%d loaded (pause %.0f ms)", swap.version, swap.pause_ms)
 
     def tick(self, waiting: int) -> None:
         """Delivery reports, loss counters, and the periodic ``serve_stats`` event."""

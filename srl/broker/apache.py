@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import fcntl
+import functools
 import os
 import re
 import shutil
@@ -160,8 +161,10 @@ def java_binary() -> str:
     return found
 
 
+@functools.cache
 def check_java() -> str:
-    """The java binary, once it is known to be Java 17 or newer."""
+    """The java binary, once it is known to be Java 17 or newer (asked once per process: a
+    cluster's start and every tool would otherwise run ``java -version`` again)."""
     java = java_binary()
     try:
         out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30)

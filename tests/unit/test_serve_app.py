@@ -21,7 +21,7 @@ from app.serve.publish import Publisher
 from app.serve.text import codec_for
 from producers.engines.base import Emitted
 from producers.engines.sim import SimEngine
-from producers.follower import Ready
+from producers.follower import Ready, WeightFollower
 from schemas.records import TrajectoryChunk, decode_as
 from srl.topics import Layout
 
@@ -300,6 +300,11 @@ class OneVersion:
 
     def swapped(self, version: int) -> None:
         self.loaded.append(version)
+
+    def refuse(self, version: int, reason: str) -> None:
+        raise AssertionError(f"v{version} refused: {reason}")
+
+    swap_into = WeightFollower.swap_into  # the real swap, over this fake's take and swapped
 
 
 def test_a_weight_swap_closes_open_chunks_first(producer: FakeProducer) -> None:
