@@ -13,6 +13,7 @@ __all__ = [
     "SchemaError",
     "SrlError",
     "StartOver",
+    "ConsumerFailed",
     "StoreError",
     "WeightsError",
 ]
@@ -43,6 +44,12 @@ class ProducerFailed(StartOver):
     """A producer librdkafka declared failed for good (a fatal error): a broker that lost
     records it had acknowledged (a SIGKILLed embedded broker), or a fenced producer. Its
     owner starts over with a new producer, from what is durable."""
+
+
+class ConsumerFailed(StartOver):
+    """A group member librdkafka declared failed for good (a fatal error): a static member
+    fenced by its own ``group.instance.id`` when its group's coordinator moved (a Kafka node
+    lost) and its rejoin raced its commit. Its owner starts over with a new member."""
 
 
 class StoreError(SrlError):

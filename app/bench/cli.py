@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from app.bench.brokers import broker_option, on_brokers
 from app.bench.modes import DESIGNS, MODES
 from app.cli.common import LENGTHS_SHOWN, default_lengths, echo_json
 from app.cli.options import ConfigGroup, with_config
@@ -67,6 +68,7 @@ def bench() -> None:
     show_default=True,
     help="Raw and codec phases alternate this many times; the best of each counts.",
 )
+@broker_option()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def dataplane(
     cfg: StreamConfig,
@@ -76,27 +78,42 @@ def dataplane(
     batch: int,
     pace: float,
     repeats: int,
+    brokers: tuple[str, ...],
     as_json: bool,
 ) -> None:
     """Tokens/s through broker + codec + assembler, against the raw byte path; ready latency.
 
-    Starts an embedded broker on a free port unless bootstrap_servers is given (--bootstrap,
-    the config file or SRL_BOOTSTRAP_SERVERS).
+    Runs on a fresh broker of each --broker (both by default, one after the other), or on
+    bootstrap_servers when given (--bootstrap, the config file or SRL_BOOTSTRAP_SERVERS).
+    JSON: the figures keyed by broker.
     """
     from app.bench.dataplane import run
 
-    external = "bootstrap_servers" in cfg.model_fields_set
-    r = run(cfg, external, trajectories, mean_tokens, chunk_tokens, batch, pace, repeats)
+    def one(bootstrap: str) -> dict[str, Any]:
+        c = cfg.model_copy(update={"bootstrap_servers": bootstrap})
+        return run(c, trajectories, mean_tokens, chunk_tokens, batch, pace, repeats)
+
+    res = on_brokers(brokers, _external(cfg), one, _starting)
     if as_json:
-        echo_json(r)
+        echo_json(res)
         return
-    click.echo(
-        f"codec+assembly: {r['tokens_per_s']:,} tokens/s, {r['trajectories_per_s']} "
-        f"trajectories/s\n"
-        f"raw bytes:      {r['raw_tokens_per_s']:,} tokens/s (overhead {r['overhead']:.1%})\n"
-        f"last chunk -> ready at {r['paced_fraction']:.0%} of peak: p50 "
-        f"{r['ready_latency_ms_p50']} ms, p99 {r['ready_latency_ms_p99']} ms"
-    )
+    for engine, r in res.items():
+        click.echo(
+            f"{engine:>8} codec+assembly: {r['tokens_per_s']:,} tokens/s, "
+            f"{r['trajectories_per_s']} trajectories/s; raw bytes {r['raw_tokens_per_s']:,} "
+            f"tokens/s (overhead {r['overhead']:.1%}); last chunk -> ready at "
+            f"{r['paced_fraction']:.0%} of peak: p50 {r['ready_latency_ms_p50']} ms, p99 "
+            f"{r['ready_latency_ms_p99']} ms"
+        )
+
+
+def _external(cfg: Any) -> str | None:
+    """The broker a config names (--bootstrap, the file, SRL_BOOTSTRAP_SERVERS), or None."""
+    return cfg.bootstrap_servers if "bootstrap_servers" in cfg.model_fields_set else None
+
+
+def _starting(engine: str) -> None:
+    click.echo(f"[{engine}] starting a fresh broker …", err=True)
 
 
 @bench.command("weights")
@@ -230,14 +247,23 @@ def weights(sizes: str, repeats: int, swaps: int, as_json: bool) -> None:
     show_default=True,
     help="PNG written unless --json.",
 )
-@click.option("--bootstrap", help="Use this Kafka instead of an embedded broker.")
+@click.option("--bootstrap", help="Use this Kafka instead of a fresh broker per --broker.")
+@broker_option()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def pipeline(modes: str, plot: str, bootstrap: str | None, as_json: bool, **kw: Any) -> None:
+def pipeline(
+    modes: str,
+    plot: str,
+    bootstrap: str | None,
+    brokers: tuple[str, ...],
+    as_json: bool,
+    **kw: Any,
+) -> None:
     """colocated / sync / stream / async / async+skew side by side (SIMULATED engine and trainer).
 
     The broker, codec, dispatcher, generator workers, trainer loop, staleness gate and weights
     protocol are real; decode steps and trainer compute sleep their modelled time
-    (WORKLOAD.md), divided by --compression.
+    (WORKLOAD.md), divided by --compression. Every mode runs on each --broker (both by
+    default, one after the other); JSON: the figures keyed by broker.
     """
     from app.bench import pipeline as p
     from srl.errors import ConfigError
@@ -257,14 +283,15 @@ def pipeline(modes: str, plot: str, bootstrap: str | None, as_json: bool, **kw: 
             err=True,
         )
 
-    r = p.run(w, bootstrap, progress, chosen)
+    res = on_brokers(brokers, bootstrap, lambda b: p.run(w, b, progress, chosen), _starting)
     if as_json:
-        echo_json(r)
+        echo_json(res)
         return
-    p.plot(r, plot)
+    p.plot(res, plot)
     click.echo(f"SIMULATED engine and trainer, time compressed {w.compression:g}x; plot: {plot}")
-    for mode, m in r["modes"].items():
-        click.echo(_pipeline_line(mode, m))
+    for engine, r in res.items():
+        for mode, m in r["modes"].items():
+            click.echo(f"{engine:>8} " + _pipeline_line(mode, m))
 
 
 def _pipeline_line(mode: str, m: dict[str, Any]) -> str:
@@ -308,6 +335,7 @@ def _pipeline_line(mode: str, m: dict[str, Any]) -> str:
     show_default=True,
     help="Runs of each mode, alternating; the best rate and the median latencies count.",
 )
+@broker_option()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def serve_bench(
     cfg: ServeBenchConfig,
@@ -315,22 +343,28 @@ def serve_bench(
     requests: int,
     concurrency: int | None,
     repeats: int,
+    brokers: tuple[str, ...],
     as_json: bool,
 ) -> None:
     """srl serve with publishing to Kafka off against on: requests/s, TTFT, ITL.
 
     The same engine and prompts in both modes, at saturation and at half the publish-off
     saturated rate; overhead_rps and overhead_itl_p50 are the fractional losses with
-    publishing on. Starts an embedded broker on a free port unless bootstrap_servers is given.
+    publishing on. Runs on a fresh broker of each --broker (both by default), or on
+    bootstrap_servers when given; JSON: the figures keyed by broker.
     """
     from app.bench.serve import Plan, run, text_report
 
-    external = "bootstrap_servers" in cfg.model_fields_set
-    r = run(cfg, external, Plan(max_tokens, requests, concurrency, repeats))
+    plan = Plan(max_tokens, requests, concurrency, repeats)
+
+    def one(bootstrap: str) -> dict[str, Any]:
+        return run(cfg.model_copy(update={"bootstrap_servers": bootstrap}), plan)
+
+    res = on_brokers(brokers, _external(cfg), one, _starting)
     if as_json:
-        echo_json(r)
+        echo_json(res)
     else:
-        click.echo(text_report(r))
+        click.echo("\n".join(text_report(r, engine) for engine, r in res.items()))
 
 
 @bench.command("idle")
@@ -362,15 +396,7 @@ def serve_bench(
     show_default=True,
     help="How long each mode runs.",
 )
-@click.option(
-    "--broker",
-    "brokers",
-    type=click.Choice(["embedded", "kafka"]),
-    multiple=True,
-    default=("embedded", "kafka"),
-    show_default=True,
-    help="Brokers to run both modes on, one after the other (repeat the option).",
-)
+@broker_option()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def idle(
     partitions: int,

@@ -22,7 +22,6 @@ Called by ``app.bench.cli``.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import time
 import uuid
@@ -36,7 +35,6 @@ from app.configs import StreamConfig
 from consumers.assembler import Assembler
 from producers.chunker import Chunker, TrajectoryStart
 from schemas.records import TrajectoryChunk, decode_as, encode, pack_tokens
-from srl.broker import EmbeddedBroker
 from srl.errors import SrlError
 from srl.kafka import Consumer, Producer, create_topics, make_consumer
 from srl.topics import Layout, TopicSpec
@@ -258,7 +256,6 @@ def latency_figures(ready_ns: dict[str, int], last_ns: dict[str, int]) -> dict[s
 
 def run(
     cfg: StreamConfig,
-    external: bool,
     trajectories: int = 2000,
     mean_tokens: int = 600,
     chunk_tokens: int = 32,
@@ -267,7 +264,8 @@ def run(
     repeats: int = 1,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """All three phases; the best of ``repeats`` raw and codec runs (alternating) counts."""
+    """All three phases on ``cfg``'s broker; the best of ``repeats`` raw and codec runs
+    (alternating) counts."""
     spec = {
         "n": trajectories,
         "mean_tokens": mean_tokens,
@@ -276,17 +274,13 @@ def run(
         "seed": seed,
         "rate": 0,
     }
-    with contextlib.ExitStack() as stack:
-        if not external:
-            b = stack.enter_context(EmbeddedBroker())
-            cfg = cfg.model_copy(update={"bootstrap_servers": b.bootstrap})
-        raws, codecs = [], []
-        for _ in range(repeats):
-            raws.append(run_phase(cfg, spec | {"mode": "raw"}))
-            codecs.append(run_phase(cfg, spec | {"mode": "codec"}))
-        raw = max(raws, key=lambda r: r["tokens_per_s"])
-        codec = max(codecs, key=lambda r: r["tokens_per_s"])
-        paced = run_phase(cfg, spec | {"mode": "codec", "rate": int(codec["tokens_per_s"] * pace)})
+    raws, codecs = [], []
+    for _ in range(repeats):
+        raws.append(run_phase(cfg, spec | {"mode": "raw"}))
+        codecs.append(run_phase(cfg, spec | {"mode": "codec"}))
+    raw = max(raws, key=lambda r: r["tokens_per_s"])
+    codec = max(codecs, key=lambda r: r["tokens_per_s"])
+    paced = run_phase(cfg, spec | {"mode": "codec", "rate": int(codec["tokens_per_s"] * pace)})
     return {
         "tokens_per_s": codec["tokens_per_s"],
         "trajectories_per_s": codec["trajectories_per_s"],

@@ -2,11 +2,12 @@
 
 Owns the pipeline figures of docs/benchmarks.md. What is real and what is simulated:
 
-* real: the embedded broker, the codec, the dispatcher (``producers.dispatcher``: release by
-  trainer step, ordering), generator workers (``producers.worker``: intake, admission,
-  chunking, weights following and swapping), the trainer loop (``consumers.trainer``:
-  assembly, groups, steps, staleness gate, dynamic batches, weights publication through the
-  object store and the weights topic, checkpoints, metric events);
+* real: the broker (each ``--broker``: ``app.bench.brokers``), the codec, the dispatcher
+  (``producers.dispatcher``: release by trainer step, ordering), generator workers
+  (``producers.worker``: intake, admission, chunking, weights following and swapping), the
+  trainer loop (``consumers.trainer``: assembly, groups, steps, staleness gate, dynamic
+  batches, weights publication through the object store and the weights topic, checkpoints,
+  metric events);
 * simulated: the generation engine (``producers.engines.sim``: each decode step sleeps
   ``PTL(BS) = 8.1 + 0.056·BS`` ms, WORKLOAD.md) and the trainer's compute (:class:`SimTrainEngine`
   sleeps ``F·P / (peak·MFU)`` seconds per completion token per device), both divided by the
@@ -53,7 +54,6 @@ from producers.dispatcher import run_dispatcher
 from producers.engines.sim import SimEngine
 from producers.sources import make_predictor
 from producers.worker import run_generator
-from srl.broker import EmbeddedBroker
 from srl.errors import SrlError
 from srl.kafka import create_topics
 from srl.stores import store_from_config
@@ -459,9 +459,10 @@ def ratio(a: float, b: float | None) -> float | None:
 
 
 def run(
-    w: Workload, external: str | None = None, progress: Any = None, modes: tuple[str, ...] = MODES
+    w: Workload, bootstrap: str, progress: Any = None, modes: tuple[str, ...] = MODES
 ) -> dict[str, Any]:
-    """The ``modes`` on one broker; ratios against ``colocated`` and ``sync`` of the same run."""
+    """The ``modes`` on the broker at ``bootstrap``; ratios against ``colocated`` and ``sync``
+    of the same run."""
 
     hist = LengthHistogram.from_file(w.lengths, w.scale)
     # the model's steps: per-prompt lengths as the sim task draws them (the same histogram)
@@ -480,10 +481,6 @@ def run(
             num_key_value_heads=1,
         )
         model_dir = build_tiny_model(work / "model", spec, seed=0)
-        if external is None:
-            bootstrap = stack.enter_context(EmbeddedBroker()).bootstrap
-        else:
-            bootstrap = external
         for mode in modes:
             if progress is not None:
                 progress(mode, splits[mode])
@@ -502,38 +499,46 @@ def run(
     return out
 
 
-def plot(r: dict[str, Any], path: str) -> None:
-    """Bars of trained tokens/s per mode with the bound of its split, labelled simulated."""
+def plot(res: dict[str, dict[str, Any]], path: str) -> None:
+    """Bars of trained tokens/s per mode with the bound of its split, a panel per broker,
+    labelled simulated."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = list(r["modes"])
-    rate = [r["modes"][m]["trained_tokens_per_s"] for m in modes]
-    bound = [r["modes"][m]["bound_tokens_per_s"] or 0.0 for m in modes]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    x = np.arange(len(modes))
-    ax.bar(x - 0.2, rate, 0.4, label="achieved")
-    ax.bar(x + 0.2, bound, 0.4, label="bound of its split", alpha=0.5)
-    for i, m in enumerate(modes):
-        mm = r["modes"][m]
-        ax.text(
-            i - 0.2,
-            rate[i],
-            f"x{mm['tokens_ratio_vs_colocated']} coloc.\n"
-            f"{mm['dropped_token_fraction']:.0%} dropped",
-            ha="center",
-            va="bottom",
-            fontsize=8,
-        )
-    ax.set_xticks(x, modes)
-    ax.set_ylim(0, max(rate + bound) * 1.25)  # room for the labels above the bars
-    ax.set_ylabel("trained tokens / s (simulated time)")
-    ax.set_title(
-        f"srl bench pipeline — SIMULATED engine and trainer (time /{r['time_compression']:g})"
+    fig, axes = plt.subplots(1, len(res), figsize=(8 * len(res), 4.2), squeeze=False)
+    top = max(
+        max(m["trained_tokens_per_s"], m["bound_tokens_per_s"] or 0.0)
+        for r in res.values()
+        for m in r["modes"].values()
     )
-    ax.legend()
+    for ax, (engine, r) in zip(axes[0], res.items(), strict=True):
+        modes = list(r["modes"])
+        rate = [r["modes"][m]["trained_tokens_per_s"] for m in modes]
+        bound = [r["modes"][m]["bound_tokens_per_s"] or 0.0 for m in modes]
+        x = np.arange(len(modes))
+        ax.bar(x - 0.2, rate, 0.4, label="achieved")
+        ax.bar(x + 0.2, bound, 0.4, label="bound of its split", alpha=0.5)
+        for i, m in enumerate(modes):
+            mm = r["modes"][m]
+            ax.text(
+                i - 0.2,
+                rate[i],
+                f"x{mm['tokens_ratio_vs_colocated']} coloc.\n"
+                f"{mm['fraction_of_bound']:.0%} of bound\n"
+                f"{mm['dropped_token_fraction']:.0%} dropped",
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
+        ax.set_xticks(x, modes)
+        ax.set_ylim(0, top * 1.35)  # room for the labels above the bars
+        ax.set_ylabel("trained tokens / s (simulated time)")
+        ax.set_title(
+            f"{engine} broker — SIMULATED engine and trainer (time /{r['time_compression']:g})"
+        )
+        ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

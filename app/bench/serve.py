@@ -1,7 +1,8 @@
 """``srl bench serve``: what publishing served completions to Kafka costs ``srl serve``.
 
-Owns the serving figures of docs/serving.md and docs/benchmarks.md. One broker (embedded
-unless ``--bootstrap``), the same engine settings and the same prompts for both modes:
+Owns the serving figures of docs/serving.md and docs/benchmarks.md. One broker per run (the
+CLI runs it on each ``--broker``, ``app.bench.brokers``), the same engine settings and the
+same prompts for both modes:
 
 * ``publish_off``: ``srl serve --no-publish`` as a child process;
 * ``publish_on``: ``srl serve`` publishing every choice, chunk by chunk, to the trajectories
@@ -49,7 +50,7 @@ from typing import Any
 
 from app.bench.serveload import Load, fixed_rate, saturation, warm_up
 from app.configs import ServeBenchConfig
-from srl.broker import EmbeddedBroker, free_port
+from srl.broker import free_port
 from srl.errors import SrlError
 from srl.kafka import create_topics
 
@@ -233,16 +234,13 @@ def _order(r: int) -> tuple[str, ...]:
     return MODES if r % 2 == 0 else MODES[::-1]
 
 
-def run(cfg: ServeBenchConfig, external: bool, plan: Plan) -> dict[str, Any]:
+def run(cfg: ServeBenchConfig, plan: Plan) -> dict[str, Any]:
     """Every saturation phase, then every fixed-rate phase at half the best publish-off
-    saturated rate; modes alternate; combined figures and overheads."""
+    saturated rate, on ``cfg``'s broker; modes alternate; combined figures and overheads."""
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         m: {"saturation": [], "rate": []} for m in MODES
     }
     with contextlib.ExitStack() as stack:
-        if not external:
-            broker = stack.enter_context(EmbeddedBroker())
-            cfg = cfg.model_copy(update={"bootstrap_servers": broker.bootstrap})
         prefix = f"{cfg.topic_prefix}.benchserve{uuid.uuid4().hex[:6]}"
         store = f"file://{stack.enter_context(tempfile.TemporaryDirectory())}"
         cfg = cfg.model_copy(update={"topic_prefix": prefix})
@@ -272,9 +270,10 @@ def run(cfg: ServeBenchConfig, external: bool, plan: Plan) -> dict[str, Any]:
     }
 
 
-def text_report(r: dict[str, Any]) -> str:
-    """The human-readable lines of ``srl bench serve`` (without --json)."""
-    lines = [("SIMULATED " if r["simulated"] else "") + f"srl serve, engine {r['engine']}:"]
+def text_report(r: dict[str, Any], broker: str = "") -> str:
+    """The human-readable lines of ``srl bench serve`` (without --json) on one broker."""
+    on = f" on the {broker} broker" if broker else ""
+    lines = [("SIMULATED " if r["simulated"] else "") + f"srl serve, engine {r['engine']}{on}:"]
     for mode in MODES:
         s, p = r[mode]["saturation"], r[mode]["rate"]
         lines.append(

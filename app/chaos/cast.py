@@ -11,9 +11,12 @@ network namespace (``ip netns exec``, which execs, so the pid is the role's). Wh
 * a role a fault holds down (killed, or stopped) is left alone until the fault restarts it;
 * ``stop`` sends SIGTERM to everything still running, waits, then SIGKILLs what is left.
 
-:class:`Broker` is the embedded broker as a killable process: ``srl.broker.start`` on a fixed
-port and data directory, SIGKILL by pid, and a restart on the same port and data. Used by
-``app.chaos.stage`` and the injectors of ``app.chaos.faults``.
+:class:`EmbeddedBroker` is the embedded broker as a killable process: ``srl.broker.start`` on
+a fixed port and data directory, SIGKILL by pid, and a restart on the same port and data.
+:class:`KafkaBroker` is the same for Apache Kafka nodes (``srl.broker.apache.KafkaCluster``,
+one or three): all of them SIGKILLed and restarted for ``broker-restart``, and one node at a
+time for the cluster's own faults (``app.chaos.kafkafaults``). Both are a :class:`Broker`.
+Used by ``app.chaos.run`` and the injectors of ``app.chaos.faults``.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
-from srl.broker import embedded
+from srl.broker import apache, embedded
 
 log = logging.getLogger("app.chaos")
 
@@ -196,8 +200,33 @@ class Cast:
             return {p.name: len(p.crashes) for p in self.procs.values() if p.crashes}
 
 
-class Broker:
+class Broker(Protocol):
+    """The suite's broker: where it listens, and a SIGKILL of all of it and a restart."""
+
+    name: str  # "embedded", or "kafka" with its node count
+    data_dir: Path
+
+    @property
+    def bootstrap(self) -> str: ...
+
+    @property
+    def ports(self) -> list[int]: ...  # every port a client connects to (the netns relays)
+
+    def start(self) -> None: ...  # start what is not running, on its ports and data
+
+    def kill(self) -> None: ...  # SIGKILL all of it
+
+    def stop(self) -> None: ...
+
+    def pids(self) -> list[int]: ...  # its processes now
+
+    def data_dirs(self) -> list[Path]: ...  # where it keeps its records
+
+
+class EmbeddedBroker:
     """The embedded broker as a process the suite may SIGKILL and restart (same port, data)."""
+
+    name = "embedded"
 
     def __init__(self, data_dir: Path, port: int | None = None) -> None:
         self.data_dir = data_dir
@@ -208,8 +237,13 @@ class Broker:
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def ports(self) -> list[int]:
+        return [self.port]
+
     def start(self) -> None:
-        self.pid = embedded.start(self.port, self.data_dir).pid
+        if self.pid is None:
+            self.pid = embedded.start(self.port, self.data_dir).pid
 
     def kill(self) -> None:
         """SIGKILL by pid, then reap it (it is our child) and forget its state file."""
@@ -225,3 +259,44 @@ class Broker:
     def stop(self) -> None:
         embedded.stop(self.data_dir)
         self.pid = None
+
+    def pids(self) -> list[int]:
+        return [] if self.pid is None else [self.pid]
+
+    def data_dirs(self) -> list[Path]:
+        return [self.data_dir / "data"]
+
+
+class KafkaBroker:
+    """Apache Kafka nodes (KRaft, each a broker and a controller) in ``data_dir``."""
+
+    def __init__(self, data_dir: Path, nodes: int) -> None:
+        self.cluster = apache.KafkaCluster(data_dir, nodes=nodes)
+        self.data_dir = data_dir
+        self.name = f"kafka ({nodes} node{'s' if nodes > 1 else ''})"
+
+    @property
+    def bootstrap(self) -> str:
+        return self.cluster.bootstrap
+
+    @property
+    def ports(self) -> list[int]:
+        return [n.port for n in self.cluster.nodes]
+
+    def start(self) -> None:
+        self.cluster.start()
+
+    def kill(self) -> None:
+        for n in self.cluster.nodes:
+            self.cluster.kill(n.node_id)  # SIGKILL, and wait until it is gone
+
+    def stop(self) -> None:
+        for n in self.cluster.nodes:  # a node a fault left stopped would not take SIGTERM
+            self.cluster.signal(n.node_id, signal.SIGCONT)
+        self.cluster.stop()
+
+    def pids(self) -> list[int]:
+        return [n.pid for n in self.cluster.nodes if n.pid is not None and self.cluster.running(n)]
+
+    def data_dirs(self) -> list[Path]:
+        return [apache.node_dir(self.data_dir, n.node_id) / "data" for n in self.cluster.nodes]

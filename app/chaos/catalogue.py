@@ -3,7 +3,8 @@
 Owns :data:`CATALOGUE` (one :class:`Fault` per name of ``app.chaos.config.FAULTS``, checked at
 import) and :func:`mixed_faults`, the seeded choice of faults injected together in the mixed
 run (at most one per role, so that two faults never fight over one process). The injectors
-and checks are ``app.chaos.faults``'s and ``app.chaos.storefaults``'s.
+and checks are ``app.chaos.faults``'s, ``app.chaos.storefaults``'s and (the cluster's)
+``app.chaos.kafkafaults``'s.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.chaos import faults as f
+from app.chaos import kafkafaults as k
 from app.chaos import storefaults as s
 from app.chaos.config import FAULTS
 
@@ -25,7 +27,9 @@ class Fault:
     inject: Callable[[f.Scene, f.Injection], None]
     check: Callable[[f.Scene, f.Injection], float | None]
     role: str  # the part of the system it hits; the mixed run takes at most one per role
-    needs: str | None = None  # "netns" (the generators' namespace) or "disk" (a tmpfs store)
+    # "netns" (the generators' namespace), "disk" (a tmpfs store) or "cluster" (three Apache
+    # Kafka nodes)
+    needs: str | None = None
 
 
 CATALOGUE: dict[str, Fault] = {
@@ -45,6 +49,10 @@ CATALOGUE: dict[str, Fault] = {
         Fault("weights-delete", s.spoil_weights(True), s.refused_then_newer, "store"),
         Fault("store-disk-full", s.fill_store, s.published_again, "store", "disk"),
         Fault("poison", s.write_poison, s.poison_handled, "topics"),
+        Fault("kafka-leader-kill", k.kill_leader, f.inflight_done, "broker", "cluster"),
+        Fault("kafka-node-freeze", k.freeze_node, f.inflight_done, "broker", "cluster"),
+        Fault("kafka-rolling-restart", k.rolling_restart, f.inflight_done, "broker", "cluster"),
+        Fault("kafka-controller-kill", k.kill_controller, f.inflight_done, "broker", "cluster"),
     )
 }
 assert tuple(CATALOGUE) == FAULTS, "app.chaos.config.FAULTS and the catalogue disagree"

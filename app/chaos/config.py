@@ -2,13 +2,14 @@
 
 Owns :class:`ChaosConfig` (the ``[chaos]`` table of a config file, ``SRL_*`` variables, the
 command's options) and :data:`FAULTS`, the names of the faults the suite knows, in the order
-the full schedule injects them. The suite always starts its own embedded broker (it kills and
-restarts it), so it reads no Kafka settings. Used by ``app.chaos.run`` and the CLI.
+the full schedule injects them. The suite always starts its own broker (it kills and restarts
+it): the embedded one, or Apache Kafka nodes (``broker``, ``nodes``), so it reads no Kafka
+settings. Used by ``app.chaos.run`` and the CLI.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -29,14 +30,34 @@ FAULTS: tuple[str, ...] = (
     "weights-delete",
     "store-disk-full",
     "poison",
+    "kafka-leader-kill",
+    "kafka-node-freeze",
+    "kafka-rolling-restart",
+    "kafka-controller-kill",
 )
 
 
 class ChaosConfig(Settings):
-    """``srl chaos``: a real pipeline on the embedded broker, faults injected on a seeded
+    """``srl chaos``: a real pipeline on a broker of its own, faults injected on a seeded
     schedule, an audit from the topics after each run."""
 
     section: ClassVar[str] = "chaos"
+
+    broker: Literal["embedded", "kafka"] = Field(
+        "embedded",
+        description=(
+            "The broker the suite starts: the embedded one, or Apache Kafka nodes (KRaft, "
+            "srl broker start --engine kafka)."
+        ),
+    )
+    nodes: int = Field(
+        3,
+        ge=1,
+        le=3,
+        description=(
+            "With --broker kafka: how many nodes; the kafka-* faults need 3 (one may be down)."
+        ),
+    )
 
     out: str = Field("runs/chaos", description="Directory for logs, stores, results and plots.")
     seed: int = Field(0, description="Seed of the schedule: fault times, targets, mixes.")
@@ -97,6 +118,8 @@ class ChaosConfig(Settings):
 
     @model_validator(mode="after")
     def _known(self) -> ChaosConfig:
+        if self.nodes == 2:
+            raise ConfigError("chaos: nodes is 1 or 3 (a KRaft quorum of two has no majority)")
         if 0 < self.soak_retention_s < 10:
             raise ConfigError("chaos: soak_retention_s must be 0 (none) or at least 10")
         unknown = [f for f in self.faults if f not in FAULTS]

@@ -16,8 +16,11 @@ returns the time the role had recovered, or None while it has not: ``recovered_s
 * the trainer SIGKILLed mid-step or mid-checkpoint (restarted after 1 s): it completes a step;
 * the dispatcher SIGKILLed: a step it released after its restart is trained;
 * the online ranker SIGKILLed: it publishes a version again;
-* the broker SIGKILLed and restarted on its port and data: every generator reports again and
-  a step released after the restart is trained.
+* the broker (every node of an Apache Kafka cluster at once) SIGKILLed and restarted on its
+  ports and data: every generator reports again and a step released after the restart is
+  trained.
+
+The faults of one node of an Apache Kafka cluster are ``app.chaos.kafkafaults``'s.
 
 Injectors never wait longer than the run allows (``Scene.halt``), and only signal processes
 of the run's :class:`~app.chaos.cast.Cast` or its broker, by pid.
@@ -87,11 +90,11 @@ class Injection:
 
 
 # -- generators ---------------------------------------------------------------------------
-def _worker(name: str) -> str:
+def worker_id(name: str) -> str:
     return name.removeprefix("gen-")
 
 
-def _begin(sc: Scene, inj: Injection, workers: list[str]) -> None:
+def begin_inflight(sc: Scene, inj: Injection, workers: list[str]) -> None:
     """Wait (bounded) until one of ``workers`` has a trajectory in flight, so that the fault
     catches work that must be resumed; note what was in flight and stamp the start."""
 
@@ -106,7 +109,7 @@ def _begin(sc: Scene, inj: Injection, workers: list[str]) -> None:
 
 def kill_generator(sc: Scene, inj: Injection) -> None:
     inj.target = sc.rng.choice(sc.stage.generators)
-    _begin(sc, inj, [_worker(inj.target)])
+    begin_inflight(sc, inj, [worker_id(inj.target)])
     sc.cast.kill(inj.target)
     sc.sleep(RESTART_DELAY_S)
     sc.cast.restart(inj.target)
@@ -115,7 +118,7 @@ def kill_generator(sc: Scene, inj: Injection) -> None:
 
 def stop_generator(sc: Scene, inj: Injection) -> None:
     inj.target = sc.rng.choice(sc.stage.generators)
-    _begin(sc, inj, [_worker(inj.target)])
+    begin_inflight(sc, inj, [worker_id(inj.target)])
     sc.cast.signal(inj.target, signal.SIGSTOP)
     sc.sleep(sc.cfg.stop_s)
     sc.cast.signal(inj.target, signal.SIGCONT)
@@ -129,7 +132,7 @@ def partition(sc: Scene, inj: Injection) -> None:
     if sc.netns is None:
         inj.skipped = "no network namespace for the generators"
         return
-    _begin(sc, inj, [_worker(g) for g in sc.stage.generators])
+    begin_inflight(sc, inj, [worker_id(g) for g in sc.stage.generators])
     sc.netns.partition()
     try:
         sc.sleep(sc.cfg.partition_s)
@@ -277,14 +280,16 @@ def restart_broker(sc: Scene, inj: Injection) -> None:
     sc.broker.start()
     sc.watch.broker_restarted(inj.start)
     inj.end = time.time()
-    inj.note = f"broker down {inj.end - inj.start:.1f} s (SIGKILL, restart on its port and data)"
+    inj.note = (
+        f"{sc.broker.name} down {inj.end - inj.start:.1f} s (SIGKILL, restart on its port and data)"
+    )
 
 
 def all_back(sc: Scene, inj: Injection) -> float | None:
     """Every generator reported again and a step released after the restart was trained."""
     with sc.watch.lock:
         stats = sc.watch.seen.gen_stats
-        times = [stats.get(_worker(g), 0.0) for g in sc.stage.generators]
+        times = [stats.get(worker_id(g), 0.0) for g in sc.stage.generators]
     step = new_step_trained(sc, inj)
     if step is None or min(times) <= inj.end:
         return None

@@ -1,7 +1,7 @@
 """The generators' network namespace, and the two kernel-level faults of the suite's runs.
 
-:class:`GenNamespace`: a network namespace with only its loopback, joined to the broker by
-the relay (``app.chaos.relay``). Processes started with :meth:`GenNamespace.prefix` reach
+:class:`GenNamespace`: a network namespace with only its loopback, joined to the broker's
+ports by the relay (``app.chaos.relay``). Processes started with :meth:`GenNamespace.prefix` reach
 Kafka only through it. :meth:`partition` makes the namespace's loopback drop every packet (a
 token-bucket qdisc whose bucket is smaller than any TCP segment: neither data, ACKs nor SYNs
 pass), so connections see silence, not resets, as across a real partition; :meth:`heal`
@@ -39,8 +39,8 @@ def _sh(*args: str) -> None:
 class GenNamespace:
     """See the module docstring. ``up`` before use, ``down`` always."""
 
-    def __init__(self, port: int, log_path: Path) -> None:
-        self.port, self.log_path = port, log_path
+    def __init__(self, ports: list[int], log_path: Path) -> None:
+        self.ports, self.log_path = ports, log_path
         self.name = f"srl-chaos-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.relay: subprocess.Popen[bytes] | None = None
         self.partitioned = False
@@ -51,7 +51,7 @@ class GenNamespace:
             return "network namespaces need root"
         if shutil.which("ip") is None or shutil.which("tc") is None:
             return "iproute2 (ip, tc) is not installed"
-        probe = GenNamespace(0, Path(os.devnull))
+        probe = GenNamespace([], Path(os.devnull))
         try:
             _sh("ip", "netns", "add", probe.name)
             probe.partition()
@@ -69,7 +69,7 @@ class GenNamespace:
             argv = [sys.executable, "-m", "app.chaos.relay", "--netns", self.name]
             with self.log_path.open("ab") as log:
                 self.relay = subprocess.Popen(
-                    [*argv, "--port", str(self.port)],
+                    [*argv, *(a for p in self.ports for a in ("--port", str(p)))],
                     stdout=subprocess.PIPE,
                     stderr=log,
                     start_new_session=True,

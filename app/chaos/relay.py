@@ -1,7 +1,9 @@
-"""``python -m app.chaos.relay --netns NAME --port PORT``: the generators' only way to the broker.
+"""``python -m app.chaos.relay --netns NAME --port PORT [--port PORT …]``: the generators' only
+way to the broker.
 
 Listens on 127.0.0.1:PORT *inside* network namespace NAME and relays each connection to
-127.0.0.1:PORT outside it, where the embedded broker listens. The broker advertises
+127.0.0.1:PORT outside it, where the broker listens; one such port per broker node (the
+embedded broker has one, three Apache Kafka nodes three). Each node advertises
 127.0.0.1:PORT, which inside the namespace is this relay, so every Kafka connection of a
 process in the namespace passes through it, and a partition of the namespace's loopback
 (``app.chaos.netns``) cuts them all. The listening socket is made after ``setns(2)`` into the
@@ -72,13 +74,19 @@ def _serve(client: socket.socket, port: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--netns", required=True)
-    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--port", type=int, action="append", required=True)
     args = ap.parse_args()
-    server = listen_in(args.netns, args.port)
+    servers = [(listen_in(args.netns, port), port) for port in args.port]
+    for server, port in servers[1:]:
+        threading.Thread(target=_accept, args=(server, port), daemon=True).start()
     print("ready", flush=True)
+    _accept(*servers[0])
+
+
+def _accept(server: socket.socket, port: int) -> None:
     while True:
         client, _ = server.accept()
-        threading.Thread(target=_serve, args=(client, args.port), daemon=True).start()
+        threading.Thread(target=_serve, args=(client, port), daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """``srl chaos``: runs of the real pipeline, each with its faults, and a row per fault.
 
 Owns the suite's order. Once: the tiny model (``srl.tinymodel``, the demo's architecture),
-the sim lengths file, the embedded broker (``app.chaos.cast.Broker``, killable), and whether
-this machine can make network namespaces and tmpfs mounts. Then per run, for each fault of
-the schedule alone and (``mixed``) once for several faults together:
+the sim lengths file, the broker (``app.chaos.cast``: the embedded one, or one or three
+Apache Kafka nodes; killable), whether this machine can make network namespaces and tmpfs
+mounts, and whether the cluster faults have their three nodes. Then per run, for each fault
+of the schedule alone and (``mixed``) once for several faults together:
 
-1. a fresh :class:`~app.chaos.stage.Stage` (topics, store, config file), the generators'
-   namespace and the tmpfs store when a fault needs them, the roles (``app.chaos.cast``),
+1. every broker node up (a fault of the run before may have left one down), a fresh
+   :class:`~app.chaos.stage.Stage` (topics, store, config file), the generators' namespace
+   and the tmpfs store when a fault needs them, the roles (``app.chaos.cast``),
    a supervisor thread (crashed roles come back) and the topic watch (``app.chaos.watch``);
 2. warm-up: ``warmup_steps`` optimizer steps;
 3. the faults, each on its own thread at its seeded offset; as each is lifted, its check is
@@ -34,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from app.chaos.audit import Audit, Recorded, audit_run
-from app.chaos.cast import Broker, Cast, Proc
+from app.chaos.cast import Broker, Cast, EmbeddedBroker, KafkaBroker, Proc
 from app.chaos.catalogue import CATALOGUE, mixed_faults
 from app.chaos.config import FAULTS, ChaosConfig
 from app.chaos.faults import Injection, Scene
@@ -87,11 +89,13 @@ class Suite:
             build_tiny_model(model, TinyModelSpec(), seed=0)
         self.model_dir, self.lengths = model, write_lengths(self.out / "lengths.csv")
         shutil.rmtree(self.out / "broker", ignore_errors=True)
-        self.broker = Broker(self.out / "broker")
+        self.broker = new_broker(self.cfg, self.out / "broker")
         self.broker.start()
+        three = isinstance(self.broker, KafkaBroker) and self.cfg.nodes >= 3
         self.unavailable = {
             "netns": GenNamespace.unavailable(),
             "disk": FullDisk.unavailable(self.out),
+            "cluster": None if three else "needs three Apache Kafka nodes (--broker kafka)",
         }
         try:
             yield self.broker
@@ -111,7 +115,8 @@ class Suite:
                 names = mixed_faults(self.rng, self.available())
                 rows += self.run_faults("mixed", self.offsets(names))
         load.append(round(os.getloadavg()[0], 2))
-        return result(self.cfg.max_staleness, rows, {"seed": self.cfg.seed, "load1": load})
+        meta = {"seed": self.cfg.seed, "broker": self.broker.name, "load1": load}
+        return result(self.cfg.max_staleness, rows, meta)
 
     def offsets(self, names: Iterable[str]) -> list[tuple[str, float]]:
         """``names`` at seeded offsets within ``MIX_WINDOW_S`` of the warm-up's end."""
@@ -155,10 +160,11 @@ class Suite:
         work = self.out / "runs" / run
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
+        self.broker.start()  # what a fault of the run before left down comes back first
         with contextlib.ExitStack() as stack:
             netns = disk = None
             if "netns" in needs:
-                netns = GenNamespace(self.broker.port, work / "logs" / "relay.log").up()
+                netns = GenNamespace(self.broker.ports, work / "logs" / "relay.log").up()
                 stack.callback(netns.down)
             if "disk" in needs:
                 disk = FullDisk(work / "store", STORE_MB).mount()
@@ -252,6 +258,12 @@ def make_row(
         inj.skipped,
         detail,
     )
+
+
+def new_broker(cfg: ChaosConfig, data_dir: Path) -> Broker:
+    if cfg.broker == "kafka":
+        return KafkaBroker(data_dir, cfg.nodes)
+    return EmbeddedBroker(data_dir)
 
 
 class ChaosError(SrlError):

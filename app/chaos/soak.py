@@ -71,13 +71,13 @@ def newest_checkpoint_mb(sc: Scene) -> float | None:
 def sample(sc: Scene, t0: float) -> dict[str, Any]:
     with sc.cast.lock:
         rss = {name: rss_mb(p.pid if p.alive() else None) for name, p in sc.cast.procs.items()}
-    rss["broker"] = rss_mb(sc.broker.pid)
+    rss["broker"] = sum(rss_mb(p) or 0.0 for p in sc.broker.pids()) or None
     return {
         "t_s": round(time.monotonic() - t0, 1),
         "step": sc.watch.last_step(),
         "rss_mb": {k: round(v, 1) for k, v in rss.items() if v is not None},
         "checkpoint_mb": _round(newest_checkpoint_mb(sc)),
-        "broker_data_mb": _round(tree_mb(sc.broker.data_dir / "data")),
+        "broker_data_mb": _round(sum(tree_mb(d) for d in sc.broker.data_dirs())),
         "store_mb": _round(tree_mb(sc.stage.store_dir)),
         "load1": round(os.getloadavg()[0], 2),
     }

@@ -456,13 +456,15 @@ def demo(cfg: DemoConfig, as_json: bool) -> None:
     "broker sizes sampled, plotted and written to OUT/soak.{json,csv,png}.",
 )
 def chaos(cfg: ChaosConfig, as_json: bool, soak: float | None) -> None:
-    """Fault injection: a real pipeline on the embedded broker, faults on a seeded schedule.
+    """Fault injection: a real pipeline on a broker of its own, faults on a seeded schedule.
 
     Runs the demo's pipeline (sim engine generators in two pools, the real trainer on the tiny
     model, the dispatcher, the online ranker) once per fault, then once with several at once:
     SIGKILL, SIGSTOP and a network partition of generators, SIGKILL of the trainer mid-step and
     mid-checkpoint, of the dispatcher and of the ranker, a broker restart, weights corrupted or
-    deleted after publishing, a full object store, poison records on every input topic. Each
+    deleted after publishing, a full object store, poison records on every input topic; with
+    --broker kafka --nodes 3 also the partition leader SIGKILLed, a node frozen, a rolling
+    restart and the active controller SIGKILLed. Each
     run ends in an audit from the topics; one row per fault: seconds to recover, samples lost,
     trained twice, the highest staleness. Exit 1 when a row fails. See docs/reliability.md.
     """

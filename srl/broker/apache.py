@@ -572,6 +572,21 @@ class KafkaCluster:
                 kill([n.pid], _marker(self.data_dir, n.node_id), grace_s)
         return was
 
+    def active_controller(self, timeout_s: float = 60.0) -> int | None:
+        """The node id of the KRaft quorum's leader (the active controller), asked of the
+        controllers with ``kafka-metadata-quorum``; None if none answered."""
+        quorum = ",".join(f"127.0.0.1:{n.controller_port}" for n in self.nodes)
+        args = ["--bootstrap-controller", quorum, "describe", "--status"]
+        try:
+            out = run_tool("kafka-metadata-quorum", args, self.kafka_home, timeout_s)
+        except SrlError:
+            return None
+        for line in out.stdout.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "LeaderId" and value.strip().lstrip("-").isdigit():
+                return int(value) if int(value) >= 0 else None
+        return None
+
     def status(self) -> dict[str, Any]:
         nodes = []
         for n in self.nodes:

@@ -310,3 +310,30 @@ def topic_config(cfg: KafkaSettings, topic: str) -> dict[str, str]:
     res = client.describe_configs([ConfigResource("topic", topic)])
     entries = next(iter(res.values())).result(timeout=cfg.connect_timeout_s)
     return {name: str(entry.value) for name, entry in entries.items()}
+
+
+@dataclass
+class PartitionReplicas:
+    """Where one partition lives: its leader (-1: none), replicas and in-sync replicas."""
+
+    topic: str
+    partition: int
+    leader: int
+    replicas: list[int]
+    isrs: list[int]
+
+    @property
+    def under_replicated(self) -> bool:
+        return len(self.isrs) < len(self.replicas)
+
+
+def replicas(cfg: KafkaSettings, topic: str | None = None) -> list[PartitionReplicas]:
+    """The partitions of ``topic`` (of every topic when None) with their leaders and in-sync
+    replicas, from the cluster's metadata (what ``kafka-topics --describe`` shows)."""
+    client = admin(cfg)
+    md = client.list_topics(topic, timeout=cfg.connect_timeout_s)
+    return [
+        PartitionReplicas(name, p.id, p.leader, list(p.replicas), list(p.isrs))
+        for name, t in md.topics.items()
+        for p in t.partitions.values()
+    ]

@@ -15,6 +15,7 @@ thread-safe (as librdkafka's consumer): one thread per consumer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -25,7 +26,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from srl.config import KafkaSettings
-from srl.errors import SrlError
+from srl.errors import ConsumerFailed, SrlError
 from srl.kafka.callbacks import callback
 from srl.kafka.quiet import Quiet, key
 from srl.kafka.settings import (
@@ -37,6 +38,37 @@ from srl.kafka.settings import (
 )
 
 log = logging.getLogger("srl.kafka")
+
+# A partition whose leader is moving (a topic just created, a node of a cluster lost) refuses
+# offsets requests for a moment: Apache Kafka answers NOT_LEADER_OR_FOLLOWER until the new
+# leader has taken it, and a request to a dead leader times out; librdkafka reports the
+# error instead of retrying.
+MOVING_LEADER = (
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+    KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError._UNKNOWN_PARTITION,
+    KafkaError._TIMED_OUT,
+    KafkaError._TRANSPORT,
+    KafkaError._DESTROY_BROKER,  # the dead leader's connection, removed by a refresh
+)
+LEADER_ASK_S = 2.0  # one offsets request waits this long before the leader is looked up again
+
+
+def _alive(msg: Any) -> Any:
+    """``msg``, unless it is a fatal error event: then this member is fenced for good (a
+    static member whose coordinator moved, docs/broker.md) and its owner starts over."""
+    err = msg.error() if msg is not None else None
+    if err is not None and (err.fatal() or err.code() == KafkaError._FATAL):
+        raise ConsumerFailed(f"the Kafka consumer failed for good: {err.str()}")
+    return msg
+
+
+def leader_moving(e: KafkaException) -> bool:
+    """Whether ``e`` says the partition's leader is moving (worth asking again)."""
+    err = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
+    return err is not None and (err.code() in MOVING_LEADER or err.retriable())
+
 
 Rebalance = Callable[["Consumer", list[TopicPartition]], None]
 QUIET_PROBE_S = 0.02  # a group member's probe of the partitions it has read to their end
@@ -144,18 +176,21 @@ class Consumer:
 
     # -- records --------------------------------------------------------------------------------
     def poll(self, timeout: float = -1) -> Message | None:
+        """The next record or error event, or None after ``timeout``; a fatal error (this
+        member is fenced for good) raises ``ConsumerFailed``."""
         if self._quiet is None:
-            return self._c.poll(timeout)
+            return _alive(self._c.poll(timeout))
         out = self._quietly(lambda t: [m] if (m := self._c.poll(t)) is not None else [], timeout)
-        return out[0] if out else None
+        return _alive(out[0]) if out else None
 
     def consume(self, num_messages: int = 1, timeout: float = -1) -> list[Message]:
         """Up to ``num_messages`` records within ``timeout`` (quiet: returns with the first
-        probe interval that brought any)."""
+        probe interval that brought any); a fatal error raises ``ConsumerFailed``."""
         if self._quiet is None:
-            return list(self._c.consume(num_messages=num_messages, timeout=timeout))
+            return [_alive(m) for m in self._c.consume(num_messages=num_messages, timeout=timeout)]
         n = num_messages
-        return self._quietly(lambda t: self._c.consume(num_messages=n, timeout=t), timeout)
+        out = self._quietly(lambda t: self._c.consume(num_messages=n, timeout=t), timeout)
+        return [_alive(m) for m in out]
 
     def _quietly(self, get: Callable[[float], list[Message]], timeout: float) -> list[Message]:
         """``get(t)`` in slices of the probe interval, probing between them (``Quiet``)."""
@@ -183,7 +218,7 @@ class Consumer:
             return []
         if max_messages <= 1:
             return [first]
-        rest = list(self._c.consume(max_messages - 1, 0))
+        rest = [_alive(m) for m in self._c.consume(max_messages - 1, 0)]
         if self._quiet is not None:
             self._quiet.saw(rest)
         return [first, *rest]
@@ -200,8 +235,27 @@ class Consumer:
     def get_watermark_offsets(
         self, partition: TopicPartition, timeout: float = 10.0, cached: bool = False
     ) -> tuple[int, int]:
-        low, high = self._c.get_watermark_offsets(partition, timeout=timeout, cached=cached)
-        return int(low), int(high)
+        """``(low, high)`` of ``partition``. Asked of its leader (``cached`` False), again
+        until ``timeout`` while the leader moves: a node of a cluster lost, a topic just
+        created. librdkafka neither retries these requests nor refreshes its metadata of a
+        topic this client does not consume, so it would ask the dead leader until its
+        metadata expires (minutes); each retry refreshes the topic's metadata first."""
+        if cached:
+            low, high = self._c.get_watermark_offsets(partition, cached=True)
+            return int(low), int(high)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                ask = max(0.1, min(left, LEADER_ASK_S))
+                low, high = self._c.get_watermark_offsets(partition, timeout=ask, cached=False)
+                return int(low), int(high)
+            except KafkaException as e:
+                if not leader_moving(e) or time.monotonic() >= deadline:
+                    raise
+            with contextlib.suppress(KafkaException):  # where the leader is now
+                self._c.list_topics(partition.topic, timeout=max(0.1, min(left, LEADER_ASK_S)))
+            time.sleep(0.1)
 
     def offsets_for_times(
         self, partitions: Sequence[TopicPartition], timeout: float = 10.0

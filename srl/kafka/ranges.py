@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 
-from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import Message, TopicPartition
 
 from srl.config import KafkaSettings
 from srl.errors import SrlError
@@ -97,25 +97,7 @@ def _bounds(
     return out
 
 
-# A partition whose leader is moving (a topic just created, a broker of a cluster lost) refuses
-# offsets requests for a moment: Apache Kafka answers NOT_LEADER_OR_FOLLOWER until the new
-# leader has taken the partition; librdkafka reports the error instead of retrying.
-MOVING_LEADER = (
-    KafkaError.NOT_LEADER_FOR_PARTITION,
-    KafkaError.LEADER_NOT_AVAILABLE,
-    KafkaError.UNKNOWN_TOPIC_OR_PART,
-)
-
-
 def watermarks_of(c: Consumer, tp: TopicPartition, deadline: float) -> tuple[int, int]:
-    """``(low, high)`` of ``tp``, asked again while its leader moves, until ``deadline``."""
-    while True:
-        left = max(0.1, deadline - time.monotonic())
-        try:
-            return c.get_watermark_offsets(tp, timeout=left)
-        except KafkaException as e:
-            err = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
-            moving = err is not None and (err.code() in MOVING_LEADER or err.retriable())
-            if not moving or time.monotonic() >= deadline:
-                raise
-            time.sleep(0.1)
+    """``(low, high)`` of ``tp`` by ``deadline``, asked again while its leader moves
+    (``Consumer.get_watermark_offsets``)."""
+    return c.get_watermark_offsets(tp, timeout=max(0.1, deadline - time.monotonic()))

@@ -11,7 +11,8 @@ import pytest
 from tests.e2e.test_cli import run
 
 
-def test_bench_dataplane_json(cli_env: dict[str, str]) -> None:
+def test_bench_dataplane_json_on_both_brokers() -> None:
+    """A fresh broker of each engine, one after the other, in one run: figures by broker."""
     out = run(
         "srl",
         "bench",
@@ -22,12 +23,31 @@ def test_bench_dataplane_json(cli_env: dict[str, str]) -> None:
         "64",
         "--batch",
         "8",
+        "--broker",
+        "embedded",
+        "--broker",
+        "kafka",
         "--json",
-        env=cli_env,
-        timeout=240,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    r = orjson.loads(out.stdout)
+    res = orjson.loads(out.stdout)
+    assert list(res) == ["embedded", "kafka"]
+    for r in res.values():
+        check_dataplane(r)
+
+
+def test_bench_dataplane_on_a_given_broker(cli_env: dict[str, str]) -> None:
+    """--bootstrap (here SRL_BOOTSTRAP_SERVERS): that broker only, keyed "external"."""
+    args = ("--trajectories", "20", "--mean-tokens", "32", "--batch", "4", "--json")
+    out = run("srl", "bench", "dataplane", *args, env=cli_env, timeout=240)
+    assert out.returncode == 0, out.stderr
+    res = orjson.loads(out.stdout)
+    assert list(res) == ["external"]
+    check_dataplane(res["external"], trajectories=20)
+
+
+def check_dataplane(r: dict, trajectories: int = 40) -> None:  # type: ignore[type-arg]
     for key in (
         "tokens_per_s",
         "trajectories_per_s",
@@ -42,7 +62,7 @@ def test_bench_dataplane_json(cli_env: dict[str, str]) -> None:
     # the three phases move the same trajectories, chunks, tokens and bytes
     for key in ("trajectories", "chunks", "tokens", "bytes"):
         assert raw[key] == codec[key] == paced[key], key
-    assert codec["trajectories"] == 40 and codec["tokens"] > 40
+    assert codec["trajectories"] == trajectories and codec["tokens"] > trajectories
     assert r["tokens_per_s"] == codec["tokens_per_s"]
     assert (
         abs(codec["tokens_per_s"] - codec["tokens"] / codec["wall_s"])
@@ -92,12 +112,16 @@ def test_bench_pipeline_json_on_another_histogram(cli_env: dict[str, str], tmp_p
         "3",
         "--compression",
         "20",
+        "--bootstrap",
+        cli_env["SRL_BOOTSTRAP_SERVERS"],
         "--json",
         env=cli_env,
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    r = orjson.loads(out.stdout)
+    res = orjson.loads(out.stdout)
+    assert list(res) == ["external"]  # the test's broker
+    r = res["external"]
     assert r["simulated"] is True and r["time_compression"] == 20
     assert set(r["modes"]) == {"colocated", "sync", "stream", "async", "async+skew"}
     fields = (

@@ -181,7 +181,7 @@ def test_bench_serve_json_shape(cli_env: dict[str, str]) -> None:
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    r = orjson.loads(out.stdout)
+    (r,) = orjson.loads(out.stdout).values()  # the test broker (SRL_BOOTSTRAP_SERVERS)
     assert r["simulated"] is True and "SIMULATED" in r["label"]
     for mode, chunks in (("publish_off", 0), ("publish_on", 1)):
         for phase in ("saturation", "rate"):

@@ -194,7 +194,7 @@ def test_partition_cuts_the_namespace_off_until_it_heals(bootstrap: str, tmp_pat
     if why is not None:
         pytest.skip(why)
     port = int(bootstrap.rsplit(":", 1)[1])
-    ns = GenNamespace(port, tmp_path / "relay.log").up()
+    ns = GenNamespace([port], tmp_path / "relay.log").up()
     try:
         assert _answers(ns, bootstrap)
         ns.partition()

@@ -4,6 +4,8 @@ replication factor 3, ``min.insync.replicas`` 2, producers ``acks=all``.
 * the topics srl creates get three replicas and the cluster's ``min.insync.replicas`` 2;
 * the leader of a partition SIGKILLed under a steady idempotent producer loses nothing it
   acknowledged, and nothing is written twice: a broker lost under load loses nothing;
+* a client that knew a partition's leader before it was SIGKILLed finds the new one: offsets
+  are answered while the old leader is still down (the generators' weights follower);
 * srl's data plane (``srl smoke``: chunks through the real codec and topics, consumed in a
   group, reassembled) runs on the cluster with only ``--bootstrap``.
 
@@ -22,7 +24,15 @@ from typing import Any
 import pytest
 
 from srl.broker.apache import KafkaCluster
-from srl.kafka import Producer, admin, create_topics, read_range, topic_config
+from srl.kafka import (
+    Producer,
+    TopicPartition,
+    admin,
+    create_topics,
+    read_range,
+    reader,
+    topic_config,
+)
 from srl.topics import Layout, TopicSpec
 from tests.conftest import bin_path
 
@@ -105,6 +115,35 @@ def test_a_leader_sigkilled_under_load_loses_no_acknowledged_record(
     assert not failed, failed[:5]
     assert set(acked) <= set(got), sorted(set(acked) - set(got))[:10]
     assert got == sorted(got) and len(got) == len(set(got))  # idempotent: once each, in order
+    wait_fully_replicated(cfg, topic)
+
+
+def test_offsets_are_answered_while_a_lost_leader_is_down(cfg, cluster: KafkaCluster) -> None:  # type: ignore[no-untyped-def]
+    """librdkafka asked the dead leader until its metadata of the topic expired (minutes): the
+    generators' weights follower could not sync, so they admitted nothing (srl chaos,
+    kafka-leader-kill)."""
+    topic = f"{cfg.topic_prefix}.offsets"
+    create_topics(cfg, [TopicSpec(topic, 1, {})])
+    wait_fully_replicated(cfg, topic)
+    with Producer(cfg, "test") as p:
+        for i in range(5):
+            p.produce(topic, str(i).encode())
+    probe = reader(cfg, "test-probe")
+    tp = TopicPartition(topic, 0)
+    try:
+        assert probe.get_watermark_offsets(tp, timeout=10) == (0, 5)
+        leader = replicas(cfg, topic)[0][0]
+        cluster.kill(leader)
+        try:
+            # the new leader is elected once the controller misses the node's heartbeats
+            assert probe.get_watermark_offsets(tp, timeout=30) == (0, 5)
+            assert cluster.node(leader).pid is not None and not cluster.running(
+                cluster.node(leader)
+            )
+        finally:
+            cluster.start_node(leader)
+    finally:
+        probe.close()
     wait_fully_replicated(cfg, topic)
 
 

@@ -1,0 +1,53 @@
+"""The brokers a benchmark runs on, side by side in one run: ``--broker embedded|kafka``.
+
+Owns :func:`broker_option` (the repeatable ``--broker`` of ``srl bench dataplane``,
+``pipeline``, ``serve`` and ``idle``) and :func:`on_brokers`: the benchmark once on a fresh
+broker of each engine asked for (``srl.broker.temporary``: the embedded noida-db, or one
+Apache Kafka node in KRaft mode), one after the other, or once on ``--bootstrap`` (a broker
+the user runs). The result is keyed by engine (``"external"`` for ``--bootstrap``), so that
+both brokers' figures come from one command on the same machine at the same time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+F = TypeVar("F", bound=Callable[..., Any])
+EXTERNAL = "external"
+ENGINES = ("embedded", "kafka")  # srl.broker.ENGINES, without importing it for --help
+
+
+def broker_option(default: tuple[str, ...] = ENGINES) -> Callable[[F], F]:
+    return click.option(
+        "--broker",
+        "brokers",
+        type=click.Choice(list(ENGINES)),
+        multiple=True,
+        default=default,
+        show_default=True,
+        help="Brokers to run on, each fresh, one after the other (repeat the option; "
+        "--bootstrap instead uses that broker).",
+    )
+
+
+def on_brokers(
+    brokers: tuple[str, ...],
+    external: str | None,
+    run: Callable[[str], dict[str, Any]],
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """``run(bootstrap)`` on ``external``, or on a fresh broker of each of ``brokers``."""
+    from srl.broker import temporary
+
+    if external is not None:
+        return {EXTERNAL: run(external)}
+    out: dict[str, dict[str, Any]] = {}
+    for engine in dict.fromkeys(brokers):  # each once, in the order given
+        if progress is not None:
+            progress(engine)
+        with temporary(engine) as b:  # type: ignore[arg-type]
+            out[engine] = run(b.bootstrap)
+    return out
