@@ -30,6 +30,9 @@ class Fault:
     # "netns" (the generators' namespace), "disk" (a tmpfs store) or "cluster" (three Apache
     # Kafka nodes)
     needs: str | None = None
+    # steps a run with this fault trains at least: the pipeline must still be working when a
+    # long fault (a rolling restart of three nodes) ends, or its recovery cannot be seen
+    min_steps: int = 0
 
 
 CATALOGUE: dict[str, Fault] = {
@@ -49,10 +52,10 @@ CATALOGUE: dict[str, Fault] = {
         Fault("weights-delete", s.spoil_weights(True), s.refused_then_newer, "store"),
         Fault("store-disk-full", s.fill_store, s.published_again, "store", "disk"),
         Fault("poison", s.write_poison, s.poison_handled, "topics"),
-        Fault("kafka-leader-kill", k.kill_leader, f.inflight_done, "broker", "cluster"),
-        Fault("kafka-node-freeze", k.freeze_node, f.inflight_done, "broker", "cluster"),
-        Fault("kafka-rolling-restart", k.rolling_restart, f.inflight_done, "broker", "cluster"),
-        Fault("kafka-controller-kill", k.kill_controller, f.inflight_done, "broker", "cluster"),
+        Fault("kafka-leader-kill", k.kill_leader, f.inflight_done, "broker", "cluster", 16),
+        Fault("kafka-node-freeze", k.freeze_node, f.inflight_done, "broker", "cluster", 16),
+        Fault("kafka-rolling-restart", k.rolling_restart, f.inflight_done, "broker", "cluster", 40),
+        Fault("kafka-controller-kill", k.kill_controller, f.inflight_done, "broker", "cluster", 16),
     )
 }
 assert tuple(CATALOGUE) == FAULTS, "app.chaos.config.FAULTS and the catalogue disagree"

@@ -75,6 +75,8 @@ def table(res: dict[str, Any]) -> str:
     from rich.table import Table
 
     t = Table("FAULT", "RECOVERED S", "LOST", "TRAINED TWICE", "MAX STALENESS", "OK", box=None)
+    if "broker" in res:
+        t.title = f"srl chaos on the {res['broker']} broker, k = {res['k']}"
     for r in res["faults"]:
         rec = "-" if r["recovered_s"] is None else f"{r['recovered_s']:.1f}"
         ok = "skipped" if "skipped" in r else ("yes" if r["ok"] else "NO")

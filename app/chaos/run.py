@@ -139,14 +139,15 @@ class Suite:
             return [Row(run, None, 0, 0, 0, skipped=skipped[0][1])]
         planned = [Planned(n, off, Injection(n)) for n, off in plan]
         needs = {CATALOGUE[n].needs for n, _ in plan}
-        with self.scene(run, needs, self.cfg.steps) as sc:
+        steps = max(self.cfg.steps, *(CATALOGUE[n].min_steps for n, _ in plan))
+        with self.scene(run, needs, steps) as sc:
             self.warm_up(run, sc)
             self.play(run, sc, planned)
-            self.drain(run, sc)
+            self.drain(run, sc, steps)
             finished, crashes = sc.cast.procs["trainer"].finished, sc.cast.crashes()
         self.progress.phase(run, "auditing the topics")
         audit = audit_run(sc.stage.common(), finished)
-        rows = [make_row(run, sc, p, audit, crashes, finished, self.cfg.steps) for p in planned]
+        rows = [make_row(run, sc, p, audit, crashes, finished, steps) for p in planned]
         self.progress.done(run, "; ".join(_summary(r, self.cfg.max_staleness) for r in rows))
         return rows
 
@@ -210,17 +211,17 @@ class Suite:
         t0 = time.monotonic()
         while waiting := advance(sc, planned, t0, self.cfg.recover_timeout_s):
             now = time.monotonic()
-            self.progress.phase(run, _status(waiting, now, sc.watch.last_step(), self.cfg.steps))
+            self.progress.phase(run, _status(waiting, now, sc.watch.last_step(), sc.stage.steps))
             time.sleep(0.25)
 
-    def drain(self, run: str, sc: Scene) -> None:
+    def drain(self, run: str, sc: Scene, steps: int) -> None:
         """Until the trainer has done its steps; bounded by the trainer's expiry and a few
         seconds a step."""
         trainer = sc.cast.procs["trainer"]
-        left = self.cfg.steps - sc.watch.last_step()
+        left = steps - sc.watch.last_step()
         deadline = time.monotonic() + self.cfg.expire_s + 30 + 5 * max(0, left)
         while not trainer.finished and time.monotonic() < deadline:
-            self.progress.phase(run, f"training on: step {sc.watch.last_step()}/{self.cfg.steps}")
+            self.progress.phase(run, f"training on: step {sc.watch.last_step()}/{steps}")
             time.sleep(0.5)
 
 

@@ -9,6 +9,10 @@ published twice or dropped as stale, staleness never above k, every step trained
 recovered (within the suite's bounded wait). The 30 s recovery bound itself is a timing: it
 is checked by ``make chaos`` and reported there (``ok``), not asserted on a shared CI machine.
 The process must leave no role running.
+
+On three Apache Kafka nodes of its own (``--broker kafka --nodes 3``) the same holds when the
+node leading most of the trajectories' partitions is SIGKILLed under load (and restarted
+after 1 s, as a process manager would).
 """
 
 from __future__ import annotations
@@ -69,6 +73,30 @@ def test_faults_together_lose_nothing_and_every_role_recovers(tmp_path: Path) ->
         assert r["run_complete"], why
         assert r["detail"]["trained"] == r["detail"]["asked"] > 0, why
     assert proc.returncode in (0, 1), stderr[-3000:]  # 1: a row over the 30 s bound
+    assert _running_under(tmp_path) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_kafka_leader_sigkilled_under_load_loses_nothing(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SRL_")}
+    args = ["chaos", "--broker", "kafka", "--nodes", "3", "--faults", "kafka-leader-kill"]
+    args += ["--no-mixed", "--warmup-steps", "2", "--regular-workers", "1"]
+    args += ["--out", str(tmp_path), "--json"]
+    out = subprocess.run(
+        [bin_path("srl"), *args], env=env, capture_output=True, text=True, timeout=840
+    )
+    assert out.stdout, out.stderr[-3000:]
+    res = orjson.loads(out.stdout)
+    assert res["broker"] == "kafka (3 nodes)"
+    (r,) = res["faults"]
+    why = f"{r['fault']}: {r['note']}"
+    assert r["fault"] == "kafka-leader-kill" and "SIGKILLed" in r["note"], why
+    assert r["recovered_s"] is not None, why
+    assert (r["lost"], r["trained_twice"], r["published_twice"], r["dropped"]) == (0,) * 4, why
+    assert r["max_staleness"] <= res["k"] and r["run_complete"], why
+    assert r["detail"]["trained"] == r["detail"]["asked"] > 0, why
+    assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: a row over the recovery bound
     assert _running_under(tmp_path) == []
 
 
