@@ -100,6 +100,11 @@ def wait_gone(pid: int, marker: bytes, timeout_s: float = 10.0) -> None:
     while time.monotonic() < deadline:
         reap(pid)
         if not alive(pid, marker):
+            # a child of ours is a zombie until waited for (alive() already says no)
+            proc = _children.pop(pid, None)
+            if proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(max(0.1, deadline - time.monotonic()))
             return
         time.sleep(0.02)
 
