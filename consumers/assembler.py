@@ -48,6 +48,9 @@ class BadTrajectory(ValueError):
         self.trajectory_id = trajectory_id
 
 
+SERVED = "serve"  # seq-0 metadata "source" of a trajectory srl serve published
+
+
 @dataclass
 class Trajectory:
     """One complete sample: prompt, completion and the behaviour log-prob of each token."""
@@ -75,6 +78,12 @@ class Trajectory:
     def behaviour_version(self) -> int:
         """b: the oldest policy version that produced any of its tokens."""
         return min(self.versions)
+
+    @property
+    def served(self) -> bool:
+        """Published by ``srl serve`` (seq-0 metadata ``source``): a user's request, which no
+        admission paced by trainer steps (``consumers.gate``, the served bound)."""
+        return self.metadata.get("source") == SERVED
 
     @property
     def n_tokens(self) -> int:

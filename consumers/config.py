@@ -117,6 +117,14 @@ class TrainConfig(CommonConfig):
     max_staleness: int = Field(
         1, ge=0, description="k: the update v -> v+1 may use a trajectory only if v - b <= k."
     )
+    serve_max_staleness: int | None = Field(
+        8,
+        ge=0,
+        description=(
+            "The bound for served samples (srl serve's; no admission paces them): v - b <= this, "
+            "with the loss's importance correction; null: max_staleness (docs/serving.md)."
+        ),
+    )
     sync_barrier: bool = Field(
         False,
         description=(
@@ -244,6 +252,11 @@ class TrainConfig(CommonConfig):
         belong to the lead's lineage, not to its own)."""
         lead = self.lead_run is None or self.lead_run == self.run
         return self.max_staleness if lead else None
+
+    @property
+    def served_staleness_bound(self) -> int | None:
+        """The gate's bound for served samples (``consumers.gate.bound``); None: k's."""
+        return None if self.sync_barrier else self.serve_max_staleness
 
     @property
     def start_ms(self) -> int | str:

@@ -59,7 +59,6 @@ from srl.metrics import Metrics, dead_letter
 
 log = logging.getLogger("srl.trainer")
 
-SERVED = "serve"  # seq-0 metadata "source" of a trajectory srl serve published
 NO_FEEDBACK = "no_feedback"  # the outcome of a served trajectory whose feedback never came
 UNUSABLE = (NO_FEEDBACK, "expired", "invalid")  # outcomes feedback comes too late for
 CAUGHT_UP_RECORDS = 1000  # the trainer is caught up while this few records are unread
@@ -68,7 +67,7 @@ Verdict = Literal["joined", "early", "duplicate", "late"]
 
 
 def served(traj: Trajectory) -> bool:
-    return traj.metadata.get("source") == SERVED
+    return traj.served
 
 
 @dataclass

@@ -11,7 +11,21 @@ Owns which samples of a complete group may train the update ``v → v+1``:
   computed against the rewards of every scored sample of the group (a reward is a function
   of the text, so older samples still estimate the baseline), with the loss's importance
   correction;
-* samples whose reward failed never train and never enter the baseline.
+* samples whose reward failed never train and never enter the baseline;
+* a served group whose admitted samples all have advantage 0 (a group of one, or choices
+  rated alike) is not run when the loss has no KL term (``skip_flat``): its gradient is zero,
+  so its samples are decided ``no_signal`` instead of costing a forward and backward pass
+  (DAPO's dynamic sampling filters such groups the same way).
+
+Served samples (``srl serve``'s, ``Trajectory.served``) have their own bound ``served_k``
+(``serve_max_staleness``; None: ``k``), separate from DESIGN.md's ``k``. Dispatched work keeps
+``v − b ≤ k`` by admission (the dispatcher releases a step's prompts only when they cannot
+outlive ``k``); served requests are never refused or held for training's sake, so no
+admission paces them, and a version count tight enough for admitted work would throw most of
+them away. They train off-policy instead, each token's weight bounded by the loss's importance
+correction against the behaviour log-probs the server recorded (the truncated ratio
+``min(pi/mu, C)``, or PPO's clip), and
+``v − b ≤ served_k`` is the backstop that keeps a sample from a long-gone policy out.
 
 A trainer that is not the lead (``lead_run``: the generators and ``srl serve`` follow another
 run) gates with ``k = None``: its samples' versions number the lead's lineage, not its own, so
@@ -59,6 +73,14 @@ def admissible(v: int, b: int, k: int | None, skipped: frozenset[int] = frozense
     return k is None or staleness(v, b, skipped) <= k
 
 
+def bound(s: Sample, k: int | None, served_k: int | None) -> int | None:
+    """The bound that applies to ``s``: ``served_k`` for a served sample (None: ``k``), ``k``
+    for dispatched work; no bound at all when ``k`` is None (another lineage)."""
+    if k is None or served_k is None or not s.traj.served:
+        return k
+    return served_k
+
+
 @dataclass
 class Admitted:
     """The outcome of gating one group at policy version ``v``."""
@@ -68,12 +90,19 @@ class Admitted:
     train: list[Sample] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)  # aligned with ``train``
     stale: list[Sample] = field(default_factory=list)
+    flat: list[Sample] = field(default_factory=list)  # served, every advantage 0: not run
     lineage: bool = True  # False: the samples' versions are another run's (no staleness)
     skipped: frozenset[int] = frozenset()  # versions that are no update of these weights
 
     @property
     def trains(self) -> bool:
         return bool(self.train)
+
+    @property
+    def signal(self) -> bool:
+        """Whether it trains with a learning signal: some advantage is not zero (a group of one,
+        or one whose choices were all rated alike, moves nothing but a KL term)."""
+        return any(a != 0.0 for a in self.advantages)
 
 
 def group_advantages(kind: Literal["grpo", "rloo"], rewards: list[float]) -> list[float]:
@@ -89,11 +118,18 @@ def gate_group(
     policy: Literal["drop", "correct"] = "drop",
     advantage: Literal["grpo", "rloo"] = "grpo",
     skipped: frozenset[int] = frozenset(),
+    served_k: int | None = None,
+    skip_flat: bool = False,
 ) -> Admitted:
-    """Split a complete group's scored samples into trained (with advantages) and stale."""
+    """Split a complete group's scored samples into trained (with advantages) and stale;
+    served samples are judged by ``served_k`` (see the module docstring). ``skip_flat`` (no KL
+    term: a zero advantage is a zero gradient): a served group whose admitted samples all have
+    advantage 0 is not run at all; its samples are ``flat`` (outcome ``no_signal``)."""
     scored = group.scored()
     out = Admitted(group, v, lineage=k is not None, skipped=skipped)
-    fresh = [admissible(v, s.traj.behaviour_version, k, skipped) for s in scored]
+    fresh = [
+        admissible(v, s.traj.behaviour_version, bound(s, k, served_k), skipped) for s in scored
+    ]
     if policy == "drop" and not all(fresh):
         out.stale = scored
         return out
@@ -106,4 +142,6 @@ def gate_group(
             out.advantages.append(a)
         else:
             out.stale.append(s)
+    if skip_flat and group.served and out.train and not out.signal:
+        out.flat, out.train, out.advantages = out.train, [], []
     return out

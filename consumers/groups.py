@@ -51,6 +51,11 @@ class Group:
     def complete(self) -> bool:
         return self.filled >= self.group_size
 
+    @property
+    def served(self) -> bool:
+        """Served traffic (``srl serve``'s requests), not dispatched work."""
+        return any(s.traj.served for s in self.samples.values())
+
     def scored(self) -> list[Sample]:
         """Samples with a reward, by sample index (deterministic order)."""
         return [s for _, s in sorted(self.samples.items()) if not s.failed]

@@ -6,7 +6,8 @@ Owns, for ``consumers.trainer``:
   with an outcome; saved with each checkpoint and restored after a restart, so the assembler
   drops every chunk of a trajectory already decided (exactly once in effect);
 * finalisation (:class:`Outcomes`): each sample gets one of the outcomes ``trained``,
-  ``dropped_stale``, ``failed_reward``, ``expired``, ``invalid``, with its step (the step that
+  ``dropped_stale``, ``no_signal`` (a served group whose advantages are all 0, not run:
+  ``consumers.gate``), ``failed_reward``, ``expired``, ``invalid``, with its step (the step that
   trained its group; for the others the step the trainer passes, its open step), as a ledger
   entry and a ``sample`` event (labels: trajectory_id, prompt_id, bucket, outcome and a reason
   cut to 300 characters; values: :func:`sample_values`, :func:`partial_values`);
@@ -237,7 +238,8 @@ class Outcomes:
         return self.decide(t.trajectory_id, t.prompt_id, t.bucket, outcome, step, values, reason)
 
     def gated(self, adm: Admitted, step: int, version: int) -> list[Event]:
-        """A gated group, whole: trained (with advantages), dropped as stale, failed rewards."""
+        """A gated group, whole: trained (with advantages), dropped as stale, without a learning
+        signal, failed rewards."""
         out = [
             self._sample(s, "trained", step, sample_values(s, version, a, adm.lineage, adm.skipped))
             for s, a in zip(adm.train, adm.advantages, strict=True)
@@ -247,6 +249,16 @@ class Outcomes:
                 s, "dropped_stale", step, sample_values(s, version, None, True, adm.skipped)
             )
             for s in adm.stale
+        ]
+        out += [
+            self._sample(
+                s,
+                "no_signal",
+                step,
+                sample_values(s, version, 0.0, adm.lineage, adm.skipped),
+                "served group with no learning signal: every advantage 0, not run",
+            )
+            for s in adm.flat
         ]
         out += [
             self._sample(

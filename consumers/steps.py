@@ -13,16 +13,24 @@ waited for instead of thrown away. What must hold:
 * step t is complete when every one of its ``step_groups`` groups has arrived, whether or not
   any of its samples trains (a group whose rewards all failed still counts);
 * unscheduled groups (``step`` null: hand-made records, serving traffic, a trainer with
-  ``windows=False``) join the open step as they complete; while no group released for the
-  open step has been seen, the step is complete at ``groups_per_step`` groups (the rule of a
-  trainer that is not paced by a dispatcher);
+  ``windows=False``) join the open step as they complete, and late groups too, and count
+  towards it once gated (``credit``); while no group released for the open step has been
+  seen, the step is complete at ``groups_per_step`` counted groups (the rule of a trainer
+  that is not paced by a dispatcher);
+* a served group counts only if it trains with a learning signal (some advantage is not
+  zero): users send what they send, so the trainer steps at the pace of the served traffic
+  that can teach it; a group of one (every client's default ``n``), one rated all alike or
+  one dropped as stale neither publishes a version with nothing learnt nor makes the
+  requests still being served one version older. Dispatched work counts whatever it trains:
+  a dispatcher's groups are its step budget;
 * a step that got no new group for ``expire_s`` is complete with what it has, if it has
   anything or later steps are waiting (a lost task must not stall the run; with nothing at
   all the trainer takes an empty step, publishing the same weights, so the dispatcher's
   barrier moves on).
 
-Pure logic; the trainer calls ``add`` per complete (or expired) group, ``complete`` after
-each, and ``advance`` after taking the step.
+Pure logic; the trainer calls ``add`` per complete (or expired) group, ``credit`` for each
+group that joined once it is gated, ``complete`` after each, and ``advance`` after taking the
+step.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ class StepPlanner:
     held: dict[int, list[Group]] = field(default_factory=dict)  # later steps' groups
     expected: int | None = None  # step_groups of the open step, once one of its groups is seen
     arrived: int = 0  # groups released for the open step that joined it
-    others: int = 0  # unscheduled or late groups that joined it
+    others: int = 0  # unscheduled or late groups that joined it and count (``credit``)
     progress_at: float = field(default_factory=time.monotonic)
 
     def _scheduled(self, g: Group) -> int | None:
@@ -63,7 +71,11 @@ class StepPlanner:
             self.arrived += 1
             if group.step_groups is not None:
                 self.expected = max(self.expected or 0, group.step_groups)
-        else:
+
+    def credit(self, group: Group, signal: bool) -> None:
+        """A joined group, gated (``signal``: it trains with a learning signal): an unscheduled
+        or late one counts now, a served one only with a signal."""
+        if self._scheduled(group) != self.step and (signal or not group.served):
             self.others += 1
 
     @property

@@ -351,15 +351,24 @@ class Trainer:
 
     def _admit(self, group: Group) -> None:
         if not group.complete:  # expired before all its samples arrived: nothing of it trains
+            self.planner.credit(group, signal=False)
             self._count(*self.outcomes.expired_group(group, self.step + 1, self.version))
             return
         d, cfg = self.durable, self.cfg
         # judged against the weights it trains (after a restart, versions published past the
         # checkpoint are no update of them: consumers.durable, "skipped")
         adm = gate_group(
-            group, d.lineage, cfg.staleness_bound, cfg.stale_policy, cfg.advantage, d.skipped
+            group,
+            d.lineage,
+            cfg.staleness_bound,
+            cfg.stale_policy,
+            cfg.advantage,
+            d.skipped,
+            served_k=cfg.served_staleness_bound,
+            skip_flat=cfg.kl_coef == 0,
         )
         self.stale_in_step += len(adm.stale)
+        self.planner.credit(group, adm.signal)
         if not adm.trains:  # nothing of it will train: finalize the whole group now
             self._count(*self.outcomes.gated(adm, self.step + 1, d.lineage))
             return

@@ -119,12 +119,17 @@ def test_a_step_trains_exactly_the_groups_released_for_it() -> None:
 
 def test_unscheduled_groups_fill_the_open_step_at_groups_per_step() -> None:
     pl = StepPlanner(groups_per_step=2, expire_s=100)
-    assert pl.add(group(None), now=0) and not pl.complete(now=0)
-    assert pl.add(group(None), now=0) and pl.complete(now=0)
+    for _ in range(2):  # each counts once the gate credits it with a learning signal
+        g = group(None)
+        assert pl.add(g, now=0) and not pl.complete(now=0)
+        pl.credit(g, signal=True)
+    assert pl.complete(now=0)
     pl.advance(now=0)
     # once a group released for the open step is seen, the step waits for all of them
     pl.add(group(2, of=2), now=0)
-    pl.add(group(None), now=0)
+    g = group(None)
+    pl.add(g, now=0)
+    pl.credit(g, signal=True)
     assert pl.size == 2 and not pl.complete(now=1)
     pl.add(group(2, of=2), now=1)
     assert pl.complete(now=1)
@@ -132,9 +137,15 @@ def test_unscheduled_groups_fill_the_open_step_at_groups_per_step() -> None:
 
 def test_a_late_group_joins_the_open_step_and_windows_off_ignores_steps() -> None:
     pl = StepPlanner(groups_per_step=3, expire_s=100, step=5)
-    assert pl.add(group(4), now=0) and pl.others == 1
+    late = group(4)
+    assert pl.add(late, now=0) and pl.others == 0
+    pl.credit(late, signal=True)
+    assert pl.others == 1
     off = StepPlanner(groups_per_step=1, expire_s=100, step=1, windows=False)
-    assert off.add(group(7), now=0) and off.complete(now=0)
+    g = group(7)
+    assert off.add(g, now=0) and not off.complete(now=0)
+    off.credit(g, signal=True)
+    assert off.complete(now=0)
 
 
 def test_a_step_whose_groups_stop_arriving_completes_by_expiry() -> None:
