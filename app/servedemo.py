@@ -321,6 +321,9 @@ def _report(
         "latency_ms_p50": round(rep._pct(lat, 50) or 0.0, 1),
         "latency_ms_p99": round(rep._pct(lat, 99) or 0.0, 1),
         "sample_outcomes": outcomes,
+        # rated choices the trainer dropped as stale (issue 32's measure of waste); the rest
+        # trained, carried no signal (no_signal) or were still undecided at the stop
+        "dropped_stale_share": round(outcomes.get("dropped_stale", 0) / max(1, s.feedback), 4),
         "wall_s": round(wall, 1),
         "run": plan.run,
         "out": str(plan.out),
@@ -337,7 +340,7 @@ def summary(r: dict[str, Any]) -> str:
             f"{r['served_reward_last']}",
             f"{r['requests']} requests ({r['failed_requests']} failed), {r['feedback']} feedback; "
             f"latency p50 {r['latency_ms_p50']} ms, p99 {r['latency_ms_p99']} ms; outcomes "
-            f"{r['sample_outcomes']}",
+            f"{r['sample_outcomes']} ({r['dropped_stale_share']:.1%} of rated dropped as stale)",
             f"report: {Path(r['out']) / 'report.json'}",
         ]
     )
