@@ -32,12 +32,20 @@ def client_id(role: str) -> str:
     return f"srl-{role}-{socket.gethostname()}-{os.getpid()}"
 
 
+SOCKET_TIMEOUT_MS = 10_000
+
+
 def base_settings(cfg: KafkaSettings, role: str = "client") -> dict[str, Any]:
     return {
         "bootstrap.servers": cfg.bootstrap_servers,
         "client.id": client_id(role),
         "logger": _rdkafka_log,
         "socket.connection.setup.timeout.ms": int(cfg.connect_timeout_s * 1000),
+        # A request unanswered this long closes its connection and is sent again on a new one
+        # (librdkafka's default is 60 s). Across a silent partition a connection is not
+        # reset: TCP retransmits with exponential backoff, so after the partition heals the
+        # old connection may stay mute for tens of seconds (srl chaos, generator-partition).
+        "socket.timeout.ms": SOCKET_TIMEOUT_MS,
     }
 
 
