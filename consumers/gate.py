@@ -81,6 +81,11 @@ def bound(s: Sample, k: int | None, served_k: int | None) -> int | None:
     return served_k
 
 
+# an advantage this small is rounding, not signal: GRPO divides a difference of 1e-17 (equal
+# rewards that are not exact binary fractions, e.g. 0.1) by std + 1e-6
+SIGNAL_EPS = 1e-9
+
+
 @dataclass
 class Admitted:
     """The outcome of gating one group at policy version ``v``."""
@@ -102,7 +107,7 @@ class Admitted:
     def signal(self) -> bool:
         """Whether it trains with a learning signal: some advantage is not zero (a group of one,
         or one whose choices were all rated alike, moves nothing but a KL term)."""
-        return any(a != 0.0 for a in self.advantages)
+        return any(abs(a) > SIGNAL_EPS for a in self.advantages)
 
 
 def group_advantages(kind: Literal["grpo", "rloo"], rewards: list[float]) -> list[float]:

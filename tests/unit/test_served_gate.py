@@ -52,7 +52,13 @@ def test_the_served_bound_is_a_config_field_and_the_barrier_keeps_k() -> None:
 
 @pytest.mark.parametrize(
     ("rewards", "signal"),
-    [([1.0], False), ([0.0, 0.0, 0.0], False), ([1.0, 1.0], False), ([1.0, 0.0], True)],
+    [
+        ([1.0], False),
+        ([0.0, 0.0, 0.0], False),
+        ([1.0, 1.0], False),
+        ([0.1, 0.1, 0.1], False),  # the mean is not exactly 0.1: rounding is no signal
+        ([1.0, 0.0], True),
+    ],
 )
 def test_a_group_has_a_learning_signal_when_an_advantage_is_not_zero(
     rewards: list[float], signal: bool
