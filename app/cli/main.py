@@ -74,6 +74,8 @@ def _data_dir_option(f: Any) -> Any:
     type=click.IntRange(1, 65535),
     default=9092,
     show_default=True,
+    envvar="SRL_BROKER_PORT",
+    show_envvar=True,
     help="Port on 127.0.0.1 (Apache Kafka: node N on PORT+N-1, its controllers after them).",
 )
 @click.option(
@@ -369,19 +371,33 @@ def init_model(out: str | None, seed: int, steps: int | None, force: bool) -> No
 
     A small Qwen2-architecture causal LM with a locally built byte-level tokenizer, saved in
     Hugging Face format, fine-tuned on an imperfect demonstrator of the demo task
-    (docs/demo-task.md). A second run with the same settings returns at once.
+    (docs/demo-task.md). A second run with the same settings returns at once; with --out,
+    the same model already built in the default folder is copied instead of built again.
     """
+    import shutil
+
     import orjson
 
     from app.warmstart import MARKER, SftSettings, cache_key, cached, default_dir, ensure_model
 
     sft = SftSettings() if steps is None else SftSettings(steps=steps)
+    key = cache_key(seed, sft)
     where = Path(out) if out else default_dir(seed)
-    hit = not force and cached(where, cache_key(seed, sft))
+    how = "cached" if not force and cached(where, key) else "built"
+    if how == "built" and not force and cached(default_dir(seed), key):
+        shutil.rmtree(where, ignore_errors=True)
+        shutil.copytree(default_dir(seed), where)
+        how = f"copied from {default_dir(seed)}"
+    if how == "built":
+        click.echo(
+            f"{where}: building (SFT {sft.steps} steps, then an eval; about 3 min on 2 cores "
+            "for the default 700 steps; cached afterwards)",
+            err=True,
+        )
     path = ensure_model(seed=seed, out=where, force=force, sft=sft)
     info = orjson.loads((path / MARKER).read_bytes())
     click.echo(
-        f"{path}: {'cached' if hit else 'built'} (SFT {info['sft']['steps']} steps in "
+        f"{path}: {how} (SFT {info['sft']['steps']} steps in "
         f"{info['build_s']} s, greedy held-out accuracy {info['eval_greedy']['accuracy']:.3f})"
     )
 
