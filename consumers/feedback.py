@@ -226,7 +226,7 @@ class FeedbackPath:
         self._dead_letter(value, t.trajectory_id, reason, "trainer-feedback-join")
         step_of = (t.step, t.step_groups)
         return self.groups.add_missing(
-            t.prompt_id, t.sample_index, t.group_size, t.trajectory_id, step=step_of
+            t.prompt_id, t.sample_index, t.group_size, t.trajectory_id, step=step_of, served=True
         )
 
     def _refuse(self, fb: Feedback, verdict: Verdict, origin: str) -> None:

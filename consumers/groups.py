@@ -42,6 +42,7 @@ class Group:
     last_arrival: float = 0.0
     step: int | None = None  # the trainer step it was released for (None: unscheduled)
     step_groups: int | None = None  # groups released for that step
+    served_missing: bool = False  # a slot was filled by a served trajectory without feedback
 
     @property
     def filled(self) -> int:
@@ -54,7 +55,7 @@ class Group:
     @property
     def served(self) -> bool:
         """Served traffic (``srl serve``'s requests), not dispatched work."""
-        return any(s.traj.served for s in self.samples.values())
+        return self.served_missing or any(s.traj.served for s in self.samples.values())
 
     def scored(self) -> list[Sample]:
         """Samples with a reward, by sample index (deterministic order)."""
@@ -107,11 +108,14 @@ class GroupBuffer:
         trajectory_id: str,
         now: float | None = None,
         step: tuple[int | None, int | None] = (None, None),
+        served: bool = False,
     ) -> Group | None:
-        """An expired trajectory fills its slot, so the rest of its group is not held forever."""
+        """An expired trajectory fills its slot, so the rest of its group is not held forever;
+        ``served``: a served trajectory (decided without its feedback)."""
         now = time.monotonic() if now is None else now
         g = self._slot(prompt_id, sample_index, group_size, now)
         g.missing[sample_index] = trajectory_id
+        g.served_missing |= served
         if g.step is None:
             g.step, g.step_groups = step
         return self._close_if_complete(g)

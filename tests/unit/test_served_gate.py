@@ -112,3 +112,18 @@ def test_a_served_group_without_signal_is_not_run_and_is_decided_no_signal() -> 
     assert len(gate_group(group([1.0, 1.0], served=False), v=0, k=1, skip_flat=True).train) == 2
     assert len(gate_group(group([1.0, 0.0]), v=0, k=1, skip_flat=True).train) == 2
     assert len(gate_group(group([1.0, 1.0]), v=0, k=1).train) == 2
+
+
+def test_a_served_request_nobody_rated_does_not_count_towards_a_step() -> None:
+    # an n = 1 request without feedback: its only slot is filled by the feedback join
+    unrated = GroupBuffer().add_missing("p", 0, 1, "t", served=True)
+    assert unrated is not None and unrated.served and unrated.scored() == []
+    pl = StepPlanner(groups_per_step=1, expire_s=100)
+    pl.add(unrated, now=0)
+    pl.credit(unrated, gate_group(unrated, v=0, k=1).signal)
+    assert not pl.complete(now=0)
+    lost = GroupBuffer().add_missing("d", 0, 1, "t")  # dispatched work: counts as before
+    assert lost is not None and not lost.served
+    pl.add(lost, now=0)
+    pl.credit(lost, False)
+    assert pl.complete(now=0)
