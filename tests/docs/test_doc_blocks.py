@@ -30,7 +30,10 @@ BIN = Path(sys.executable).parent
 def params() -> list[object]:
     out: list[object] = []
     for b in all_blocks():
-        marks = [pytest.mark.slow] if b.slow else []
+        # pytest-timeout leaves room for the block's own bound and its cleanup (and for the
+        # session's demo model, which the first block that needs one builds)
+        limit = b.timeout_s + (120 if not b.model else 420)
+        marks = [pytest.mark.timeout(limit), *([pytest.mark.slow] if b.slow else [])]
         out.append(pytest.param(b, id=b.id, marks=marks))
     return out
 
