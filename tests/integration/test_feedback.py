@@ -102,12 +102,12 @@ def test_feedback_is_the_reward_in_either_order_and_what_is_missing_is_dead_lett
     )
     result = run_trainer(cfg)
 
-    assert result.outcomes == {"trained": 5, "no_feedback": 1}
+    assert result.outcomes == {"trained": 4, "no_signal": 1, "no_feedback": 1}
     got = rewards_by_trajectory(cfg)
     expect = {
         (a, 0): ("trained", 0.25),
         (a, 1): ("trained", -1.0),
-        (b, 0): ("trained", 1.0),
+        (b, 0): ("no_signal", 1.0),  # the only rated choice of its group: advantage 0, not run
         (b, 1): ("no_feedback", None),
         (c, 0): ("trained", 0.5),  # the first feedback counts, the second is a duplicate
         (c, 1): ("trained", 0.0),
