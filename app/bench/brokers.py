@@ -1,7 +1,7 @@
 """The brokers a benchmark runs on, side by side in one run: ``--broker embedded|kafka``.
 
-Owns :func:`broker_option` (the repeatable ``--broker`` of ``srl bench dataplane``,
-``pipeline``, ``serve`` and ``idle``) and :func:`on_brokers`: the benchmark once on a fresh
+Owns :func:`on_brokers` (what the repeatable ``--broker`` of ``srl bench dataplane``,
+``pipeline``, ``serve`` and ``idle`` does, ``app.bench.cli``): the benchmark once on a fresh
 broker of each engine asked for (``srl.broker.temporary``: the embedded noida-db, or one
 Apache Kafka node in KRaft mode), one after the other, or once on ``--bootstrap`` (a broker
 the user runs). The result is keyed by engine (``"external"`` for ``--bootstrap``), so that
@@ -11,26 +11,11 @@ both brokers' figures come from one command on the same machine at the same time
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-import click
+from srl.broker import temporary
 
-F = TypeVar("F", bound=Callable[..., Any])
 EXTERNAL = "external"
-ENGINES = ("embedded", "kafka")  # srl.broker.ENGINES, without importing it for --help
-
-
-def broker_option(default: tuple[str, ...] = ENGINES) -> Callable[[F], F]:
-    return click.option(
-        "--broker",
-        "brokers",
-        type=click.Choice(list(ENGINES)),
-        multiple=True,
-        default=default,
-        show_default=True,
-        help="Brokers to run on, each fresh, one after the other (repeat the option; "
-        "--bootstrap instead uses that broker).",
-    )
 
 
 def on_brokers(
@@ -40,8 +25,6 @@ def on_brokers(
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """``run(bootstrap)`` on ``external``, or on a fresh broker of each of ``brokers``."""
-    from srl.broker import temporary
-
     if external is not None:
         return {EXTERNAL: run(external)}
     out: dict[str, dict[str, Any]] = {}

@@ -6,17 +6,41 @@ Heavy modules (torch, the benchmarks themselves) are imported inside the command
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from app.bench.brokers import broker_option, on_brokers
 from app.bench.modes import DESIGNS, MODES
 from app.cli.common import LENGTHS_SHOWN, default_lengths, echo_json
 from app.cli.options import ConfigGroup, with_config
 
 if TYPE_CHECKING:
     from app.configs import ServeBenchConfig, StreamConfig
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+ENGINES = ("embedded", "kafka")  # srl.broker.ENGINES, without importing it for --help
+
+
+def broker_option() -> Callable[[F], F]:
+    """``--broker``, repeatable: the fresh brokers a benchmark runs on (``app.bench.brokers``)."""
+    return click.option(
+        "--broker",
+        "brokers",
+        type=click.Choice(list(ENGINES)),
+        multiple=True,
+        default=ENGINES,
+        show_default=True,
+        help="Brokers to run on, each fresh, one after the other (repeat the option; "
+        "--bootstrap instead uses that broker).",
+    )
+
+
+def on_brokers(*args: Any) -> dict[str, dict[str, Any]]:
+    from app.bench.brokers import on_brokers as run
+
+    return run(*args)
 
 
 @click.group(cls=ConfigGroup)

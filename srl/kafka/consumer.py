@@ -51,6 +51,7 @@ MOVING_LEADER = (
     KafkaError._TIMED_OUT,
     KafkaError._TRANSPORT,
     KafkaError._DESTROY_BROKER,  # the dead leader's connection, removed by a refresh
+    KafkaError.OFFSET_NOT_AVAILABLE,  # a new leader whose high watermark is not caught up
 )
 LEADER_ASK_S = 2.0  # one offsets request waits this long before the leader is looked up again
 

@@ -34,7 +34,7 @@ How a runnable block runs (``tests/docs/test_doc_blocks.py``):
   its process group (by the pid of its shell), then a broker it started under ``.srl/broker``
   (``srl broker stop`` of that folder).
 
-Pages listed in ``PENDING`` are not collected yet: they are being rewritten (issue 31); whoever
+Pages listed in ``PENDING`` are not collected (a page being rewritten; none now): whoever
 finishes one marks its blocks and removes it from the list.
 """
 
@@ -47,8 +47,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# pages being rewritten elsewhere (issue 31): marked, then removed from this list
-PENDING = {"docs/benchmarks.md", "docs/reliability.md"}
+# pages being rewritten: marked, then removed from this list
+PENDING: set[str] = set()
 
 SHELL_LANGS = {"sh", "bash", "shell", "console"}
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")

@@ -205,3 +205,10 @@ def test_train_bench_rows_and_model_shapes() -> None:
     assert [r.length for r in again] == [r.length for r in rows]  # the same seed, the same work
     assert train.model_spec("test").hidden_size == 64
     assert train.model_spec("default") == train.TinyModelSpec()
+
+
+def test_the_bench_broker_choices_are_the_broker_engines() -> None:
+    from app.bench.cli import ENGINES as CHOICES
+    from srl.broker import ENGINES
+
+    assert CHOICES == ENGINES
