@@ -49,7 +49,7 @@ from consumers.durable import Durable
 from consumers.engine import resolve_device
 from consumers.engine_deepspeed import check_supported
 from consumers.feedback import FeedbackPath
-from consumers.gate import gate_group
+from consumers.gate import Admitted, gate_group
 from consumers.groups import Group, GroupBuffer, Sample
 from consumers.intake import Intake, Invalid
 from consumers.offsets import OffsetTracker
@@ -198,6 +198,22 @@ def log_step(step: int, values: dict[str, float], loss: float) -> None:
         values["samples"],
         values["tokens_per_s"],
         values["idle_s"],
+    )
+
+
+def gated(cfg: TrainConfig, group: Group, d: Durable) -> Admitted:
+    """``group`` through the gate with the trainer's settings, judged against the weights it
+    trains (after a restart, versions published past the checkpoint are no update of them:
+    ``consumers.durable``, "skipped")."""
+    return gate_group(
+        group,
+        d.lineage,
+        cfg.staleness_bound,
+        cfg.stale_policy,
+        cfg.advantage,
+        d.skipped,
+        served_k=cfg.served_staleness_bound,
+        skip_flat=cfg.kl_coef == 0,
     )
 
 
@@ -354,19 +370,8 @@ class Trainer:
             self.planner.credit(group, signal=False)
             self._count(*self.outcomes.expired_group(group, self.step + 1, self.version))
             return
-        d, cfg = self.durable, self.cfg
-        # judged against the weights it trains (after a restart, versions published past the
-        # checkpoint are no update of them: consumers.durable, "skipped")
-        adm = gate_group(
-            group,
-            d.lineage,
-            cfg.staleness_bound,
-            cfg.stale_policy,
-            cfg.advantage,
-            d.skipped,
-            served_k=cfg.served_staleness_bound,
-            skip_flat=cfg.kl_coef == 0,
-        )
+        d = self.durable
+        adm = gated(self.cfg, group, d)
         self.stale_in_step += len(adm.stale)
         self.planner.credit(group, adm.signal)
         if not adm.trains:  # nothing of it will train: finalize the whole group now
