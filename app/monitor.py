@@ -12,7 +12,9 @@
   from its low watermark, where srl consumers start (``auto.offset.reset=earliest``).
 * ``weights``: the run's latest announcement and whether its manifest verifies and every file
   it lists exists; ``throughput``, ``versions``, ``staleness``, ``drops`` from metric events
-  (docs/metrics.md) of the last ``window_s`` seconds; ``stalled``: partitions with lag whose
+  (docs/metrics.md) of the last ``window_s`` seconds; ``serving`` (only when a ``srl serve``
+  reported ``serve_stats`` in the window) from those events and the trainer's ``sample``
+  events of served trajectories; ``stalled``: partitions with lag whose
   group has no member on them, or whose committed offset has not moved for ``stall_after_s``.
 
 ``Monitor`` holds the readers: the admin client, a reader that samples backlog records,
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.configs import TopConfig
+from app.serve.protocol import COMPLETION_ID
 from schemas.codec import SchemaError
 from schemas.records import MetricEvent, PromptTask, TrajectoryChunk, decode, decode_as, now_ms
 from srl.errors import SrlError
@@ -423,6 +426,8 @@ class EventTally:
     staleness: Counter[int] = field(default_factory=Counter)
     outcomes: Counter[str] = field(default_factory=Counter)
     trained_ts: list[int] = field(default_factory=list)
+    serve: dict[str, list[MetricEvent]] = field(default_factory=dict)  # serve_stats per source
+    served_trained: set[str] = field(default_factory=set)  # served trajectories trained
 
 
 def tally_events(events: Iterable[MetricEvent], run: str) -> EventTally:
@@ -438,6 +443,8 @@ def tally_events(events: Iterable[MetricEvent], run: str) -> EventTally:
             t.published = e
         elif e.kind == "counter":
             t.counters[e.source] = e
+        elif e.kind == "serve_stats":
+            t.serve.setdefault(e.source, []).append(e)
         elif e.kind == "sample":
             outcome = e.labels.get("outcome", "trained")
             t.outcomes[outcome] += 1
@@ -445,6 +452,8 @@ def tally_events(events: Iterable[MetricEvent], run: str) -> EventTally:
                 t.staleness[int(e.values["staleness"])] += 1
             if outcome == "trained":
                 t.trained_ts.append(e.ts_ms)
+                if COMPLETION_ID.match(e.labels.get("prompt_id", "")):  # a served group
+                    t.served_trained.add(e.labels.get("trajectory_id", ""))
     return t
 
 
@@ -457,6 +466,7 @@ def summarize_events(events: Iterable[MetricEvent], run: str, now: int) -> dict[
     n = sum(t.staleness.values())
     dead = sum(e.values.get("dead_letters", 0.0) for e in t.counters.values())
     train = t.train
+    serving = serving_summary(t, now)
     return {
         "throughput": {
             "gen_tokens_per_s": sum(e.values.get("tokens_per_s", 0.0) for e in fresh_gen.values())
@@ -484,7 +494,51 @@ def summarize_events(events: Iterable[MetricEvent], run: str, now: int) -> dict[
             "by_outcome": {k: v for k, v in sorted(t.outcomes.items()) if k != "trained"},
             "dead_letters_counted": int(dead),
         },
+        **({"serving": serving} if serving is not None else {}),
     }
+
+
+def serving_summary(t: EventTally, now: int) -> dict[str, Any] | None:
+    """The ``srl serve`` workers of the window, from their ``serve_stats`` events; None when
+    none reported. ``requests_per_s``: between each worker's last two events; ``running`` /
+    ``waiting``: its last event if fresher than :data:`FRESH_MS`; ``served`` (choices
+    finished), ``published`` (trajectories handed to the producer), drops and failures: grown
+    since its first event of the window; ``trained``: served trajectories (``prompt_id`` a
+    completion id) the trainer reported trained in the window."""
+    if not t.serve:
+        return None
+    rates = []
+    for evs in t.serve.values():
+        prev, last = evs[-2:] if len(evs) > 1 else (None, evs[-1])
+        if prev is not None and last.ts_ms > prev.ts_ms:
+            rates.append(_grown(prev, last, "requests") / ((last.ts_ms - prev.ts_ms) / 1000))
+    fresh = [evs[-1] for evs in t.serve.values() if now - evs[-1].ts_ms <= FRESH_MS]
+    running = sum(int(e.values.get("running", 0.0)) for e in fresh)
+    waiting = sum(int(e.values.get("waiting", 0.0)) for e in fresh)
+
+    def grown(key: str) -> int:
+        return sum(_grown(evs[0], evs[-1], key) for evs in t.serve.values())
+
+    return {
+        "servers": len(fresh),
+        "requests_per_s": sum(rates) if rates else None,
+        "in_flight": running + waiting if fresh else None,
+        "running": running if fresh else None,
+        "waiting": waiting if fresh else None,
+        "queue_timeouts": grown("queue_timeouts"),
+        "served": grown("completions"),
+        "published": grown("published_trajectories"),
+        "trained": len(t.served_trained),
+        "publish_dropped": grown("publish_dropped"),
+        "delivery_failures": grown("delivery_failures"),
+    }
+
+
+def _grown(first: MetricEvent, last: MetricEvent, key: str) -> int:
+    """How much a cumulative ``serve_stats`` counter grew from ``first`` to ``last``; a
+    counter that went down (the server restarted) counts from 0."""
+    a, b = first.values.get(key, 0.0), last.values.get(key, 0.0)
+    return int(b - a if b >= a else b)
 
 
 def _int(x: float | None) -> int | None:

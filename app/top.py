@@ -2,7 +2,7 @@
 Prometheus ``/metrics`` endpoint with kafka_exporter's names.
 
 * ``render(snapshot)``: rich tables (consumer groups in the columns of
-  ``kafka-consumer-groups.sh``, backlog per bucket, throughput, weights, versions,
+  ``kafka-consumer-groups.sh``, backlog per bucket, throughput, serving, weights, versions,
   staleness, drops, stalled partitions);
 * ``SnapshotCollector``: the Prometheus view of the latest snapshot. Lag metrics use
   kafka_exporter's names and labels (``kafka_consumergroup_lag{consumergroup,topic,partition}``
@@ -34,8 +34,8 @@ def _s(v: Any) -> str:
 
 def render(snap: dict[str, Any]) -> Any:
     """The text view of one snapshot, top to bottom: header, stalled partitions, consumer
-    groups, backlog per bucket, then one line each for throughput, weights, versions,
-    staleness and drops."""
+    groups, backlog per bucket, then one line each for throughput, serving (when a server
+    reported), weights, versions, staleness and drops."""
     from rich.console import Group
     from rich.text import Text
 
@@ -49,6 +49,8 @@ def render(snap: dict[str, Any]) -> Any:
     if snap["backlog"]:
         parts.append(_backlog_table(snap["backlog"]))
     parts.append(Text(throughput_line(snap["throughput"])))
+    if snap.get("serving"):  # only where a srl serve reported in the window
+        parts.append(Text(serving_line(snap["serving"], snap["window_s"])))
     text, style = weights_line(snap["weights"])
     parts.append(Text(text, style=style))
     parts.append(Text(versions_line(snap["versions"])))
@@ -136,6 +138,24 @@ def throughput_line(t: dict[str, Any]) -> str:
         f"{_rate(t['train_tokens_per_s'])} tok/s, {_rate(t['trajectories_per_s'], 2)} "
         f"trajectories/s"
     )
+
+
+def serving_line(sv: dict[str, Any], window_s: float) -> str:
+    """``srl serve``'s traffic: request rate, choices in flight, and what became of the
+    served choices in the window (served → published → trained), with the publishing losses."""
+    flight = (
+        f"{sv['in_flight']} in flight ({sv['running']} running, {sv['waiting']} waiting)"
+        if sv["in_flight"] is not None
+        else "- in flight"
+    )
+    line = (
+        f"serving (last {window_s:g}s): {sv['servers']} server(s), "
+        f"{_rate(sv['requests_per_s'], 1)} req/s, {flight}; served {sv['served']} → "
+        f"published {sv['published']} → trained {sv['trained']}; "
+        f"publish drops {sv['publish_dropped']}, delivery failures {sv['delivery_failures']}"
+    )
+    timeouts = sv["queue_timeouts"]
+    return f"{line}; {timeouts} queue timeouts (503)" if timeouts else line
 
 
 def weights_line(w: dict[str, Any]) -> tuple[str, str]:
@@ -313,6 +333,7 @@ def srl_metrics(snap: dict[str, Any]) -> Iterator[Any]:
     for name, key, doc in THROUGHPUT_METRICS:
         if t[key] is not None:
             yield _gauge(name, doc, value=t[key])
+    yield from _serving_metrics(snap.get("serving"))
     yield from _weights_metrics(snap["weights"])
     yield from _version_metrics(snap["versions"])
     yield _labelled(
@@ -337,6 +358,28 @@ def srl_metrics(snap: dict[str, Any]) -> Iterator[Any]:
         "Records of the metrics topic that are no metric event (read since the monitor started)",
         value=snap["drops"].get("unreadable_metric_records", 0),
     )
+
+
+SERVING_METRICS = (
+    ("srl_serving_requests_per_second", "requests_per_s", "Requests/s over all srl serve workers"),
+    ("srl_serving_in_flight", "in_flight", "Choices running or waiting for a batch slot"),
+    ("srl_serving_waiting", "waiting", "Choices waiting for a batch slot"),
+    ("srl_serving_served", "served", "Served choices finished in the window"),
+    ("srl_serving_published", "published", "Served trajectories published in the window"),
+    ("srl_serving_trained", "trained", "Served trajectories trained in the window"),
+    ("srl_serving_publish_dropped", "publish_dropped", "Served trajectories not published"),
+    ("srl_serving_delivery_failures", "delivery_failures", "Records the broker did not take"),
+    ("srl_serving_queue_timeouts", "queue_timeouts", "Requests refused with 503 in the window"),
+)
+
+
+def _serving_metrics(sv: dict[str, Any] | None) -> Iterator[Any]:
+    """The serving line's figures; nothing when no srl serve reported in the window."""
+    if not sv:
+        return
+    for name, key, doc in SERVING_METRICS:
+        if sv[key] is not None:
+            yield _gauge(name, doc, value=sv[key])
 
 
 def _weights_metrics(w: dict[str, Any]) -> Iterator[Any]:

@@ -39,7 +39,7 @@ import orjson
 
 from app.serve.jobs import Job
 from producers.chunker import Chunker, TrajectoryStart
-from schemas.records import TrajectoryChunk, encode, pack_tokens
+from schemas.records import ABORTED, TrajectoryChunk, encode, pack_tokens
 from srl.kafka import Producer
 from srl.topics import Layout
 
@@ -86,6 +86,7 @@ class Publisher:
         self.chunk_tokens = chunk_tokens
         self.chunker = Chunker(chunk_tokens, worker_id)
         self.chunks = 0
+        self.trajectories = 0  # finished (not aborted) ones whose last chunk the producer took
         self.dropped = 0  # trajectories the producer refused a record of (not published)
         self.last_drop = ""  # why the last one was dropped
         self._pending: dict[str, _Pending] = {}  # open trajectories
@@ -176,6 +177,7 @@ class Publisher:
             self.chunker.drop(tid)
             return False
         self.chunks += 1
+        self.trajectories += chunk.is_last and chunk.finish_reason != ABORTED
         return True
 
 

@@ -100,6 +100,7 @@ class Upkeep:
                 "waiting": float(waiting),
                 "policy_version": float(self.engine.version),
                 "published_chunks": float(self.publisher.chunks),
+                "published_trajectories": float(self.publisher.trajectories),
             }
             self.metric("serve_stats", values, {"publish": str(self.publisher.enabled).lower()})
 

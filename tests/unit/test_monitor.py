@@ -191,3 +191,69 @@ def test_tally_keeps_the_latest_event_of_each_kind_and_source() -> None:
     t = tally_events([first, second, event("train_step", step=1), event("train_step", step=2)], "r")
     assert t.gen == {"gen-0": second}
     assert t.train is not None and t.train.step == 2
+
+
+SERVED = "chatcmpl-" + "0" * 32  # a served group's prompt_id: its completion id
+
+
+def serve_stats(source: str, age_ms: int, **values: float) -> MetricEvent:
+    return event("serve_stats", source, age_ms, values=values, labels={"publish": "true"})
+
+
+def test_serving_summary_from_serve_stats_and_the_served_samples_trained() -> None:
+    events = [
+        serve_stats("srv-0", 20_000, requests=10.0, completions=8.0, published_trajectories=8.0),
+        serve_stats(
+            "srv-0",
+            10_000,
+            requests=20.0,
+            completions=18.0,
+            published_trajectories=17.0,
+            publish_dropped=1.0,
+            running=1.0,
+        ),
+        serve_stats(
+            "srv-0",
+            5_000,
+            requests=30.0,
+            completions=28.0,
+            published_trajectories=26.0,
+            publish_dropped=2.0,
+            queue_timeouts=1.0,
+            running=3.0,
+            waiting=2.0,
+        ),
+        # restarted, and stale: counts from 0, not in flight
+        serve_stats("srv-1", FRESH_MS + 9_000, requests=50.0, completions=50.0),
+        serve_stats("srv-1", FRESH_MS + 1, requests=4.0, completions=4.0, running=7.0),
+        event("serve_stats", "srv-9", values={"requests": 1e6}, run="other"),
+    ]
+    trained = {"outcome": "trained", "prompt_id": SERVED}
+    events += [
+        event("sample", labels=trained | {"trajectory_id": "s-0"}, values={"staleness": 0.0}),
+        event("sample", labels=trained | {"trajectory_id": "s-0"}, step=9),  # re-sent: once
+        event("sample", labels=trained | {"trajectory_id": "s-1"}),
+        event("sample", labels={"outcome": "dropped_stale", "prompt_id": SERVED}),
+        event("sample", labels={"outcome": "trained", "prompt_id": "task-1"}),  # generated
+    ]
+    got = summarize_events(events, "r", NOW)["serving"]
+    # srv-0: 10 requests in its last 5 s; srv-1: 4 since its restart, 8.999 s between events
+    assert got.pop("requests_per_s") == pytest.approx(10 / 5.0 + 4 / 8.999)
+    assert got == {
+        "servers": 1,
+        "in_flight": 5,
+        "running": 3,
+        "waiting": 2,
+        "queue_timeouts": 1,
+        "served": 20 + 4,
+        "published": 18,
+        "trained": 2,
+        "publish_dropped": 2,
+        "delivery_failures": 0,
+    }
+
+
+def test_no_serving_key_without_serve_stats_and_one_event_gives_no_rate() -> None:
+    assert "serving" not in summarize_events([event("sample")], "r", NOW)
+    got = summarize_events([serve_stats("srv-0", 0, requests=5.0)], "r", NOW)["serving"]
+    assert got["requests_per_s"] is None and got["served"] == 0 and got["in_flight"] == 0

@@ -39,7 +39,7 @@ def test_buffered_publishing_cuts_the_chunks_token_by_token_would(seed: int) -> 
     for i, tid in enumerate(tids):
         pub.open(job, i, tid)
         ref.open(trajectory_start(job, i, tid, LAYOUT))
-    version, live = 0, list(tids)
+    version, live, finished = 0, list(tids), 0
     while live:
         tid = rng.choice(live)
         if rng.random() < 0.03:  # a weight swap: open chunks first, then the new version
@@ -56,12 +56,14 @@ def test_buffered_publishing_cuts_the_chunks_token_by_token_would(seed: int) -> 
             expected += ref.add(tid, [t], [lp], version, finish if k == n - 1 else None)
         if finish is not None:
             live.remove(tid)
+            finished += finish != "abort"
     got = producer.chunks()
     for tid in tids:
         mine = [comparable(c) for c in got if c.trajectory_id == tid]
         theirs = [comparable(c) for c in expected if c.trajectory_id == tid]
         assert mine == theirs
     assert pub.chunks == len(got) == len(expected)
+    assert pub.trajectories == finished  # aborted ones are published, not counted
 
 
 def test_abort_before_any_token_is_an_empty_last_chunk_of_the_current_version() -> None:

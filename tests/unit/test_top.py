@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from app.monitor import summarize_events
 from app.top import (
     GROUP_COLUMNS,
     SnapshotCollector,
@@ -14,12 +15,18 @@ from app.top import (
     group_cells,
     lag_sums,
     partition_counts,
+    render,
+    serving_line,
     staleness_line,
     stalled_line,
     throughput_line,
     versions_line,
     weights_line,
 )
+from schemas.records import MetricEvent
+
+NOW = 1_700_000_000_000
+SERVED = "cmpl-" + "a" * 32  # a served group's prompt_id: its completion id
 
 
 def group(name: str, part: int, current: int | None, lag: int | None) -> dict[str, Any]:
@@ -186,3 +193,93 @@ def test_the_collector_says_down_until_it_has_a_snapshot_then_uses_kafka_exporte
     assert got["srl_generator_policy_version"] == [({"source": "a"}, 1)]
     assert got["srl_staleness_samples"] == [({"staleness": "0"}, 2)]
     assert got["srl_dead_letter_records"] == [({}, 0)]
+
+
+def metric(kind: str, age_ms: int, values: dict[str, float], **labels: str) -> MetricEvent:
+    return MetricEvent(
+        kind=kind, source="srv-0", run="r", ts_ms=NOW - age_ms, values=values, labels=labels
+    )
+
+
+SERVING_EVENTS = [
+    metric(
+        "serve_stats", 10_000, {"requests": 10.0, "completions": 9.0, "published_trajectories": 9.0}
+    ),
+    metric(
+        "serve_stats",
+        5_000,
+        {
+            "requests": 22.0,
+            "completions": 21.0,
+            "published_trajectories": 20.0,
+            "publish_dropped": 1.0,
+            "running": 4.0,
+            "waiting": 3.0,
+        },
+    ),
+    *[
+        metric("sample", 0, {}, outcome="trained", prompt_id=SERVED, trajectory_id=f"t-{i}")
+        for i in range(6)
+    ],
+]
+
+
+def snapshot(events: list[MetricEvent]) -> dict[str, Any]:
+    """A whole snapshot, its event part from real metric events."""
+    return {
+        "ts_ms": NOW,
+        "bootstrap": "b:9092",
+        "prefix": "srl",
+        "run": "r",
+        "window_s": 300.0,
+        "topics": [],
+        "groups": [],
+        "group_info": {},
+        "backlog": [],
+        "weights": {"run": "r", "version": None, "manifest_ok": None, "error": None},
+        "stalled": [],
+        **summarize_events(events, "r", NOW),
+        "versions": {"trainer": None, "published": None, "generators": {}, "in_backlog": {}},
+        "drops": {"by_outcome": {}, "dead_letters_counted": 0, "dead_letter_records": 0},
+    }
+
+
+def text_of(snap: dict[str, Any]) -> str:
+    from rich.console import Console
+
+    console = Console(width=400)
+    with console.capture() as cap:
+        console.print(render(snap))
+    return cap.get()
+
+
+def test_the_serving_line_from_serve_stats_and_served_samples() -> None:
+    line = (
+        "serving (last 300s): 1 server(s), 2.4 req/s, 7 in flight (4 running, 3 waiting); "
+        "served 12 → published 11 → trained 6; publish drops 1, delivery failures 0"
+    )
+    snap = snapshot(SERVING_EVENTS)
+    assert serving_line(snap["serving"], 300.0) == line
+    assert line in text_of(snap)
+    stale = dict(snap["serving"], servers=0, in_flight=None, running=None, waiting=None)
+    assert "0 server(s), 2.4 req/s, - in flight;" in serving_line(stale | {"queue_timeouts": 2}, 5)
+    assert serving_line(stale | {"queue_timeouts": 2}, 5).endswith("; 2 queue timeouts (503)")
+
+
+def test_no_serving_traffic_leaves_the_view_and_the_exporter_as_they_were() -> None:
+    snap = snapshot(SERVING_EVENTS[2:])  # samples, no serve_stats
+    assert "serving" not in snap
+    assert "serving" not in text_of(snap)
+    c = SnapshotCollector()
+    c.up, c.snap = 1, snap
+    assert not [m.name for m in c.collect() if m.name.startswith("srl_serving")]
+
+
+def test_the_exporter_carries_the_serving_figures() -> None:
+    c = SnapshotCollector()
+    c.up, c.snap = 1, snapshot(SERVING_EVENTS)
+    got = {m.name: [s.value for s in m.samples] for m in c.collect()}
+    assert got["srl_serving_requests_per_second"] == [pytest.approx(2.4)]
+    assert got["srl_serving_in_flight"] == [7] and got["srl_serving_waiting"] == [3]
+    assert got["srl_serving_served"] == [12] and got["srl_serving_published"] == [11]
+    assert got["srl_serving_trained"] == [6] and got["srl_serving_publish_dropped"] == [1]
