@@ -9,7 +9,8 @@ three replicas and ``min.insync.replicas=2``, so one node may be down while prod
   as a process manager would. Recovery is counted from the kill: the failover, not the node's
   return.
 * ``kafka-node-freeze``: SIGSTOP that node for ``stop_s`` (20 s: past the broker session of
-  9 s, so the controller fences it and moves its leaders), then SIGCONT; counted from SIGCONT.
+  4 s, ``broker.session.timeout.ms`` in ``srl/broker/apache_kafka/server.properties``, so the
+  controller fences it and moves its leaders), then SIGCONT; counted from SIGCONT.
 * ``kafka-rolling-restart``: each node in turn stopped with SIGTERM (a controlled shutdown),
   started again, and the next one only once every partition has all its replicas in sync
   again, as an operator rolls an upgrade; counted from the last node's return.
