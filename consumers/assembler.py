@@ -73,6 +73,8 @@ class Trajectory:
     assembled_ms: int = field(default_factory=now_ms)
     step: int | None = None  # trainer step its group was released for (null: unscheduled)
     step_groups: int | None = None  # groups released for that step
+    temperature: float | None = None  # sampling settings it was drawn with (null: the run's)
+    top_p: float | None = None
 
     @property
     def behaviour_version(self) -> int:
@@ -237,6 +239,8 @@ class Assembler:
             last_created_ms=max(c.created_ms for c in chunks),
             step=first.step,
             step_groups=first.step_groups,
+            temperature=first.temperature,
+            top_p=first.top_p,
         )
 
     def forget(self, tids: set[str]) -> None:

@@ -13,7 +13,10 @@ must hold:
   origin (``srl.metrics``), holds nothing, and training goes on;
 * a trajectory that can never train (inconsistent chunks, longer than the model's
   ``max_length``) is dead-lettered and returned as :class:`Invalid`: the trainer decides it
-  ``invalid`` and fills its slot in the group.
+  ``invalid`` and fills its slot in the group;
+* so is, without the dead letter, one aborted (``finish_reason = abort``) or sampled at
+  settings the trainer does not represent (``untrainable_settings``: another temperature,
+  greedy, a top-p cut; docs/serving.md, "Behaviour policy").
 
 It owns the assembler (``consumers.assembler``) and the offset tracker the trainer commits from
 (``consumers.offsets``). Called by ``consumers.trainer`` once per record of its hot loop;
@@ -23,6 +26,7 @@ nothing is logged per record but a consumer error.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -55,8 +59,10 @@ class Intake:
         producer: Producer,
         metrics: Metrics,
         versions: Versions,
+        temperature: float = 1.0,
     ) -> None:
         self.outcomes = outcomes
+        self.temperature = temperature  # the trainer's: the one sampling setting it represents
         self.assembler = Assembler(outcomes.ledger, expire_s)  # the ledger's ids are duplicates
         self.tracker = OffsetTracker()
         self.max_len = max_len  # the model's longest sequence (prompt + completion)
@@ -91,6 +97,8 @@ class Intake:
             # the policy would have given, so never trained; decided invalid, its group slot
             # filled. Not a dead letter: nothing is wrong with the record.
             return Invalid(chunk, f"trajectory {tid}: aborted after {traj.n_tokens} tokens")
+        if traj is not None and (why := untrainable_settings(traj, self.temperature)):
+            return Invalid(chunk, f"trajectory {tid}: {why}")  # counted like an abort
         if traj is not None and traj.length > self.max_len:
             reason = f"trajectory {tid}: {traj.length} tokens > the model's {self.max_len}"
             return self._invalid(msg, chunk, reason)
@@ -153,3 +161,22 @@ class Versions(Protocol):
     newest: int
 
     def exists(self, version: int, produced_ms: int | None = None) -> bool: ...
+
+
+def untrainable_settings(traj: Trajectory, temperature: float) -> str | None:
+    """Why ``traj`` was sampled at settings the trainer cannot represent, or None.
+
+    The trainer recomputes log-probs as ``log_softmax(logits / T)`` at its own ``T`` with no
+    truncation, so it trains only on samples drawn at that temperature with ``top_p = 1``;
+    a greedy sample (``T = 0``, a point mass), another temperature or a nucleus cut would
+    give importance and PPO ratios against a distribution that was not sampled from.
+    Settings absent (null) are the generator's own: the run's, which the trainer shares.
+    """
+    t = traj.temperature
+    top_p = 1.0 if traj.top_p is None else traj.top_p
+    if t is None or (math.isclose(t, temperature, rel_tol=1e-6) and top_p >= 1):
+        return None
+    return (
+        f"sampled at temperature {t:g}, top_p {top_p:g}; the trainer represents only"
+        f" temperature {temperature:g}, top_p 1"
+    )

@@ -249,6 +249,7 @@ class Trainer:
         self.intake = Intake(
             self.outcomes, engine.max_length, cfg.expire_s, self.producer, self.metrics, versions
         )
+        self.intake.temperature = cfg.temperature  # the only sampling it trains on
         self.score = functools.partial(scored, self.scorer, self.metrics)
         args = (self.producer, self.metrics, self.outcomes, self.groups, self.score, self._at)
         self.feedback = FeedbackPath(cfg, *args)

@@ -8,7 +8,8 @@ contract of ``schemas/trajectory_chunk.avsc``):
 * a chunk holds at most ``chunk_tokens`` tokens, one behaviour log-prob per token, and tokens
   of a single policy version: tokens of a new version close the open chunk first (so does
   ``flush_all`` before a weight swap);
-* ``prompt_tokens``, ``metadata``, ``step`` and ``step_groups`` ride on seq 0 only;
+* ``prompt_tokens``, ``metadata``, ``step``, ``step_groups`` and the sampling settings
+  (``temperature``, ``top_p``) ride on seq 0 only;
   ``finish_reason`` and ``is_last`` on the last chunk only; the last chunk may be empty only
   when it carries nothing but the end (an abort); ``pool`` and ``pool_epoch`` (the writer's,
   under pool epochs: ``srl.lineage``) on every chunk;
@@ -47,6 +48,8 @@ class TrajectoryStart:
     step_groups: int | None = None  # groups released for that step; seq 0 only
     pool: str | None = None  # the writer's pool and epoch (pool epochs), on every chunk
     pool_epoch: int | None = None
+    temperature: float | None = None  # sampling settings (null: the run's); seq 0 only
+    top_p: float | None = None
 
 
 @dataclass
@@ -158,6 +161,8 @@ class Chunker:
             step_groups=s.step_groups if first else None,
             pool=s.pool,
             pool_epoch=s.pool_epoch,
+            temperature=s.temperature if first else None,
+            top_p=s.top_p if first else None,
         )
         t.seq += 1
         t.offset += n

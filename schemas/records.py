@@ -181,6 +181,8 @@ class TrajectoryChunk(Record):
     step_groups: int | None = None  # seq 0 only: groups released for that step
     pool: str | None = None  # the writer's pool under pool epochs (null: unfenced)
     pool_epoch: int | None = None  # the epoch it held the task's partition in
+    temperature: float | None = None  # seq 0 only: sampled at (0: greedy; null: run's own)
+    top_p: float | None = None  # seq 0 only: nucleus mass sampled with (null: run's own)
 
     @property
     def n_tokens(self) -> int:

@@ -65,6 +65,8 @@ def trajectory_start(job: Job, index: int, trajectory_id: str, layout: Layout) -
         bucket=layout.bucket_for(job.sampling.max_tokens),
         prompt_tokens=pack_tokens(job.prompt_ids),
         metadata=serve_metadata(job.completion_id, job.request),
+        temperature=job.sampling.temperature,
+        top_p=job.sampling.top_p,
     )
 
 

@@ -14,13 +14,15 @@ Owns the contract between a generator worker and an engine:
   the call carry the new version.
 * ``abort(key)`` drops a queued or running request without further output (hand-off).
 * a request with ``top_logprobs = k > 0`` (``srl serve``'s ``logprobs``) also gets, per
-  token, the ``k`` most likely tokens and their log-probs in the distribution its behaviour
-  log-prob is taken from (``Emitted.top``).
+  token, the ``k`` most likely tokens and their log-probs by ``log softmax(logits / T)``
+  before any top-p cut, ``T = 1`` when greedy (``Emitted.top``).
 
-Behaviour log-probs are ``log softmax(logits / T)`` of the sampled token for ``T > 0`` (before
-top-p truncation) and ``log softmax(logits)`` for greedy decoding (``T = 0``); trainers compute
-the same quantity with the same temperature. A resumed request (``prefix``) is prefilled with
-prompt + prefix and continues; ``max_new_tokens`` bounds prefix + new tokens together.
+Behaviour log-probs are those of the distribution sampled from: ``log softmax(logits / T)``
+of the sampled token for ``T > 0``, cut to the top-p nucleus and renormalised, and 0 for greedy
+decoding (``T = 0``, a point mass); trainers compute the same quantity with the same
+temperature when ``top_p = 1`` (docs/serving.md, "Behaviour policy"). A resumed request
+(``prefix``) is prefilled with prompt + prefix and continues; ``max_new_tokens`` bounds
+prefix + new tokens together.
 
 ``generate`` / ``complete`` drive an engine without Kafka (evaluation, benchmarks, tests).
 Called by ``producers.worker``, ``app.bench.engine`` and the demo's evaluation.

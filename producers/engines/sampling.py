@@ -3,12 +3,13 @@
 Pure tensor math, no model: ``sample(logits, temperature, top_p, generator)`` for a batch
 whose rows may each use their own parameters. What must hold:
 
-* a row with ``temperature == 0`` is greedy (argmax) and its log-prob is
-  ``log_softmax(logits)`` at the argmax;
+* a row with ``temperature == 0`` is greedy (argmax): a point mass, so its log-prob is 0;
 * any other row samples from ``softmax(logits / T)`` restricted to the smallest set of tokens
   whose mass reaches ``top_p`` (the most likely token is always kept), and its log-prob is
-  ``log_softmax(logits / T)`` at the sampled token, i.e. *before* the top-p truncation, which
-  is what a trainer recomputes from the same logits and temperature.
+  that of the distribution actually sampled from: ``log_softmax(logits / T)`` with the tail
+  beyond the nucleus cut and the rest renormalised (with ``top_p = 1``, nothing is cut, and
+  it is what a trainer recomputes from the same logits and temperature; docs/serving.md,
+  "Behaviour policy", says which settings the trainer trains on).
 
 Called by the hf engine each decode step. torch is imported on the first call, so that
 importing the engines (a sim worker, ``--help``) does not load it.
@@ -37,14 +38,18 @@ def sample(
     greedy = temperature <= 0
     logp = _behaviour_logp(logits, temperature)
     tokens = logp.argmax(dim=-1)
+    chosen = torch.zeros(tokens.shape, dtype=torch.float32, device=logp.device)  # greedy: 0
     sampled_rows = ~greedy
     if bool(sampled_rows.any()):
-        probs = logp[sampled_rows].exp()
-        probs = _top_p_filter(probs, top_p[sampled_rows])
+        rows = logp[sampled_rows]
+        drop = _top_p_drop(rows.exp(), top_p[sampled_rows])
+        probs = rows.exp() if drop is None else rows.exp().masked_fill(drop, 0.0)
         draw = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         tokens = tokens.clone()
         tokens[sampled_rows] = draw
-    chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
+        if drop is not None:  # the nucleus renormalised: the distribution sampled from
+            rows = torch.log_softmax(rows.masked_fill(drop, -torch.inf), dim=-1)
+        chosen[sampled_rows] = rows.gather(-1, draw[:, None]).squeeze(-1)
     return tokens, chosen
 
 
@@ -52,7 +57,9 @@ def top_logprobs(
     logits: torch.Tensor, temperature: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(token ids [B, k], log-probs [B, k])``: each row's ``k`` most likely tokens, most
-    likely first, in the distribution whose log-prob :func:`sample` reports."""
+    likely first, by ``log_softmax(logits / T)`` (``T = 1`` for greedy rows), before any
+    top-p cut: informative alternatives, equal to :func:`sample`'s log-prob for ``T > 0``
+    and ``top_p = 1``."""
     values, ids = _behaviour_logp(logits, temperature).topk(k, dim=-1)
     return ids, values
 
@@ -67,15 +74,15 @@ def _behaviour_logp(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Te
     return torch.log_softmax(scaled, dim=-1)
 
 
-def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Zero the tail beyond mass ``top_p`` per row (rows with top_p >= 1 are untouched)."""
+def _top_p_drop(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """The tail beyond mass ``top_p`` per row (rows with top_p >= 1 keep every token); None
+    when no row is cut."""
     import torch
 
     if bool((top_p >= 1).all()):
-        return probs
+        return None
     sorted_p, order = probs.sort(dim=-1, descending=True)
     before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly above each token
     drop_sorted = before >= top_p[:, None]
     drop_sorted[:, 0] = False  # always keep the most likely token
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)

@@ -9,8 +9,9 @@ to the srl engine contract (``producers.engines.base``):
   ``max_batch`` sequences (``max_num_seqs``);
 * log-probs: ``logprobs=0`` returns the sampled token's log-prob, and the engine is created
   with ``logprobs_mode="processed_logprobs"`` so it is taken after temperature scaling, the
-  quantity the hf engine reports (vLLM takes it after top-p filtering too; equal for
-  ``top_p = 1``); a request's ``top_logprobs = k`` asks vLLM for ``logprobs=k``, which adds the
+  quantity the hf engine reports (after top-p filtering too, renormalised; for a greedy
+  request vLLM reports the unscaled log-prob where the hf engine reports 0, and the trainer
+  trains neither); a request's ``top_logprobs = k`` asks vLLM for ``logprobs=k``, which adds the
   ``k`` most likely tokens (by rank) to the sampled one;
 * weights: ``load_weights`` writes the verified tensors to a local safetensors file and asks
   every vLLM worker to load it in place (``collective_rpc`` into :class:`SrlWorkerExtension`,

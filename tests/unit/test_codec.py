@@ -112,13 +112,27 @@ def test_exact_bytes_for_a_fixed_chunk() -> None:
         + b"\x00"  # step, step_groups null
         + b"\x00"
         + b"\x00"  # pool, pool_epoch null
+        + b"\x00"
+        + b"\x00"  # temperature, top_p null
     )
     assert encode(chunk()) == expected
     stepped = TrajectoryChunk(**{**chunk().to_dict(), "step": 7, "step_groups": 12})
-    assert encode(stepped) == expected[:-4] + b"\x02" + zz(7) + b"\x02" + zz(12) + b"\x00\x00"
+    tail = b"\x00" * 4
+    assert encode(stepped) == expected[:-6] + b"\x02" + zz(7) + b"\x02" + zz(12) + tail
     fenced = TrajectoryChunk(**{**chunk().to_dict(), "pool": "g", "pool_epoch": 3})
-    assert encode(fenced) == expected[:-2] + b"\x02" + avro_str("g") + b"\x02" + zz(3)
+    pooled = b"\x02" + avro_str("g") + b"\x02" + zz(3)
+    assert encode(fenced) == expected[:-4] + pooled + b"\x00\x00"
+    sampled = TrajectoryChunk(**{**chunk().to_dict(), "temperature": 0.5, "top_p": 0.25})
+    doubles = b"\x02" + struct.pack("<d", 0.5) + b"\x02" + struct.pack("<d", 0.25)
+    assert encode(sampled) == expected[:-2] + doubles
     assert tokens == bytes.fromhex("01000000020000002c010000")
+
+
+def test_a_chunk_from_before_the_sampling_settings_still_decodes() -> None:
+    old = Codec(current=[SCHEMA_DIR / "history" / "trajectory_chunk.v3.avsc"])
+    fields = {k: v for k, v in chunk().to_dict().items() if k not in ("temperature", "top_p")}
+    got = decode_as(old.encode("srl.TrajectoryChunk", fields), TrajectoryChunk)
+    assert got == chunk() and got.temperature is None and got.top_p is None
 
 
 def test_round_trip_every_record_type() -> None:

@@ -26,20 +26,20 @@ HIST = STREAMRL_LENGTHS
 
 
 # -- sampling ---------------------------------------------------------------------------------
-def test_greedy_rows_take_the_argmax_with_unscaled_logprobs() -> None:
+def test_greedy_rows_take_the_argmax_of_a_point_mass() -> None:
     logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
     tokens, lps = sample(logits, torch.tensor([0.0, 0.0]), torch.tensor([1.0, 1.0]))
     assert tokens.tolist() == [1, 0]
-    assert lps.tolist() == pytest.approx(torch.log_softmax(logits, -1)[[0, 1], [1, 0]].tolist())
+    assert lps.tolist() == [0.0, 0.0]  # the distribution sampled from: all mass on the argmax
 
 
-def test_top_p_keeps_only_the_nucleus_and_logprobs_are_before_truncation() -> None:
+def test_top_p_keeps_only_the_nucleus_and_logprobs_are_of_the_renormalised_nucleus() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(400, 1)
     g = torch.Generator().manual_seed(0)
     tokens, lps = sample(logits, torch.full((400,), 1.0), torch.full((400,), 0.7), g)
     assert set(tokens.tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.7; the tail is never drawn
     assert lps.tolist() == pytest.approx(
-        [math.log([0.5, 0.3][t]) for t in tokens.tolist()], abs=1e-6
+        [math.log([0.5, 0.3][t] / 0.8) for t in tokens.tolist()], abs=1e-6
     )
     tiny, _ = sample(logits[:50], torch.full((50,), 1.0), torch.full((50,), 1e-6), g)
     assert set(tiny.tolist()) == {0}

@@ -1,6 +1,7 @@
 """What ``srl serve`` asks of the engines: a request's own ``seed`` in the sim engine, and
-``top_logprobs`` (the most likely alternatives of each token, from the distribution its
-behaviour log-prob is taken from) in the hf and sim engines."""
+``top_logprobs`` (the most likely alternatives of each token, by the temperature-scaled
+distribution its behaviour log-prob is taken from before any top-p cut) in the hf and sim
+engines."""
 
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ def test_hf_top_logprobs_come_from_the_sampled_distribution(
         tops = dict(alts)
         if temperature == 0:  # greedy: the sampled token is the most likely one
             assert alts[0][0] == e.tokens[0]
-        if e.tokens[0] in tops:  # the same distribution as the behaviour log-prob
+        if temperature == 0:  # the behaviour log-prob is the point mass's
+            assert e.logprobs[0] == 0.0
+        elif e.tokens[0] in tops:  # the same distribution as the behaviour log-prob
             assert tops[e.tokens[0]] == pytest.approx(e.logprobs[0], abs=1e-5)
     assert all(e.top is None for e in outs if e.key == "b")
