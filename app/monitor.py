@@ -503,8 +503,9 @@ def serving_summary(t: EventTally, now: int) -> dict[str, Any] | None:
     none reported. ``requests_per_s``: between each worker's last two events; ``running`` /
     ``waiting``: its last event if fresher than :data:`FRESH_MS`; ``served`` (choices
     finished), ``published`` (trajectories handed to the producer), drops and failures: grown
-    since its first event of the window; ``trained``: served trajectories (``prompt_id`` a
-    completion id) the trainer reported trained in the window."""
+    since its first event of the window; ``queue_wait_ms``: the mean wait for a first batch
+    slot of the requests that got one in the window; ``trained``: served trajectories
+    (``prompt_id`` a completion id) the trainer reported trained in the window."""
     if not t.serve:
         return None
     rates = []
@@ -526,12 +527,17 @@ def serving_summary(t: EventTally, now: int) -> dict[str, Any] | None:
         "running": running if fresh else None,
         "waiting": waiting if fresh else None,
         "queue_timeouts": grown("queue_timeouts"),
+        "queue_wait_ms": _mean(grown("queue_wait_ms"), grown("queue_waits")),
         "served": grown("completions"),
         "published": grown("published_trajectories"),
         "trained": len(t.served_trained),
         "publish_dropped": grown("publish_dropped"),
         "delivery_failures": grown("delivery_failures"),
     }
+
+
+def _mean(total: int, n: int) -> float | None:
+    return round(total / n, 1) if n else None
 
 
 def _grown(first: MetricEvent, last: MetricEvent, key: str) -> int:

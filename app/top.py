@@ -148,6 +148,8 @@ def serving_line(sv: dict[str, Any], window_s: float) -> str:
         if sv["in_flight"] is not None
         else "- in flight"
     )
+    if sv.get("queue_wait_ms") is not None:
+        flight += f", queue wait {sv['queue_wait_ms']:.0f} ms"
     line = (
         f"serving (last {window_s:g}s): {sv['servers']} server(s), "
         f"{_rate(sv['requests_per_s'], 1)} req/s, {flight}; served {sv['served']} → "
@@ -370,6 +372,7 @@ SERVING_METRICS = (
     ("srl_serving_publish_dropped", "publish_dropped", "Served trajectories not published"),
     ("srl_serving_delivery_failures", "delivery_failures", "Records the broker did not take"),
     ("srl_serving_queue_timeouts", "queue_timeouts", "Requests refused with 503 in the window"),
+    ("srl_serving_queue_wait_ms", "queue_wait_ms", "Mean wait for a first batch slot (ms)"),
 )
 
 

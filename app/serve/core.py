@@ -304,6 +304,8 @@ class ServeEngine:
         q.running += 1
         if not q.accepted:
             q.accepted = True
+            self.stats.queue_waits += 1
+            self.stats.queue_wait_ms += round((time.monotonic() - q.arrived) * 1000)
             self._out.append((job, Accepted(len(job.prompt_ids))))
         self.publisher.open(job, index, key)
         self._choices[key] = _Choice(job, index, TextStream(self.codec.decode, s.stop))

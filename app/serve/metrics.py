@@ -23,6 +23,8 @@ COUNTERS = {
     "completions": "Choices finished (stop, length).",
     "cancelled": "Choices aborted: client gone, server stopping (never trained).",
     "queue_timeouts": "Requests refused with 503: no batch slot within max_queue_wait_s.",
+    "queue_waits": "Requests given their first batch slot.",
+    "queue_wait_ms": "Their waits for it, in milliseconds, summed (the mean: over queue_waits).",
     "request_errors": "Requests that failed on the engine thread alone.",
     "tokens": "Completion tokens generated.",
     "published_chunks": "Trajectory chunks handed to the producer.",

@@ -36,6 +36,8 @@ class ServeStats:
     completions: int = 0  # choices finished (stop, length)
     cancelled: int = 0  # choices aborted (client gone, server stopping)
     queue_timeouts: int = 0  # jobs that had no batch slot within max_queue_wait_s (503)
+    queue_waits: int = 0  # jobs given their first batch slot
+    queue_wait_ms: int = 0  # their waits for it, summed (mean: queue_wait_ms / queue_waits)
     request_errors: int = 0  # jobs that failed on the engine thread alone
     tokens: int = 0  # completion tokens generated
     weights_loaded: int = 0

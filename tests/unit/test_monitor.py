@@ -220,6 +220,8 @@ def test_serving_summary_from_serve_stats_and_the_served_samples_trained() -> No
             published_trajectories=26.0,
             publish_dropped=2.0,
             queue_timeouts=1.0,
+            queue_waits=12.0,
+            queue_wait_ms=300.0,
             running=3.0,
             waiting=2.0,
         ),
@@ -245,6 +247,7 @@ def test_serving_summary_from_serve_stats_and_the_served_samples_trained() -> No
         "running": 3,
         "waiting": 2,
         "queue_timeouts": 1,
+        "queue_wait_ms": 25.0,  # 300 ms over 12 requests (srv-0: none before its last event)
         "served": 20 + 4,
         "published": 18,
         "trained": 2,

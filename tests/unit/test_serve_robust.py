@@ -217,6 +217,23 @@ def test_a_full_local_queue_drops_and_counts_instead_of_blocking(nowhere: Produc
 
 
 # -- the queue: a bound on waiting, fair shares, bounded mailboxes ---------------------------
+def test_the_wait_for_a_first_batch_slot_is_counted(producer: FakeProducer) -> None:
+    """``queue_waits`` / ``queue_wait_ms``: what ``srl top`` shows as the mean queue wait."""
+    core = make_core(producer, max_batch=1)
+    core.engine.time_scale = 1.0  # type: ignore[attr-defined]
+    with app_client(core) as client:
+        first = threading.Thread(target=complete, args=(client,), kwargs={"max_tokens": 40})
+        first.start()
+        wait_for(lambda: client.get("/health").json()["running"] == 1)
+        t0 = time.monotonic()
+        assert complete(client, max_tokens=2).status_code == 200  # waits for the first
+        waited_ms = (time.monotonic() - t0) * 1000
+        first.join(30)
+        health = client.get("/health").json()
+    assert health["queue_waits"] == 2
+    assert 50 <= health["queue_wait_ms"] <= waited_ms + 50, (health, waited_ms)
+
+
 def test_no_slot_within_the_queue_wait_is_a_503_with_retry_after(producer: FakeProducer) -> None:
     core = make_core(producer, max_batch=1, max_queue_wait_s=0.2)
     core.engine.time_scale = 1.0  # type: ignore[attr-defined]

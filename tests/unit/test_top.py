@@ -215,6 +215,8 @@ SERVING_EVENTS = [
             "publish_dropped": 1.0,
             "running": 4.0,
             "waiting": 3.0,
+            "queue_waits": 4.0,
+            "queue_wait_ms": 250.0,
         },
     ),
     *[
@@ -255,13 +257,16 @@ def text_of(snap: dict[str, Any]) -> str:
 
 def test_the_serving_line_from_serve_stats_and_served_samples() -> None:
     line = (
-        "serving (last 300s): 1 server(s), 2.4 req/s, 7 in flight (4 running, 3 waiting); "
+        "serving (last 300s): 1 server(s), 2.4 req/s, 7 in flight (4 running, 3 waiting), "
+        "queue wait 62 ms; "
         "served 12 → published 11 → trained 6; publish drops 1, delivery failures 0"
     )
     snap = snapshot(SERVING_EVENTS)
     assert serving_line(snap["serving"], 300.0) == line
     assert line in text_of(snap)
-    stale = dict(snap["serving"], servers=0, in_flight=None, running=None, waiting=None)
+    stale = dict(
+        snap["serving"], servers=0, in_flight=None, running=None, waiting=None, queue_wait_ms=None
+    )
     assert "0 server(s), 2.4 req/s, - in flight;" in serving_line(stale | {"queue_timeouts": 2}, 5)
     assert serving_line(stale | {"queue_timeouts": 2}, 5).endswith("; 2 queue timeouts (503)")
 
@@ -283,3 +288,4 @@ def test_the_exporter_carries_the_serving_figures() -> None:
     assert got["srl_serving_in_flight"] == [7] and got["srl_serving_waiting"] == [3]
     assert got["srl_serving_served"] == [12] and got["srl_serving_published"] == [11]
     assert got["srl_serving_trained"] == [6] and got["srl_serving_publish_dropped"] == [1]
+    assert got["srl_serving_queue_wait_ms"] == [pytest.approx(62.5)]
