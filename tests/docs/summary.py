@@ -1,5 +1,7 @@
 """The docs blocks' summary at the end of the run: how many ran, and which were marked not
-runnable here, with their reasons (``tests/docs/blocks.py``)."""
+runnable here, with their reasons (``tests/docs/blocks.py``). Called by ``tests/conftest.py``'s
+``pytest_terminal_summary``: under pytest-xdist only the top conftest is loaded where the
+summary is written (a conftest of tests/docs/ is loaded by the workers alone)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from collections import Counter
 import pytest
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+def docs_summary(terminalreporter: pytest.TerminalReporter) -> None:
     def ours(kind: str) -> list[pytest.TestReport]:
         reports = terminalreporter.stats.get(kind, [])
         return [r for r in reports if "test_doc_blocks.py::" in getattr(r, "nodeid", "")]
