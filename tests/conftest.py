@@ -34,6 +34,8 @@ from typing import Any
 
 import pytest
 
+from tests.docs.summary import docs_summary
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # `make test` runs 3 test processes on 2 cores and each starts roles: one torch thread per
@@ -210,6 +212,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if not all(c.running(n) for n in c.nodes):
             c.start()
     return c
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    docs_summary(terminalreporter)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
