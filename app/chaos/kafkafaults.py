@@ -73,15 +73,7 @@ def kill_leader(sc: Scene, inj: Injection) -> None:
         return
     _in_flight(sc, inj)
     node, why = busiest_leader(sc, broker)
-    inj.target = f"kafka node {node}"
-    inj.start = inj.end = time.time()
-    broker.cluster.kill(node)
-    sc.sleep(RESTART_DELAY_S)
-    broker.cluster.start_node(node)
-    inj.note = (
-        f"node {node} ({why}) SIGKILLed with {len(inj.inflight)} trajectories in flight; "
-        f"back after {time.time() - inj.start:.1f} s"
-    )
+    _kill_and_restart(sc, inj, broker, node, f"node {node} ({why})")
 
 
 def freeze_node(sc: Scene, inj: Injection) -> None:
@@ -136,12 +128,18 @@ def kill_controller(sc: Scene, inj: Injection) -> None:
     if node is None:
         inj.skipped = "kafka-metadata-quorum named no active controller"
         return
+    _kill_and_restart(sc, inj, broker, node, f"active controller node {node}")
+
+
+def _kill_and_restart(sc: Scene, inj: Injection, broker: KafkaBroker, node: int, what: str) -> None:
+    """SIGKILL ``node``, then start it again after ``RESTART_DELAY_S`` on its data; the
+    recovery is counted from the kill."""
     inj.target = f"kafka node {node}"
     inj.start = inj.end = time.time()
     broker.cluster.kill(node)
     sc.sleep(RESTART_DELAY_S)
     broker.cluster.start_node(node)
     inj.note = (
-        f"active controller node {node} SIGKILLed with {len(inj.inflight)} trajectories in "
-        f"flight; back after {time.time() - inj.start:.1f} s"
+        f"{what} SIGKILLed with {len(inj.inflight)} trajectories in flight; "
+        f"back after {time.time() - inj.start:.1f} s"
     )
