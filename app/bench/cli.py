@@ -355,9 +355,14 @@ def _pipeline_line(mode: str, m: dict[str, Any]) -> str:
 @click.option(
     "--repeats",
     type=click.IntRange(1, 20),
-    default=1,
+    default=3,
     show_default=True,
-    help="Runs of each mode, alternating; the best rate and the median latencies count.",
+    help="Rounds of each mode and phase, alternating; the medians count.",
+)
+@click.option(
+    "--control",
+    is_flag=True,
+    help="A/A test: both servers publish off; the overheads are the measurement's noise.",
 )
 @broker_option()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -367,6 +372,7 @@ def serve_bench(
     requests: int,
     concurrency: int | None,
     repeats: int,
+    control: bool,
     brokers: tuple[str, ...],
     as_json: bool,
 ) -> None:
@@ -377,14 +383,18 @@ def serve_bench(
     publishing on. Runs on a fresh broker of each --broker (both by default), or on
     bootstrap_servers when given; JSON: the figures keyed by broker.
     """
-    from app.bench.serve import Plan, run, text_report
+    from app.bench.serve import Plan, core_split, pinned, run, text_report
 
-    plan = Plan(max_tokens, requests, concurrency, repeats)
+    plan = Plan(max_tokens, requests, concurrency, repeats, control=control)
+
+    split = core_split()  # the servers on the upper half of the CPUs, the rest on the lower
 
     def one(bootstrap: str) -> dict[str, Any]:
-        return run(cfg.model_copy(update={"bootstrap_servers": bootstrap}), plan)
+        c = cfg.model_copy(update={"bootstrap_servers": bootstrap})
+        return run(c, plan, split[0] if split else None)
 
-    res = on_brokers(brokers, _external(cfg), one, _starting)
+    with pinned(split[1] if split else None):
+        res = on_brokers(brokers, _external(cfg), one, _starting)
     if as_json:
         echo_json(res)
     else:

@@ -174,7 +174,7 @@ def test_bench_serve_json_shape(cli_env: dict[str, str]) -> None:
     """``srl bench serve --json`` at a tiny size: the shape and the arithmetic, not speed."""
     out = subprocess.run(
         [bin_path("srl"), "bench", "serve", "--requests", "6", "--max-batch", "2"]
-        + ["--max-tokens", "4", "--time-scale", "0.2", "--json"],
+        + ["--max-tokens", "4", "--time-scale", "0.2", "--repeats", "2", "--json"],
         capture_output=True,
         text=True,
         env=cli_env,
@@ -190,12 +190,45 @@ def test_bench_serve_json_shape(cli_env: dict[str, str]) -> None:
             for key in ("rps", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99"):
                 assert p[key] > 0, (mode, phase, key)
             assert p["ttft_ms_p50"] <= p["ttft_ms_p99"] and p["itl_ms_p50"] <= p["itl_ms_p99"]
-            server = p["server"]  # each phase on its own server, warmed up with 2 requests
-            assert server["delivery_failures"] == 0 and server["tokens"] == (6 + 2) * 4
-            assert (server["published_chunks"] > 0) == bool(chunks)
+            for rnd in r["runs"][mode][phase]:  # the server's counters over the measured requests
+                server = rnd["server"]  # (the warm-up's are not counted)
+                assert server["delivery_failures"] == 0 and server["tokens"] == 6 * 4
+                assert server["completions"] == 6
+                assert (server["published_chunks"] >= 6) == bool(chunks), server
         assert r[mode]["rate"]["target_rps"] == r["settings"]["rate_rps"]
-    off, on = r["publish_off"]["saturation"]["rps"], r["publish_on"]["saturation"]["rps"]
-    assert r["overhead_rps"] == pytest.approx(1 - on / off, abs=1e-3)
-    itl_off, itl_on = (r[m]["rate"]["itl_ms_p50"] for m in ("publish_off", "publish_on"))
-    assert r["overhead_itl_p50"] == pytest.approx(itl_on / itl_off - 1, abs=1e-3)
-    assert r["settings"]["rate_rps"] == pytest.approx(0.5 * off, rel=1e-3)
+    # each figure: the median over the pairs of rounds that ran next to each other
+    runs, pairs = r["runs"], r["pairs"]
+    assert len(pairs) == 2
+    for i, pair in enumerate(pairs):
+        off, on = (runs[m]["saturation"][i]["rps"] for m in ("publish_off", "publish_on"))
+        assert pair["overhead_rps"] == pytest.approx(1 - on / off, abs=1e-3)
+        itl_off, itl_on = (runs[m]["rate"][i]["itl_ms_p50"] for m in ("publish_off", "publish_on"))
+        assert pair["overhead_itl_p50"] == pytest.approx(itl_on / itl_off - 1, abs=1e-3)
+    for key in ("overhead_rps", "overhead_itl_p50"):
+        assert r[key] == pytest.approx(sum(p[key] for p in pairs) / 2, abs=1e-3)
+    off_rps = [x["rps"] for x in runs["publish_off"]["saturation"]]
+    assert r["publish_off"]["saturation"]["rps"] == pytest.approx(sum(off_rps) / 2, abs=1e-3)
+    assert r["settings"]["rate_rps"] == pytest.approx(0.25 * sum(off_rps), rel=1e-3)
+
+
+@pytest.mark.slow
+def test_bench_serve_control_publishes_nothing(cli_env: dict[str, str]) -> None:
+    """``--control`` (the A/A test): both servers publish off, and the output says so."""
+    from app.bench.serve import text_report
+
+    out = subprocess.run(
+        [bin_path("srl"), "bench", "serve", "--requests", "4", "--max-batch", "2"]
+        + ["--max-tokens", "3", "--time-scale", "0.2", "--repeats", "1", "--control", "--json"],
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (r,) = orjson.loads(out.stdout).values()
+    assert r["control"] is True and "CONTROL" in r["label"]
+    assert "CONTROL: both servers publish off" in text_report(r)
+    for mode in ("publish_off", "publish_on"):
+        for phase in ("saturation", "rate"):
+            assert r[mode][phase]["server"]["published_chunks"] == 0
+            assert r[mode][phase]["requests"] == 4

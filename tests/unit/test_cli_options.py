@@ -87,6 +87,7 @@ OWN: dict[str, set[str]] = {
         "--requests",
         "--concurrency",
         "--repeats",
+        "--control",
         "--broker",
         "--json",
     },
