@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from schemas.records import SchemaError, WeightsAnnouncement, decode_as
 from srl.errors import SrlError, StoreError, WeightsError
-from srl.kafka import OFFSET_BEGINNING, QuietTail, TopicPartition, reader
+from srl.kafka import OFFSET_BEGINNING, KafkaException, QuietTail, TopicPartition, reader
 from srl.metrics import MAX_RECORD_BYTES
 from srl.weights import fetch_tensors, load_manifest
 
@@ -98,8 +98,19 @@ class WeightFollower:
 
     # -- worker side ---------------------------------------------------------------------
     def start(self) -> WeightFollower:
-        self._consumer.assign([TopicPartition(self.layout.weights, 0, OFFSET_BEGINNING)])
-        self._tail = QuietTail(self._consumer, TopicPartition(self.layout.weights, 0))
+        """Read the weights topic from its first record, at a concrete offset where the
+        broker tells it: the quiet tail pauses at the end only from a concrete position, and
+        an empty weights topic (nothing announced yet: ``srl serve`` before any trainer) would
+        otherwise be fetched busily forever on the embedded broker (``srl.kafka.quiet``;
+        measured: 0.46 core in an idle ``srl serve``, 0.38 in the broker)."""
+        tp = TopicPartition(self.layout.weights, 0)
+        try:
+            start: int | None = self._probe.get_watermark_offsets(tp, timeout=5)[0]
+        except KafkaException:  # not answered now: from the beginning, found later
+            start = None
+        offset = OFFSET_BEGINNING if start is None or start < 0 else start
+        self._consumer.assign([TopicPartition(tp.topic, 0, offset)])
+        self._tail = QuietTail(self._consumer, tp, start=None if offset < 0 else offset)
         self._thread.start()
         return self
 

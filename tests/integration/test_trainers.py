@@ -11,6 +11,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from consumers.config import TrainConfig
 from consumers.trainer import run_trainer
 from producers.follower import WeightFollower
@@ -134,3 +136,36 @@ def test_followers_load_only_the_run_they_follow(make_cfg: Any, tiny_model: Path
     finally:
         lead.stop()
         own.stop()
+
+
+@pytest.mark.embedded
+def test_a_follower_of_an_empty_weights_topic_stops_fetching(
+    make_cfg: Any, tiny_model: Path
+) -> None:
+    """``srl serve`` before any trainer: nothing announced yet. The follower goes quiet (the
+    embedded broker answers an idle fetch at once; fetching from a logical start offset never
+    paused, so an idle ``srl serve`` spent 0.46 core on it), and still reads the first
+    announcement when it comes."""
+    cfg = make_cfg(run="lead")
+    layout = Layout.from_config(cfg)
+    create_topics(cfg)
+    store = store_from_config(cfg)
+    follower = WeightFollower(cfg, layout, store).start()
+    try:
+        deadline = time.monotonic() + 20
+        while not follower._tail.caught_up:
+            assert time.monotonic() < deadline, "the follower never paused on an empty topic"
+            time.sleep(0.05)
+        assert follower._tail.paused
+        tensors = load_model(tiny_model).state_dict()
+        with Producer(cfg, "test-trainers") as p:
+            announce(
+                p, layout, publish(store, "lead", 1, tensors, trainer_step=1, parent_version=0)
+            )
+        deadline = time.monotonic() + 30
+        while (ready := follower.take()) is None:
+            assert time.monotonic() < deadline, "the first announcement was not read"
+            time.sleep(0.1)
+        assert ready.version == 1 and follower.latest == 1
+    finally:
+        follower.stop()
