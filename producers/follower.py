@@ -47,6 +47,11 @@ if TYPE_CHECKING:
     from srl.topics import Layout
 
 log = logging.getLogger("srl.follower")
+# How often a caught-up follower asks the embedded broker whether the weights topic grew: a
+# version is announced once per training step (seconds), and each probe is a request. At the
+# quiet tail's 10 ms default an idle ``srl serve`` spent 5 % of its core on it (52 ms/s), which
+# a CPU-bound engine loses in requests/s (``srl bench serve --engine hf``, embedded broker).
+PROBE_S = 0.05
 
 
 @dataclass
@@ -110,7 +115,10 @@ class WeightFollower:
             start = None
         offset = OFFSET_BEGINNING if start is None or start < 0 else start
         self._consumer.assign([TopicPartition(tp.topic, 0, offset)])
-        self._tail = QuietTail(self._consumer, tp, start=None if offset < 0 else offset)
+        # a new version waits at most PROBE_S longer while the tail is paused (embedded broker)
+        self._tail = QuietTail(
+            self._consumer, tp, probe_s=PROBE_S, start=None if offset < 0 else offset
+        )
         self._thread.start()
         return self
 

@@ -21,7 +21,8 @@ more than the cost being measured. Results, each the **median over the pairs** o
 
 * ``overhead_rps`` = 1 − rps(on) / rps(off) at saturation;
 * ``overhead_itl_p50`` = p50 ITL(on) / p50 ITL(off) − 1 at the fixed rate (also
-  ``overhead_ttft_p50``); a positive figure is a loss with publishing on. ``pairs`` keeps
+  ``overhead_ttft_p50`` and ``overhead_tpot_p50``, the per-request decode pace:
+  ``app.bench.serveload``); a positive figure is a loss with publishing on. ``pairs`` keeps
   every pair's figures (their spread is the measurement's).
 
 ``--control`` runs the same rounds with publishing off in both servers (an A/A test): its
@@ -303,6 +304,7 @@ def overheads(off: dict[str, Any], on: dict[str, Any]) -> dict[str, float | None
         "overhead_rps": loss(off["saturation"]["rps"], on["saturation"]["rps"], True),
         "overhead_itl_p50": loss(off["rate"]["itl_ms_p50"], on["rate"]["itl_ms_p50"], False),
         "overhead_ttft_p50": loss(off["rate"]["ttft_ms_p50"], on["rate"]["ttft_ms_p50"], False),
+        "overhead_tpot_p50": loss(off["rate"]["tpot_ms_p50"], on["rate"]["tpot_ms_p50"], False),
     }
 
 
@@ -404,6 +406,7 @@ def text_report(r: dict[str, Any], broker: str = "") -> str:
 
     lines.append(
         f"  publishing costs {pct('overhead_rps')} of requests/s at saturation and "
-        f"{pct('overhead_itl_p50')} of p50 inter-token latency at half of it"
+        f"{pct('overhead_itl_p50')} of p50 inter-token latency at half of it "
+        f"({pct('overhead_tpot_p50')} of p50 time per output token)"
     )
     return "\n".join(lines)

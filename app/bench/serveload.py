@@ -6,6 +6,10 @@ Owns how ``srl bench serve`` measures a server. Each request is ``POST /v1/compl
 * time to first token (TTFT) = first event − the moment the request was sent;
 * inter-token latency (ITL) = the gaps between a request's consecutive events (one event per
   decode step that produced text: one token for the sim engine);
+* time per output token (TPOT, as vLLM's ``benchmark_serving`` has it) = (last event − first
+  event) / (events − 1) of each request: its decode pace. Its p50 is steadier than ITL's where
+  the gaps are of two kinds (the client reads several events per wake-up, a real tokenizer
+  holds back a step's text), which makes the gaps' median jump between them;
 * requests/s = completed requests / (last completion − first send).
 
 ``saturation`` keeps ``concurrency`` requests in flight (more than the engine's batch, so its
@@ -41,6 +45,12 @@ class Sample:
     def gaps(self) -> list[float]:
         return [b - a for a, b in zip(self.events, self.events[1:], strict=False)]
 
+    @property
+    def tpot(self) -> float | None:
+        """Time per output event after the first: the request's own decode pace."""
+        n = len(self.events)
+        return (self.events[-1] - self.events[0]) / (n - 1) if n > 1 else None
+
 
 @dataclass(frozen=True)
 class Load:
@@ -60,6 +70,7 @@ def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
     ok = [s for s in samples if s.error is None and s.events]
     ttft = [t for s in ok if (t := s.ttft) is not None]
     gaps = [g for s in ok for g in s.gaps()]
+    tpot = [t for s in ok if (t := s.tpot) is not None]
     events = sum(len(s.events) for s in ok)
     return {
         "requests": len(ok),
@@ -72,6 +83,8 @@ def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
         "ttft_ms_p99": _pct(ttft, 99),
         "itl_ms_p50": _pct(gaps, 50),
         "itl_ms_p99": _pct(gaps, 99),
+        "tpot_ms_p50": _pct(tpot, 50),
+        "tpot_ms_p99": _pct(tpot, 99),
     }
 
 

@@ -187,9 +187,11 @@ def test_bench_serve_json_shape(cli_env: dict[str, str]) -> None:
         for phase in ("saturation", "rate"):
             p = r[mode][phase]
             assert p["requests"] == 6 and p["errors"] == 0, p
-            for key in ("rps", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99"):
+            keys = ("rps", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "tpot_ms_p50")
+            for key in keys:
                 assert p[key] > 0, (mode, phase, key)
             assert p["ttft_ms_p50"] <= p["ttft_ms_p99"] and p["itl_ms_p50"] <= p["itl_ms_p99"]
+            assert p["tpot_ms_p50"] <= p["tpot_ms_p99"]
             for rnd in r["runs"][mode][phase]:  # the server's counters over the measured requests
                 server = rnd["server"]  # (the warm-up's are not counted)
                 assert server["delivery_failures"] == 0 and server["tokens"] == 6 * 4
@@ -204,7 +206,7 @@ def test_bench_serve_json_shape(cli_env: dict[str, str]) -> None:
         assert pair["overhead_rps"] == pytest.approx(1 - on / off, abs=1e-3)
         itl_off, itl_on = (runs[m]["rate"][i]["itl_ms_p50"] for m in ("publish_off", "publish_on"))
         assert pair["overhead_itl_p50"] == pytest.approx(itl_on / itl_off - 1, abs=1e-3)
-    for key in ("overhead_rps", "overhead_itl_p50"):
+    for key in ("overhead_rps", "overhead_itl_p50", "overhead_tpot_p50"):
         assert r[key] == pytest.approx(sum(p[key] for p in pairs) / 2, abs=1e-3)
     off_rps = [x["rps"] for x in runs["publish_off"]["saturation"]]
     assert r["publish_off"]["saturation"]["rps"] == pytest.approx(sum(off_rps) / 2, abs=1e-3)
