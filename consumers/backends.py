@@ -6,11 +6,27 @@ from consumers.config import TrainConfig
 from consumers.distributed import Dist
 from consumers.engine import Engine
 from consumers.engine_deepspeed import DeepSpeedEngine
+from consumers.engine_fsdp import FSDPEngine
 from consumers.train_engine import TrainEngine
 
 
+def backend_name(cfg: TrainConfig, world: int) -> str:
+    """``auto``: FSDP2 (sharded) with several ranks, the replicated torch backend with one."""
+    if cfg.backend == "auto":
+        return "fsdp" if world > 1 else "torch"
+    return cfg.backend
+
+
 def make_engine(cfg: TrainConfig, dist: Dist | None = None) -> TrainEngine:
-    """Plain torch, or DeepSpeed ZeRO."""
-    if cfg.backend == "deepspeed":
-        return DeepSpeedEngine(cfg, dist)
-    return Engine(cfg, dist)
+    """Plain torch, FSDP2, or DeepSpeed ZeRO."""
+    name = backend_name(cfg, dist.world if dist is not None else 1)
+    engine: TrainEngine
+    if name == "deepspeed":
+        engine = DeepSpeedEngine(cfg, dist)
+    elif name == "fsdp":
+        engine = FSDPEngine(cfg, dist)
+    else:
+        engine = Engine(cfg, dist)
+    if dist is not None:
+        dist.lockstep = engine.lockstep  # how rank 0 hands out micro-batches
+    return engine

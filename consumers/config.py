@@ -188,9 +188,13 @@ class TrainConfig(CommonConfig):
     )
     # -- backend --------------------------------------------------------------------------
     device: str = Field("auto", description="torch device: auto, cpu, cuda, cuda:N.")
-    backend: Literal["torch", "deepspeed"] = Field(
-        "torch",
-        description="torch: plain torch; deepspeed: ZeRO 0-2 (any number of ranks either way).",
+    backend: Literal["auto", "torch", "fsdp", "deepspeed"] = Field(
+        "auto",
+        description=(
+            "auto: fsdp with several ranks, torch with one; fsdp: FSDP2, parameters, gradients "
+            "and AdamW state sharded across ranks; torch: replicated on every rank; deepspeed: "
+            "ZeRO 0-2 (docs/trainer.md)."
+        ),
     )
     zero_stage: int = Field(
         1,
@@ -198,7 +202,33 @@ class TrainConfig(CommonConfig):
         le=3,
         description="DeepSpeed ZeRO stage 0, 1 or 2 (backend deepspeed; 3 is refused).",
     )
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description=(
+            "Compute dtype of forward and backward. bfloat16 keeps fp32 master weights, fp32 "
+            "AdamW state and fp32 gradient reduction (mixed precision) unless master_dtype says "
+            "otherwise."
+        ),
+    )
+    master_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description=(
+            "dtype of the weights the optimizer updates. bfloat16 (pure-bf16 storage) rounds "
+            "away most updates at small learning rates; only on explicit request, with a "
+            "warning."
+        ),
+    )
+    publish_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="dtype of published weights (the generators' serving dtype); auto: dtype.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description=(
+            "Recompute each decoder layer's activations in the backward pass: keeps only the "
+            "layer inputs, at about a third more compute."
+        ),
+    )
 
     @field_validator("reward")
     @classmethod
@@ -233,8 +263,8 @@ class TrainConfig(CommonConfig):
                 "zero_stage: 3 partitions the parameters, which the weights publisher reads "
                 "whole; use --zero-stage 0, 1 or 2"
             )
-        if self.backend == "deepspeed" and self.dtype != "float32":
-            raise ConfigError("dtype: the deepspeed backend trains in float32 only in this build")
+        if self.backend == "deepspeed" and self.master_dtype != "float32":
+            raise ConfigError("master_dtype: the deepspeed backend keeps float32 master weights")
         if self.feedback_window_s >= self.expire_s:
             raise ConfigError(
                 f"--feedback-window-s {self.feedback_window_s:g} must be under --expire-s "

@@ -1,40 +1,51 @@
-"""Several trainer ranks through torch.distributed: rank 0 consumes and scatters.
+"""Several trainer ranks through torch.distributed: rank 0 consumes and hands out the work.
 
 Owns how ranks share the stream. Rank 0 alone reads Kafka, assembles, scores, groups, gates
-and batches; every micro-batch it forms goes, round robin, to one rank (itself included),
-which runs forward/backward at once. At the step boundary rank 0 tells every rank the step's
-normaliser; all ranks all-reduce their summed gradients and take the same AdamW update, so
-the replicated model and optimizer never diverge. Why one reader (docs/trainer.md): a group's
-samples lie on different partitions, the step must hold a fixed number of groups, and the
-dedupe ledger and offset commits must live in one place for exactly-once in effect; token
-ids are tiny next to gradients, so the scatter costs nothing that matters.
+and batches; every micro-batch it forms goes to one rank (itself included), which runs
+forward/backward at once. A replicated backend takes them round robin; a lockstep one (FSDP,
+whose every forward and backward is a collective) in rounds of one per rank, the busiest
+rank's first (a round leaves when all its ranks have one; the last round of a step is padded
+with zero-weight micro-batches). At the step boundary rank 0 tells every rank the step's
+normaliser and every rank takes the same AdamW update (on its shard, or on its replica after
+an all-reduce). Why one reader (docs/trainer.md): a group's samples lie on different
+partitions, the step must hold a fixed number of groups, and the dedupe ledger and offset
+commits must live in one place for exactly-once in effect; token ids are tiny next to
+gradients, so handing them out costs nothing that matters.
 
-Wire protocol on a gloo group (CPU tensors; the gradient all-reduce uses the default group,
+Wire protocol on a gloo group (CPU tensors; the gradient collectives use the default group,
 NCCL on GPUs): an int64 header ``[cmd, a, b, c]`` from rank 0, then the command's tensors.
 
-* ``MB`` (a = rows, b = length): ids, attn, behav, adv, weight of one micro-batch;
+* ``MB`` (a = rows, b = length): ids, attn, behav, adv, weight of one micro-batch; a = 0: a
+  zero-weight one (a lockstep round's padding), no tensors follow;
 * ``STEP`` (a = step): a float64 normaliser; every rank then calls ``Engine.step``;
 * ``DISCARD``: forget a partial step; ``STOP``: leave the loop;
-* ``STATE``: every rank calls ``Engine.optimizer_state`` (ZeRO gathers its partitions).
+* ``EXPORT``: every rank joins ``Engine.export`` (FSDP gathers each parameter in turn);
+* ``SAVE`` (a = checkpoint number): every rank writes its shard (``save_shard``) and hands its
+  marker entry to rank 0.
 
 Started by ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the environment).
-Called by ``consumers.trainer``.
+Called by ``consumers.trainer`` and ``consumers.durable``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from consumers.train_engine import MicroBatch, TrainEngine
+from consumers import checkpoint as ckpts
+from consumers.train_engine import MicroBatch, TrainEngine, empty_micro_batch
+from srl.errors import StoreError
 
 if TYPE_CHECKING:
     import torch
 
+    from srl.store import ObjectStore
+
 log = logging.getLogger("srl.trainer.dist")
 
-MB, STEP, DISCARD, STOP, STATE = 1, 2, 3, 4, 5
+MB, STEP, DISCARD, STOP, EXPORT, SAVE = 1, 2, 3, 4, 6, 7
 
 
 class Dist:
@@ -45,6 +56,8 @@ class Dist:
         self.world = world
         self.group = group  # gloo group for the data plane
         self.next_rank = 0
+        self.lockstep = False  # the backend's: hand micro-batches out in rounds
+        self.round: list[MicroBatch] = []  # a lockstep round being filled
 
     @classmethod
     def from_env(cls, device: str) -> Dist | None:
@@ -115,17 +128,39 @@ class Dist:
             if payload is not None:
                 dist.send(payload, dst=r, group=self.group)
 
-    def assign(self, mb: MicroBatch) -> bool:
-        """Send ``mb`` to the next rank in turn; True when it is rank 0's own to run."""
+    def assign(self, mb: MicroBatch) -> list[MicroBatch]:
+        """Hand ``mb`` out; returns the micro-batches rank 0 runs now (none, or one)."""
+        if not self.lockstep:
+            dst, self.next_rank = self.next_rank, (self.next_rank + 1) % self.world
+            if dst == 0:
+                return [mb]
+            self._send(dst, mb)
+            return []
+        self.round.append(mb)
+        return self._deal() if len(self.round) == self.world else []
+
+    def flush(self) -> list[MicroBatch]:
+        """Before a step: the lockstep round being filled leaves, padded."""
+        return self._deal() if self.round else []
+
+    def _deal(self) -> list[MicroBatch]:
+        """One micro-batch per rank, the most tokens to rank 0 (it also reads Kafka, so its
+        backward starts last); zero-weight ones where the round is short."""
+        mbs = sorted(self.round, key=lambda m: -m.ids.numel())
+        self.round = []
+        for r in range(1, self.world):
+            self._send(r, mbs[r] if r < len(mbs) else None)
+        return [mbs[0]]
+
+    def _send(self, dst: int, mb: MicroBatch | None) -> None:
         import torch.distributed as dist
 
-        dst, self.next_rank = self.next_rank, (self.next_rank + 1) % self.world
-        if dst == 0:
-            return True
+        if mb is None:
+            self._header(dst, MB, 0, 0)
+            return
         self._header(dst, MB, mb.ids.shape[0], mb.ids.shape[1])
         for t in mb.tensors():
             dist.send(t.contiguous(), dst=dst, group=self.group)
-        return False
 
     def step(self, step: int, normalizer: float) -> None:
         import torch
@@ -136,15 +171,50 @@ class Dist:
     def discard(self) -> None:
         self._to_all(DISCARD)
         self.next_rank = 0
+        self.round = []
 
     def stop(self) -> None:
         self._to_all(STOP)
 
-    def gather_state(self) -> None:
-        self._to_all(STATE)
+    def export(self) -> None:
+        self._to_all(EXPORT)
+
+    def save(self, number: int) -> None:
+        self._to_all(SAVE, number)
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank, in rank order, on every rank."""
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
 
-def follow(engine: TrainEngine, dist_: Dist) -> tuple[int, int]:
+def save_shard(
+    engine: TrainEngine, dist_: Dist | None, store: ObjectStore, run: str, number: int
+) -> list[dict[str, Any]]:
+    """Every rank: its shard of checkpoint ``number`` (a replicated backend: rank 0 writes the
+    whole state as one shard); returns every written shard's marker entry, in rank order.
+    StoreError on every rank when any rank's write was refused."""
+    rank, world = (dist_.rank, dist_.world) if dist_ is not None else (0, 1)
+    tensors, meta = engine.checkpoint_state()  # DeepSpeed gathers its partitions: a collective
+    entry: dict[str, Any] | None = None
+    if engine.sharded or rank == 0:
+        at, of = (rank, world) if engine.sharded else (0, 1)
+        try:
+            entry = ckpts.write_shard(store, run, number, at, of, tensors, meta)
+        except StoreError as e:
+            entry = {"error": f"rank {rank}: {e}"}
+    del tensors
+    entries = dist_.gather_objects(entry) if dist_ is not None else [entry]
+    refused = [e["error"] for e in entries if e and "error" in e]
+    if refused:
+        raise StoreError("; ".join(refused))
+    return [e for e in entries if e]
+
+
+def follow(engine: TrainEngine, dist_: Dist, store: ObjectStore, run: str) -> tuple[int, int]:
     """The loop of ranks > 0: run what rank 0 sends until STOP; returns (steps, micro-batches)."""
     import torch
     import torch.distributed as dist
@@ -155,7 +225,9 @@ def follow(engine: TrainEngine, dist_: Dist) -> tuple[int, int]:
         header = torch.zeros(4, dtype=torch.int64)
         dist.recv(header, src=0, group=g)
         cmd, a, b, _ = (int(x) for x in header.tolist())
-        if cmd == MB:
+        if cmd == MB and a == 0:
+            engine.backward(empty_micro_batch())
+        elif cmd == MB:
             ids = torch.empty((a, b), dtype=torch.int64)
             attn = torch.empty((a, b), dtype=torch.int64)
             behav = torch.empty((a, b - 1), dtype=torch.float32)
@@ -172,8 +244,11 @@ def follow(engine: TrainEngine, dist_: Dist) -> tuple[int, int]:
             steps += 1
         elif cmd == DISCARD:
             engine.discard()
-        elif cmd == STATE:
-            engine.optimizer_state()
+        elif cmd == EXPORT:
+            engine.export()
+        elif cmd == SAVE:
+            with contextlib.suppress(StoreError):  # rank 0 reports it
+                save_shard(engine, dist_, store, run, a)
         elif cmd == STOP:
             log.info("rank %d: %d steps, %d micro-batches", dist_.rank, steps, micro_batches)
             return steps, micro_batches

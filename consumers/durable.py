@@ -32,7 +32,7 @@ from typing import Any
 
 from consumers import checkpoint as ckpts
 from consumers.config import TrainConfig
-from consumers.distributed import Dist
+from consumers.distributed import Dist, save_shard
 from consumers.engine import extra_files
 from consumers.outcomes import Outcomes
 from consumers.train_engine import TrainEngine
@@ -89,7 +89,7 @@ class Durable:
                 self.store,
                 self.cfg.run,
                 version,
-                self.engine.tensors(),
+                self._export(),
                 trainer_step=step,
                 parent_version=self.lineage,
                 extra_files=self.files,
@@ -143,11 +143,24 @@ class Durable:
         )
         announce(self.producer, self.layout, pub)
 
+    def _export(self) -> dict[str, Any]:
+        """The weights in the serving dtype (every rank joins: FSDP gathers them in turn)."""
+        import torch
+
+        name = self.cfg.dtype if self.cfg.publish_dtype == "auto" else self.cfg.publish_dtype
+        if self.dist is not None:
+            self.dist.export()
+        return self.engine.export(getattr(torch, name))
+
     def save(self, step: int, outcomes: Outcomes) -> bool:
-        """Checkpoint ``number + 1``: model, optimizer, the ledger and the window's events.
-        False if the store refused a write: nothing of it is left, nothing became durable."""
+        """Checkpoint ``number + 1``: every rank's shard of the model and optimizer, the ledger
+        and the window's events. False if the store refused a write: nothing of it is left,
+        nothing became durable."""
         self.number += 1
         try:
+            if self.dist is not None:
+                self.dist.save(self.number)
+            shards = save_shard(self.engine, self.dist, self.store, self.cfg.run, self.number)
             ckpts.save(
                 self.store,
                 self.cfg.run,
@@ -156,8 +169,7 @@ class Durable:
                 version=self.version,
                 ledger=outcomes.ledger.entries,
                 events=outcomes.window,
-                model=self.engine.tensors(),
-                optimizer=self._optimizer_state(),
+                shards=shards,
                 extra={
                     "lineage": self.lineage,
                     "skipped": sorted(self.skipped),
@@ -165,11 +177,7 @@ class Durable:
                 },
             )
         except StoreError as e:
+            ckpts.remove(self.store, self.cfg.run, self.number)
             return self._refused("checkpoint", self.number, step, e)
         ckpts.prune(self.store, self.cfg.run, self.cfg.keep_checkpoints)
         return True
-
-    def _optimizer_state(self) -> dict[str, Any]:
-        if self.dist is not None:
-            self.dist.gather_state()  # ZeRO's partitions live on every rank
-        return self.engine.optimizer_state()

@@ -18,10 +18,12 @@ Called by ``consumers.trainer`` (rank 0) and ``consumers.distributed`` (other ra
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from consumers import checkpoint as ckpts
 from consumers.config import TrainConfig
 from consumers.losses import k3_kl, policy_loss, token_logprobs
 from consumers.train_engine import MicroBatch, StepStats
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
 
     from consumers.distributed import Dist
 
+log = logging.getLogger("srl.trainer")
+
 
 def resolve_device(name: str) -> str:
     import torch
@@ -43,14 +47,13 @@ def resolve_device(name: str) -> str:
 
 
 def export_tensors(model: Any) -> dict[str, torch.Tensor]:
-    """The state dict without aliases (a tied lm_head shares the embedding's storage)."""
+    """The state dict without aliases (a tied lm_head is the embedding's parameter)."""
     out: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
-    for name, t in model.state_dict().items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if key in seen:
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
             continue
-        seen.add(key)
+        seen.add(id(t))
         out[name] = t.detach()
     return out
 
@@ -71,6 +74,9 @@ def extra_files(model_dir: str | Path) -> dict[str, bytes]:
 class Engine:
     """Plain-torch backend; ``dist`` is None for one rank."""
 
+    sharded = False  # True: every rank holds (and checkpoints) only its shard of the state
+    lockstep = False  # True: every rank must run as many micro-batches as the others
+
     def __init__(self, cfg: TrainConfig, dist: Dist | None = None) -> None:
         import torch
 
@@ -78,18 +84,51 @@ class Engine:
         self.dist = dist
         self.device = resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)
-        dtype = getattr(torch, cfg.dtype)  # float32, or bfloat16 parameters and AdamW state
-        self.model = load_model(cfg.model, self.device, dtype)
+        self.compute_dtype = getattr(torch, cfg.dtype)
+        master = getattr(torch, cfg.master_dtype)
+        if master != torch.float32 and (dist is None or dist.rank == 0):
+            log.warning(
+                "master_dtype %s: the optimizer updates %s weights; updates below half their "
+                "spacing (most of them at lr %g) round away",
+                cfg.master_dtype,
+                cfg.master_dtype,
+                cfg.lr,
+            )
+        # bf16 compute over fp32 master weights: autocast casts each matmul's operands
+        self.autocast = self.compute_dtype != master
+        self.model = self._wrap(load_model(cfg.model, self._load_device, master), master)
         self.model.train()
+        if cfg.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         self.ref = None
-        if cfg.kl_coef > 0:
-            self.ref = load_model(cfg.model, self.device, dtype).eval().requires_grad_(False)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if cfg.kl_coef > 0:  # frozen: held in the compute dtype, no master copy
+            ref = load_model(cfg.model, self._load_device, self.compute_dtype)
+            self.ref = self._wrap(ref, self.compute_dtype).eval().requires_grad_(False)
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8
         )
         self.stored: list[MicroBatch] = []
         self.stats = StepStats()
+
+    @property
+    def _load_device(self) -> str:
+        return self.device
+
+    def _wrap(self, model: Any, dtype: Any) -> Any:
+        """The loaded model as the backend trains it (FSDP shards it here)."""
+        return model
+
+    def _forward(self, model: Any, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        dev = "cuda" if self.device.startswith("cuda") else "cpu"
+        with torch.autocast(dev, dtype=self.compute_dtype, enabled=self.autocast):
+            return model(input_ids=ids, attention_mask=attn).logits[:, :-1]
 
     # -- micro-batches ------------------------------------------------------------------
     def _loss(self, mb: MicroBatch, first_pass: bool) -> torch.Tensor:
@@ -98,7 +137,7 @@ class Engine:
         cfg = self.cfg
         ids, attn = mb.ids.to(self.device), mb.attn.to(self.device)
         behav, weight = mb.behav.to(self.device), mb.weight.to(self.device)
-        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        logits = self._forward(self.model, ids, attn)
         logp = token_logprobs(logits, ids[:, 1:], cfg.temperature)
         if first_pass and cfg.updates_per_step > 1:
             mb.prox = logp.detach().cpu()
@@ -116,7 +155,7 @@ class Engine:
         on = weight > 0
         if self.ref is not None:
             with torch.no_grad():
-                ref_logits = self.ref(input_ids=ids, attention_mask=attn).logits[:, :-1]
+                ref_logits = self._forward(self.ref, ids, attn)
                 ref_logp = token_logprobs(ref_logits, ids[:, 1:], cfg.temperature)
             kl = k3_kl(logp, ref_logp)
             loss = loss + cfg.kl_coef * kl
@@ -214,6 +253,35 @@ class Engine:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return export_tensors(self.model)
+
+    def export(self, dtype: Any = None) -> dict[str, torch.Tensor]:
+        """The weights to publish, on the CPU in ``dtype`` (the serving dtype), one tensor at a
+        time: under FSDP a collective every rank joins (each parameter gathered whole, cast,
+        copied out, freed before the next); ranks > 0 get nothing."""
+        from torch.distributed.tensor import DTensor
+
+        out: dict[str, torch.Tensor] = {}
+        mine = self.dist is None or self.dist.rank == 0
+        for name, t in export_tensors(self.model).items():
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            if mine:
+                out[name] = full.detach().to(dtype or full.dtype).cpu().contiguous()
+            del full
+        return out
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """This rank's rows of the master weights and AdamW state (``consumers.checkpoint``)."""
+        return ckpts.engine_state(self.names, self.params, self.optimizer_state())
+
+    def load_checkpoint_state(self, shards: ckpts.Shards) -> None:
+        """This rank's rows of a checkpoint, whatever world size wrote it."""
+        state = ckpts.load_engine_state(shards, self.names, self.params)
+        self._loaded()
+        if state["state"]:
+            self.load_optimizer_state(state)
+
+    def _loaded(self) -> None:
+        """After the parameters were overwritten in place (DeepSpeed refreshes its masters)."""
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         missing, unexpected = self.model.load_state_dict(tensors, strict=False)

@@ -204,7 +204,7 @@ class DeepSpeedEngine(Engine):
         return torch.cat(parts)
 
     def optimizer_state(self) -> dict[str, Any]:
-        """torch AdamW format; with several ranks a collective (``Dist.STATE`` on rank 0)."""
+        """torch AdamW format; with several ranks a collective (``Dist.SAVE`` on rank 0)."""
         if self.zero is None:
             return super().optimizer_state()
         z = self.zero
@@ -253,8 +253,11 @@ class DeepSpeedEngine(Engine):
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         super().load_tensors(tensors)  # copies into the model's views of ZeRO's flat buffers
+        self._loaded()
+
+    def _loaded(self) -> None:
         if self.zero is not None:
-            self.zero.refresh_fp32_params()  # and into the fp32 master partitions
+            self.zero.refresh_fp32_params()  # into the fp32 master partitions
 
 
 def _zero_weight(like: MicroBatch | None) -> MicroBatch:

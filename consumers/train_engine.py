@@ -3,7 +3,8 @@ micro-batch and step-statistics types that cross it.
 
 The trainer (``consumers.trainer``), the other ranks (``consumers.distributed``) and the
 benchmarks talk to a backend only through this protocol, never through its model:
-``consumers.engine.Engine`` (plain torch) and ``consumers.engine_deepspeed.DeepSpeedEngine``
+``consumers.engine.Engine`` (plain torch, replicated), ``consumers.engine_fsdp.FSDPEngine`` (FSDP2,
+sharded) and ``consumers.engine_deepspeed.DeepSpeedEngine`` (ZeRO 0-2)
 implement it; ``consumers.backends.make_engine`` picks one; the pipeline benchmark's simulated
 trainer implements it too. torch is imported only when a micro-batch is built.
 """
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
 class TrainEngine(Protocol):
     """A training backend: gradients of micro-batches, steps, and the state to save."""
 
+    sharded: bool  # each rank holds (and checkpoints) only its shard of the state
+    lockstep: bool  # every rank must run as many micro-batches as the others
+
     @property
     def max_length(self) -> int:
         """The longest sequence (prompt + completion) the model takes."""
@@ -35,15 +39,16 @@ class TrainEngine(Protocol):
         """Drop the gradients of a partial step."""
         ...
 
-    def tensors(self) -> dict[str, Any]:
-        """The HF state dict to publish or checkpoint."""
+    def export(self, dtype: Any = None) -> dict[str, Any]:
+        """The HF state dict to publish, on the CPU in ``dtype`` (a collective where sharded;
+        ranks > 0 get nothing)."""
         ...
 
-    def load_tensors(self, tensors: dict[str, Any]) -> None: ...
+    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This rank's rows of the weights and optimizer state (``consumers.checkpoint``)."""
+        ...
 
-    def optimizer_state(self) -> dict[str, Any]: ...
-
-    def load_optimizer_state(self, state: dict[str, Any]) -> None: ...
+    def load_checkpoint_state(self, shards: Any) -> None: ...
 
 
 @dataclass
@@ -59,6 +64,16 @@ class MicroBatch:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.ids, self.attn, self.behav, self.adv, self.weight]
+
+
+def empty_micro_batch() -> MicroBatch:
+    """A one-row micro-batch whose loss weights are all zero: it adds nothing to the
+    gradient, but runs the forward and backward (and their collectives) a lockstep rank owes."""
+    import torch
+
+    ids = torch.zeros((1, 2), dtype=torch.int64)
+    zeros = torch.zeros((1, 1), dtype=torch.float32)
+    return MicroBatch(ids, torch.ones_like(ids), zeros, torch.zeros(1), zeros.clone())
 
 
 def make_micro_batch(rows: list[Row], seq_mean: bool, pad_id: int = 0) -> MicroBatch:

@@ -115,7 +115,7 @@ def run_trainer(cfg: TrainConfig) -> TrainResult:
                 engine = make_engine(cfg, dist)
             ckpt = restore(cfg, store, engine, dist)
             if dist is not None and dist.rank > 0:
-                steps, micro_batches = follow(engine, dist)
+                steps, micro_batches = follow(engine, dist, store, cfg.run)
                 return TrainResult(steps, -1, rank=dist.rank, micro_batches=micro_batches)
             try:
                 return Trainer(cfg, engine, store, dist, ckpt).run()
@@ -142,8 +142,7 @@ def restore(
         number = dist.broadcast_int(number)
     ckpt = ckpts.load(store, cfg.run, number) if number else None
     if ckpt is not None:
-        engine.load_tensors(ckpt.model)
-        engine.load_optimizer_state(ckpt.optimizer)
+        engine.load_checkpoint_state(ckpt.shards)
     return ckpt
 
 
@@ -383,8 +382,8 @@ class Trainer:
 
     def _run(self, rows: list[Row]) -> None:
         mb = make_micro_batch(rows, self.cfg.loss_agg == "seq_mean")
-        if self.dist is None or self.dist.assign(mb):
-            self.engine.backward(mb)
+        for own in self.dist.assign(mb) if self.dist is not None else [mb]:
+            self.engine.backward(own)
 
     def _optimizer_step(self) -> StepStats:
         """The open step's update on every rank (none when nothing of the step trains)."""
@@ -399,6 +398,8 @@ class Trainer:
             )
             return StepStats()
         if self.dist is not None:
+            for own in self.dist.flush():  # a lockstep round still being filled
+                self.engine.backward(own)
             self.dist.step(self.step + 1, normalizer)
         return self.engine.step(normalizer)
 

@@ -131,6 +131,18 @@ class SimTrainEngine:
     def load_tensors(self, tensors: dict[str, Any]) -> None:
         return None
 
+    sharded = False
+    lockstep = False
+
+    def export(self, dtype: Any = None) -> dict[str, Any]:
+        return self._tensors
+
+    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return {}, {"layout": {}, "steps": {}, "param_groups": []}
+
+    def load_checkpoint_state(self, shards: Any) -> None:
+        return None
+
 
 class LoggedSimEngine(SimEngine):
     """The sim engine, noting when its first decode step started: a run's time for the bound

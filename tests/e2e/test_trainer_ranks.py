@@ -82,15 +82,15 @@ def one_rank(
     delete_topics(default_bootstrap, prefix)
 
 
-def two_ranks(env: Env, tiny_model: Path, run: str, *extra: str) -> str:
-    """Run ``run`` on two gloo ranks under torchrun; returns its stdout."""
+def two_ranks(env: Env, tiny_model: Path, run: str, *extra: str, ranks: int = 2) -> str:
+    """Run ``run`` on ``ranks`` gloo ranks under torchrun; returns its stdout."""
     two = subprocess.run(
         [
             bin_path("torchrun"),
             "--nnodes",
             "1",
             "--nproc-per-node",
-            "2",
+            str(ranks),
             "--master-addr",
             "127.0.0.1",
             "--master-port",
@@ -144,7 +144,8 @@ needs_deepspeed = pytest.mark.skipif(
 # test_zero_1_on_two_ranks_resumes_from_its_checkpoint_to_the_same_weights: its first run is
 # the straight-through one, compared at its last step.
 BACKENDS = [
-    pytest.param([], id="torch"),
+    pytest.param([], id="fsdp"),  # the multi-rank default: sharded, FSDP2
+    pytest.param(["--backend", "torch"], id="torch"),
     *(
         pytest.param(
             [
@@ -167,7 +168,8 @@ BACKENDS = [
 def test_two_gloo_ranks_match_one_rank(
     one_rank: Env, tiny_model: Path, backend: list[str], request: pytest.FixtureRequest
 ) -> None:
-    """One torch rank against two ranks of ``backend`` (ZeRO shards its state over them)."""
+    """One torch rank against two ranks of ``backend`` (FSDP shards parameters, gradients and
+    AdamW state over them; ZeRO its optimizer state and, at stage 2, gradients)."""
     run = f"two-{request.node.callspec.id}"
     check_against_one(one_rank, run, two_ranks(one_rank, tiny_model, run, *backend), steps=3)
 
@@ -210,4 +212,41 @@ def test_zero_1_on_two_ranks_resumes_from_its_checkpoint_to_the_same_weights(
     a, b = weights(one_rank["SRL_STORE"], "one", 3), weights(one_rank["SRL_STORE"], "zero1", 3)
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
     print(f"ZeRO-1 on 2 ranks, restarted after step 2, vs 1 torch rank: differ by {diff:.2e}")
+    assert diff < 1e-5
+
+
+@pytest.mark.slow
+def test_three_fsdp_ranks_match_one_rank(one_rank: Env, tiny_model: Path) -> None:
+    """Shards of uneven sizes (torch.chunk's split of odd dimensions over 3 ranks)."""
+    check_against_one(one_rank, "fsdp3", two_ranks(one_rank, tiny_model, "fsdp3", ranks=3), 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("again", [2, 1], ids=["on-2-ranks", "on-1-rank"])
+def test_fsdp_resumes_from_its_sharded_checkpoint_on_any_world_size(
+    one_rank: Env, tiny_model: Path, again: int
+) -> None:
+    """Two FSDP ranks stop after step 2: each wrote its shard of the master weights and AdamW
+    state. Restarted on 2 ranks (each reads its own shard) or on 1 (it reads every shard's
+    rows), step 3 lands where one torch rank's does."""
+    run = f"fsdp-resume-{again}"
+    out = two_ranks(one_rank, tiny_model, run, "--max-steps", "2")
+    check_against_one(one_rank, run, out, steps=2)
+    store = open_store(one_rank["SRL_STORE"])
+    shards = [k.rsplit("/", 1)[1] for k in store.list(f"checkpoints/{run}/") if "shard-" in k]
+    assert {"shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"} <= set(shards)
+    if again == 2:
+        out = two_ranks(one_rank, tiny_model, run, "--max-steps", "3")
+    else:
+        out = subprocess.run(
+            [bin_path("srl-consumer"), *ARGS, "--model", str(tiny_model), "--max-steps", "3"],
+            env={**one_rank, "SRL_RUN": run},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        ).stdout
+    assert "trained 3 steps; policy version 3" in out, out[-2000:]
+    a, b = weights(one_rank["SRL_STORE"], "one", 3), weights(one_rank["SRL_STORE"], run, 3)
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    print(f"FSDP on 2 ranks, resumed on {again} after step 2, vs 1 torch rank: {diff:.2e}")
     assert diff < 1e-5

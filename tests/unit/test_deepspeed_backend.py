@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from consumers import checkpoint as ckpts
 from consumers import engine_deepspeed
 from consumers.backends import make_engine
 from consumers.batcher import Row
@@ -19,6 +20,7 @@ from consumers.config import TrainConfig
 from consumers.engine import Engine
 from consumers.train_engine import MicroBatch, make_micro_batch
 from srl.errors import ConfigError
+from srl.store import LocalStore
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (the .[deepspeed] extra)")
 # deepspeed's first ZeRO engine imports its Muon optimizer, which imports torch's inductor
@@ -99,28 +101,38 @@ def test_zero_stage_trains_to_the_torch_backends_weights(tiny_model: Path, stage
     assert np.allclose(ref_norms, ds_norms, rtol=1e-4)
 
 
+def through_checkpoint(src: Engine, dst: Engine, root: Path) -> None:
+    """``src``'s state into ``dst`` through a checkpoint shard in a store."""
+    store = LocalStore(root)
+    tensors, meta = src.checkpoint_state()
+    entry = ckpts.write_shard(store, "r", 1, 0, 1, tensors, meta)
+    ckpts.save(store, "r", 1, step=2, version=2, ledger={}, events=[], shards=[entry])
+    dst.load_checkpoint_state(ckpts.load(store, "r", 1).shards)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
-def test_checkpoints_resume_under_either_backend(tiny_model: Path, stage: int) -> None:
-    """Two steps under one backend, the state into a fresh engine of the other, a third step."""
+def test_checkpoints_resume_under_either_backend(
+    tiny_model: Path, tmp_path: Path, stage: int
+) -> None:
+    """Two steps under one backend, the state through a checkpoint into a fresh engine of the
+    other, a third step."""
     steps = plan(64)
     straight = Engine(config(tiny_model))
     train(straight, steps)
 
     ds = make_engine(config(tiny_model, backend="deepspeed", zero_stage=stage))
     train(ds, steps[:2])
-    tensors, state = ds.tensors(), ds.optimizer_state()
+    state = ds.optimizer_state()
     assert len(state["state"]) == len(ds.params) and state["state"][0]["exp_avg"].abs().sum() > 0
     torch_after = Engine(config(tiny_model))
-    torch_after.load_tensors(tensors)
-    torch_after.load_optimizer_state(state)
+    through_checkpoint(ds, torch_after, tmp_path / "a")
     train(torch_after, steps[2:])
     assert max_diff(straight.tensors(), torch_after.tensors()) < 1e-6
 
     first = Engine(config(tiny_model))
     train(first, steps[:2])
     ds = make_engine(config(tiny_model, backend="deepspeed", zero_stage=stage))
-    ds.load_tensors(first.tensors())
-    ds.load_optimizer_state(first.optimizer_state())
+    through_checkpoint(first, ds, tmp_path / "b")
     train(ds, steps[2:])
     assert max_diff(straight.tensors(), ds.tensors()) < 1e-6
 
@@ -128,8 +140,22 @@ def test_checkpoints_resume_under_either_backend(tiny_model: Path, stage: int) -
 def test_stage_3_and_16_bit_are_refused_in_one_line(tiny_model: Path) -> None:
     with pytest.raises(ConfigError, match="zero_stage: 3"):
         make_engine(config(tiny_model, backend="deepspeed", zero_stage=3))
-    with pytest.raises(ConfigError, match="float32 only"):
-        make_engine(config(tiny_model, backend="deepspeed", dtype="bfloat16"))
+    with pytest.raises(ConfigError, match="keeps float32 master weights"):
+        make_engine(config(tiny_model, backend="deepspeed", master_dtype="bfloat16"))
+
+
+def test_bfloat16_compute_keeps_float32_masters(tiny_model: Path) -> None:
+    """``dtype bfloat16`` on DeepSpeed: autocast compute over its fp32 parameters."""
+    ds = make_engine(config(tiny_model, backend="deepspeed", dtype="bfloat16", lr=1e-6))
+    assert {p.dtype for p in ds.params} == {torch.float32}  # type: ignore[attr-defined]
+    start = {k: v.clone() for k, v in ds.tensors().items()}  # type: ignore[attr-defined]
+    step = plan(260)[0]
+    for mb, _ in step:
+        ds.backward(mb)
+    ds.step(sum(n for _, n in step))
+    after = ds.tensors()  # type: ignore[attr-defined]
+    changed = sum(int((after[k] != start[k]).sum()) for k in start)
+    assert changed > 0.9 * sum(t.numel() for t in start.values())
 
 
 def test_cpu_ranks_build_no_op_and_reduce_through_gloo(

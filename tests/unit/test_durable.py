@@ -34,6 +34,15 @@ class FakeEngine:
     def optimizer_state(self) -> dict[str, Any]:
         return {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}
 
+    sharded = False
+    lockstep = False
+
+    def export(self, dtype: Any = None) -> dict[str, Any]:
+        return {"w": self.weight.to(dtype or self.weight.dtype)}
+
+    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return ckpts.engine_state(["w"], [self.weight], self.optimizer_state())
+
 
 class Recorder(Metrics):
     """Metrics that keep what they emit."""
