@@ -10,11 +10,22 @@ What must hold, as for ``LocalStore``:
   ``{prefix}/.srl-probe/`` and the store falls back to *check-then-put* (HEAD, then PUT), which
   is create-only for a single writer per key, the case of the weights protocol (one trainer
   writes a version) but not under a race between two writers. ``s3_create_only`` pins the mode.
-* **atomic**: a single ``PutObject`` is visible all at once or not at all (S3 semantics).
-  Objects above 5 GiB are refused; keep ``max_shard_bytes`` below that.
+* **atomic**: a single ``PutObject`` is visible all at once or not at all (S3 semantics), and
+  so is a multipart upload, which becomes an object only at ``CompleteMultipartUpload``.
+* **no size ceiling, bounded memory**: ``put_chunks`` streams its chunks into multipart parts
+  of ``part_bytes`` (64 MiB), hashing them on the way, holding one part in memory; an object
+  smaller than one part (and at most ``max_put_bytes``) is a single ``PutObject``. ``put`` of
+  more than ``max_put_bytes`` (5 GiB, S3's single-put limit) goes multipart too. S3 allows
+  10,000 parts: a ``put`` (its size known) grows the part size to fit, a stream of unknown size
+  stops at 10,000 x ``part_bytes`` (640 GB at 64 MiB; pass ``size_hint`` or raise
+  ``part_bytes`` for more). The multipart upload is aborted on any failure: no orphaned parts.
+  Create-only holds as for puts: ``If-None-Match: *`` on ``CompleteMultipartUpload`` (probed
+  once per process too, as some servers honour it on PutObject only), else a HEAD before the
+  upload starts and again before it completes.
 * a conditional put that boto3 retries after its first attempt landed (the answer was lost on
-  a long link) gets 412; each put tags its object with a random ``srl-put-id`` metadata value,
-  so the store sees that the object there is its own and the put counts as done.
+  a long link) gets 412; each put (and each multipart upload) tags its object with a random
+  ``srl-put-id`` metadata value, so the store sees that the object there is its own and the put
+  counts as done.
 
 Where the server is and who we are: ``s3_endpoint_url`` / ``s3_region`` / ``s3_profile`` from the
 config (``srl.stores.store_from_config``), else the usual AWS
@@ -28,10 +39,13 @@ trainer's checkpoints and the ranker.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import logging
 import os
 import threading
 import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -44,7 +58,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("srl.s3store")
 
 CreateOnly = Literal["auto", "conditional", "check-then-put"]
-MAX_PUT_BYTES = 5 * 1024**3
+MAX_PUT_BYTES = 5 * 1024**3  # S3's limit on a single PutObject; more goes multipart
+PART_BYTES = 64 * 1024**2  # multipart part size (S3: >= 5 MiB except the last part)
+MIN_PART_BYTES = 5 * 1024**2  # S3's smallest part (but the last); smaller part_bytes are raised
+MAX_PARTS = 10_000  # S3's limit on the parts of one multipart upload
 PUT_ID = "srl-put-id"  # user metadata naming the put() call that wrote an object
 
 
@@ -73,6 +90,7 @@ class S3Settings:
 
 
 _modes: dict[tuple[str | None, str], str] = {}  # (endpoint, bucket) -> probed create-only mode
+_mp_modes: dict[tuple[str | None, str], str] = {}  # the same for CompleteMultipartUpload
 _lock = threading.Lock()
 
 
@@ -94,6 +112,10 @@ def parse_url(url: str) -> tuple[str, str]:
 
 class S3Store(ObjectStore):
     list_page_size = 1000  # keys per ListObjectsV2 page (S3's maximum)
+    # Overridable per instance (tests lower them): the largest single PutObject, and the size
+    # of the parts of a multipart upload (all but the last; >= 5 MiB on S3).
+    max_put_bytes = MAX_PUT_BYTES
+    part_bytes = PART_BYTES
 
     def __init__(self, bucket: str, prefix: str = "", settings: S3Settings | None = None) -> None:
         self.bucket = bucket
@@ -117,9 +139,10 @@ class S3Store(ObjectStore):
 
     # -- the contract ------------------------------------------------------------------
     def put(self, key: str, data: bytes | memoryview) -> str:
+        size = memoryview(data).nbytes
+        if size > self.max_put_bytes:  # above S3's single-put limit: a multipart upload
+            return self._upload(key, _parts([data], self._part_size(size), None))[0]
         body = bytes(data)
-        if len(body) > MAX_PUT_BYTES:
-            raise StoreError(f"object {key} is {len(body)} bytes; S3 single puts stop at 5 GiB")
         full = self._key(key)
         if self.create_only_mode() == "conditional":
             put_id = self._new_put_id()
@@ -142,6 +165,29 @@ class S3Store(ObjectStore):
                 raise ObjectExists(f"object {key} already exists in {self.url} (create-only store)")
             self._call("put", key, Bucket=self.bucket, Key=full, Body=body)
         return self.uri(key)
+
+    def put_chunks(
+        self,
+        key: str,
+        chunks: Iterable[bytes | memoryview],
+        *,
+        size_hint: int | None = None,
+    ) -> tuple[str, str, int]:
+        """Write concatenated ``chunks`` create-only, streamed: each chunk is hashed as it is
+        read and copied into a part buffer of ``part_bytes``, which is uploaded as one part of a
+        multipart upload when full; memory holds one part and the chunk being read. A stream
+        that ends within its first part (and is at most ``max_put_bytes``) is one ``put``.
+        ``size_hint`` (the total, if known) grows the part size so that it fits in 10,000
+        parts; without it the ceiling is 10,000 x ``part_bytes``. Returns (uri, sha256 hex,
+        size)."""
+        self._key(key)  # a bad key fails before a chunk is read
+        h = hashlib.sha256()
+        parts = _parts(chunks, self._part_size(size_hint), h)
+        first = next(parts)
+        if first.last and first.size <= self.max_put_bytes:
+            return self.put(key, bytes(first.data)), h.hexdigest(), first.size
+        uri, size = self._upload(key, itertools.chain([first], parts))
+        return uri, h.hexdigest(), size
 
     def get(self, key: str) -> bytes:
         resp = self._call("get", key, Bucket=self.bucket, Key=self._key(key))
@@ -237,6 +283,153 @@ class S3Store(ObjectStore):
                 log.debug("probe cleanup: %s", e)
         return mode
 
+    # -- multipart uploads -------------------------------------------------------------
+    def _part_size(self, total: int | None) -> int:
+        """``part_bytes`` (at least S3's 5 MiB), grown to a whole MiB where ``total`` would
+        need more than 10,000 parts."""
+        part = max(self.part_bytes, MIN_PART_BYTES)
+        need = -(-(total or 0) // MAX_PARTS)
+        return part if need <= part else -(-need // 1024**2) * 1024**2
+
+    def _upload(self, key: str, parts: Iterator[_Part]) -> tuple[str, int]:
+        """One multipart upload of ``parts``, create-only; aborted on any failure (nothing is
+        left behind: no object, no pending upload). Returns (uri, size)."""
+        full = self._key(key)
+        conditional = self.multipart_create_only_mode() == "conditional"
+        # Checked first in every mode: the object may be tens of GB, so refuse before uploading.
+        if self.exists(key):
+            raise ObjectExists(f"object {key} already exists in {self.url} (create-only store)")
+        put_id = self._new_put_id()
+        resp = self._call(
+            "create_multipart", key, Bucket=self.bucket, Key=full, Metadata={PUT_ID: put_id}
+        )
+        upload_id = str(resp["UploadId"])
+        done: list[dict[str, Any]] = []
+        size = 0
+        try:
+            for part in parts:
+                if part.size == 0 and done:  # the stream ended on a part boundary
+                    break
+                number = len(done) + 1
+                if number > MAX_PARTS:
+                    raise StoreError(
+                        f"object {key} needs more than {MAX_PARTS} parts (S3's limit) after "
+                        f"{size} bytes; raise part_bytes or pass size_hint"
+                    )
+                resp = self._call(
+                    "upload_part",
+                    key,
+                    Bucket=self.bucket,
+                    Key=full,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    Body=part.data,
+                )
+                done.append({"PartNumber": number, "ETag": resp["ETag"]})
+                size += part.size
+            kw: dict[str, Any] = {
+                "Bucket": self.bucket,
+                "Key": full,
+                "UploadId": upload_id,
+                "MultipartUpload": {"Parts": done},
+            }
+            if conditional:
+                kw["IfNoneMatch"] = "*"
+            elif self.exists(key):  # check-then-put: check again, just before it lands
+                raise ObjectExists(f"object {key} already exists in {self.url} (create-only store)")
+            try:
+                self._call("complete_multipart", key, **kw)
+            except StoreError:  # ObjectExists included: a retried complete may find its own
+                if not self._landed(key, put_id):
+                    raise
+                log.info("upload %s: a retried completion found its own earlier one landed", key)
+        except BaseException:
+            self._abort(key, full, upload_id)
+            raise
+        log.debug("upload %s: %d bytes in %d parts", key, size, len(done))
+        return self.uri(key), size
+
+    def _landed(self, key: str, put_id: str) -> bool:
+        try:
+            return self._put_id(key) == put_id
+        except StoreError:
+            return False
+
+    def _abort(self, key: str, full: str, upload_id: str) -> None:
+        try:
+            self._call("abort_multipart", key, Bucket=self.bucket, Key=full, UploadId=upload_id)
+        except StoreError as e:  # the original error matters more; a lifecycle rule cleans up
+            log.warning("cannot abort the multipart upload of %s (%s): %s", key, upload_id, e)
+
+    def multipart_create_only_mode(self) -> str:
+        """The create-only mode of multipart uploads: ``create_only_mode()``, except that in
+        auto mode a server that enforces ``If-None-Match`` on PutObject is probed once more for
+        CompleteMultipartUpload (some honour it on PutObject only)."""
+        mode = self.create_only_mode()
+        if mode != "conditional" or self.settings.create_only == "conditional":
+            return mode
+        ident = (self.settings.endpoint_url, self.bucket)
+        with _lock:
+            if ident not in _mp_modes:
+                _mp_modes[ident] = self._probe_multipart()
+            return _mp_modes[ident]
+
+    def _probe_multipart(self) -> str:
+        """Complete two one-part uploads of one probe key with ``If-None-Match: *``: a 412 on
+        the second means the server enforces it on CompleteMultipartUpload."""
+        key = f".srl-probe/{uuid.uuid4().hex}"
+        full = self._key(key)
+        mode = "check-then-put"
+        try:
+            self._probe_upload(key, full, b"1")
+            try:
+                self._probe_upload(key, full, b"2")
+                log.warning(
+                    "S3 server at %s ignores If-None-Match on CompleteMultipartUpload; "
+                    "create-only multipart uploads fall back to check-then-put",
+                    self.settings.endpoint_url or "AWS",
+                )
+            except ObjectExists:
+                mode = "conditional"
+        except _NotImplemented:
+            log.warning(
+                "S3 server at %s refuses If-None-Match on CompleteMultipartUpload; create-only "
+                "multipart uploads fall back to check-then-put",
+                self.settings.endpoint_url or "AWS",
+            )
+        finally:
+            try:
+                self._call("delete", key, Bucket=self.bucket, Key=full)
+            except StoreError as e:  # a leftover probe object is harmless and hidden by list()
+                log.debug("probe cleanup: %s", e)
+        return mode
+
+    def _probe_upload(self, key: str, full: str, body: bytes) -> None:
+        resp = self._call("create_multipart", key, Bucket=self.bucket, Key=full)
+        upload_id = str(resp["UploadId"])
+        try:
+            part = self._call(
+                "upload_part",
+                key,
+                Bucket=self.bucket,
+                Key=full,
+                UploadId=upload_id,
+                PartNumber=1,
+                Body=body,
+            )
+            self._call(
+                "complete_multipart",
+                key,
+                Bucket=self.bucket,
+                Key=full,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]},
+                IfNoneMatch="*",
+            )
+        except BaseException:
+            self._abort(key, full, upload_id)
+            raise
+
     # -- boto3 calls with one-line errors ----------------------------------------------
     def _new_put_id(self) -> str:
         return uuid.uuid4().hex
@@ -256,6 +449,10 @@ class S3Store(ObjectStore):
             "delete": self._client.delete_object,
             "head_bucket": self._client.head_bucket,
             "create_bucket": self._client.create_bucket,
+            "create_multipart": self._client.create_multipart_upload,
+            "upload_part": self._client.upload_part,
+            "complete_multipart": self._client.complete_multipart_upload,
+            "abort_multipart": self._client.abort_multipart_upload,
         }[op]
         where = f"{self.url} ({self.settings.endpoint_url or 'AWS'})"
         for _attempt in range(3):
@@ -290,6 +487,45 @@ class S3Store(ObjectStore):
             except BotoCoreError as e:
                 raise StoreError(f"cannot {op} {key} in {where}: {e}") from None
         raise StoreError(f"cannot {op} {key} in {where}: conflicting concurrent writes")
+
+
+@dataclass
+class _Part:
+    data: bytearray  # the part's bytes (boto3 takes a bytearray, not a memoryview)
+    last: bool  # the stream ended with this part
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+
+def _parts(
+    chunks: Iterable[bytes | memoryview], part_bytes: int, h: hashlib._Hash | None
+) -> Iterator[_Part]:
+    """Cut the concatenated ``chunks`` into parts of ``part_bytes`` and a shorter last one
+    (empty where the stream ends on a part boundary), hashing each chunk into ``h`` as it is
+    read. One buffer serves every part: a part yielded is valid until the next is asked for.
+    The buffer grows with the first part (a small stream never holds a whole part), then is
+    overwritten in place."""
+    buf = bytearray()
+    n = 0  # bytes of buf in use
+    for c in chunks:
+        view = memoryview(c).cast("B")
+        if h is not None:
+            h.update(view)
+        while view:
+            take = min(part_bytes - n, len(view))
+            if n == len(buf):
+                buf += view[:take]
+            else:
+                buf[n : n + take] = view[:take]
+            n += take
+            view = view[take:]
+            if n == part_bytes:
+                yield _Part(buf, last=False)
+                n = 0
+    del buf[n:]
+    yield _Part(buf, last=True)
 
 
 class _NotImplemented(StoreError):

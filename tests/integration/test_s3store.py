@@ -3,17 +3,23 @@ protocol through it with a real broker, crashes included."""
 
 from __future__ import annotations
 
+import hashlib
 import http.client
+import random
 import subprocess
 import sys
 import threading
+import tracemalloc
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from botocore.exceptions import ClientError, ReadTimeoutError
 
+from srl import s3store
 from srl.errors import ConfigError, StoreError
 from srl.s3store import S3Settings, S3Store, parse_url
 from srl.store import (
@@ -24,7 +30,7 @@ from srl.store import (
 )
 from srl.stores import open_store, store_for_uri
 from srl.weights import fetch_tensors, load_manifest, read_announcements, version_prefix
-from tests.s3server import TEST_CREDENTIALS
+from tests.s3server import TEST_CREDENTIALS, MotoServer
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -106,9 +112,15 @@ class _StripIfNoneMatch(BaseHTTPRequestHandler):
     upstream: tuple[str, int] = ("127.0.0.1", 0)
     protocol_version = "HTTP/1.1"  # answers boto3's "Expect: 100-continue" at once
 
+    def _strips(self) -> bool:
+        return True
+
     def _forward(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        headers = {k: v for k, v in self.headers.items() if k.lower() != "if-none-match"}
+        strip = self._strips()
+        headers = {
+            k: v for k, v in self.headers.items() if not (strip and k.lower() == "if-none-match")
+        }
         conn = http.client.HTTPConnection(*self.upstream, timeout=30)
         conn.request(self.command, self.path, body=body, headers=headers)
         resp = conn.getresponse()
@@ -129,9 +141,26 @@ class _StripIfNoneMatch(BaseHTTPRequestHandler):
         pass
 
 
+class _StripIfNoneMatchOnComplete(_StripIfNoneMatch):
+    """A server that enforces If-None-Match on PutObject but ignores it on
+    CompleteMultipartUpload (``POST ?uploadId=``)."""
+
+    def _strips(self) -> bool:
+        return self.command == "POST" and "uploadId=" in self.path
+
+
 @pytest.fixture
 def ignoring_endpoint(s3_server) -> Iterator[str]:  # type: ignore[no-untyped-def]
-    handler = type("H", (_StripIfNoneMatch,), {"upstream": ("127.0.0.1", s3_server.port)})
+    yield from _proxy(s3_server, _StripIfNoneMatch)
+
+
+@pytest.fixture
+def ignoring_on_complete_endpoint(s3_server: MotoServer) -> Iterator[str]:
+    yield from _proxy(s3_server, _StripIfNoneMatchOnComplete)
+
+
+def _proxy(s3_server: MotoServer, base: type[_StripIfNoneMatch]) -> Iterator[str]:
+    handler = type("H", (base,), {"upstream": ("127.0.0.1", s3_server.port)})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -213,6 +242,227 @@ def test_a_role_started_from_python_gets_its_configs_s3_settings(
     assert isinstance(other, S3Store) and other.settings.endpoint_url is None
     with pytest.raises(ConfigError, match="s3_create_only"):
         load_config(CommonConfig, cli=cli | {"s3_create_only": "sometimes"}, env={})
+
+
+# -- multipart uploads: large objects streamed, create-only ------------------------------------
+
+MiB = 1024**2
+PART = 5 * MiB  # S3's (and moto's) smallest part but the last
+
+
+def _small_part_store(url: str, monkeypatch: pytest.MonkeyPatch) -> tuple[S3Store, list[int]]:
+    """A store with 5 MiB parts and single puts up to 1 MiB, and the sizes of the parts it
+    uploads."""
+    store = S3Store.from_url(url)
+    store.part_bytes = PART
+    store.max_put_bytes = 1 * MiB
+    sizes: list[int] = []
+    upload_part = store._client.upload_part
+
+    def record(**kw: Any) -> Any:
+        if ".srl-probe/" not in kw["Key"]:
+            sizes.append(len(kw["Body"]))
+        return upload_part(**kw)
+
+    monkeypatch.setattr(store._client, "upload_part", record)
+    return store, sizes
+
+
+def _pending_uploads(store: S3Store) -> list[str]:
+    resp = store._client.list_multipart_uploads(Bucket=store.bucket)
+    return [u["Key"] for u in resp.get("Uploads", [])]
+
+
+def _chunks(data: bytes, size: int) -> Iterator[memoryview]:
+    view = memoryview(data)
+    for i in range(0, len(data), size):
+        yield view[i : i + size]
+
+
+def test_large_objects_stream_as_multipart_uploads_create_only(
+    s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, sizes = _small_part_store(s3_url, monkeypatch)
+    data = random.Random(0).randbytes(12 * MiB + 12345)
+    uri, digest, size = store.put_chunks("ckpt/model.bin", _chunks(data, 100_003))
+    assert uri == store.uri("ckpt/model.bin") and size == len(data)
+    assert digest == hashlib.sha256(data).hexdigest()
+    assert sizes == [PART, PART, len(data) - 2 * PART]
+    assert store.get("ckpt/model.bin") == data
+    assert store._put_id("ckpt/model.bin")  # tagged like a put, for a retried completion
+    assert _pending_uploads(store) == []
+    # create-only: refused before anything is uploaded, by put_chunks and put alike
+    sizes.clear()
+    with pytest.raises(ObjectExists):
+        store.put_chunks("ckpt/model.bin", _chunks(data, 100_003))
+    with pytest.raises(ObjectExists):
+        store.put("ckpt/model.bin", data)
+    assert sizes == [] and _pending_uploads(store) == []
+    # put above max_put_bytes goes multipart too (no size ceiling)
+    assert store.put("ckpt/other.bin", data) == store.uri("ckpt/other.bin")
+    assert sizes == [PART, PART, len(data) - 2 * PART]
+    assert store.get("ckpt/other.bin") == data
+    assert store.list("ckpt") == ["ckpt/model.bin", "ckpt/other.bin"]
+    assert _pending_uploads(store) == []
+
+
+def test_small_streams_are_single_puts_or_one_part(
+    s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, sizes = _small_part_store(s3_url, monkeypatch)
+    small = b"x" * (MiB // 2)  # below max_put_bytes: one PutObject
+    assert store.put_chunks("a", _chunks(small, 1000))[1:] == (
+        hashlib.sha256(small).hexdigest(),
+        len(small),
+    )
+    assert store.put_chunks("empty", [])[1:] == (hashlib.sha256(b"").hexdigest(), 0)
+    assert sizes == [] and store.get("a") == small and store.get("empty") == b""
+    mid = b"y" * (3 * MiB)  # below a part but above max_put_bytes: a one-part upload
+    store.put_chunks("b", _chunks(mid, 64 * 1024))
+    exact = b"z" * PART  # exactly one part: the stream ends on a part boundary
+    store.put_chunks("c", [exact[:100], exact[100:]])
+    assert sizes == [len(mid), PART]
+    assert store.get("b") == mid and store.get("c") == exact
+    with pytest.raises(ObjectExists):
+        store.put_chunks("a", [b"again"])
+
+
+def test_a_failure_mid_stream_leaves_no_object_and_no_pending_upload(
+    s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, sizes = _small_part_store(s3_url, monkeypatch)
+
+    def failing() -> Iterator[bytes]:
+        for _ in range(2 * PART // MiB + 1):  # two parts are uploaded, then the writer fails
+            yield b"w" * MiB
+        raise RuntimeError("the trainer died")
+
+    with pytest.raises(RuntimeError, match="the trainer died"):
+        store.put_chunks("ckpt/broken.bin", failing())
+    assert sizes == [PART, PART]
+    assert not store.exists("ckpt/broken.bin") and _pending_uploads(store) == []
+
+    # the server fails a part: the upload is aborted too
+    upload_part = store._client.upload_part
+
+    def flaky(**kw: Any) -> Any:
+        if kw["PartNumber"] == 2:
+            raise ClientError({"Error": {"Code": "InternalError", "Message": "x"}}, "UploadPart")
+        return upload_part(**kw)
+
+    monkeypatch.setattr(store._client, "upload_part", flaky)
+    with pytest.raises(StoreError, match="cannot upload_part ckpt/broken.bin"):
+        store.put_chunks("ckpt/broken.bin", [b"v" * (3 * PART)])
+    assert not store.exists("ckpt/broken.bin") and _pending_uploads(store) == []
+
+    # more parts than S3 allows: refused, aborted
+    monkeypatch.setattr(store._client, "upload_part", upload_part)
+    monkeypatch.setattr(s3store, "MAX_PARTS", 2)
+    with pytest.raises(StoreError, match="more than 2 parts"):
+        store.put_chunks("ckpt/broken.bin", _chunks(b"u" * (2 * PART + 1), MiB))
+    assert not store.exists("ckpt/broken.bin") and _pending_uploads(store) == []
+
+
+def test_a_racing_writer_wins_at_completion_and_a_lost_completion_answer_counts_as_done(
+    s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, _sizes = _small_part_store(s3_url, monkeypatch)
+    assert store.multipart_create_only_mode() == "conditional"  # moto 5.2.5 enforces it
+    other = S3Store.from_url(s3_url)
+
+    def racing() -> Iterator[bytes]:
+        yield b"r" * PART
+        other.put("k", b"the other writer")  # lands while our upload is under way
+        yield b"r" * PART
+
+    with pytest.raises(ObjectExists):  # If-None-Match: * on CompleteMultipartUpload
+        store.put_chunks("k", racing())
+    assert store.get("k") == b"the other writer" and _pending_uploads(store) == []
+
+    # The completion lands but its answer is lost; boto3's retry (or ours) finds the object
+    # there, tagged with this upload's put id: done, not an error.
+    complete = store._client.complete_multipart_upload
+
+    def lost_answer(**kw: Any) -> Any:
+        complete(**kw)
+        raise ReadTimeoutError(endpoint_url="http://lost")
+
+    monkeypatch.setattr(store._client, "complete_multipart_upload", lost_answer)
+    data = b"s" * (PART + 7)
+    assert store.put_chunks("mine", [data])[1] == hashlib.sha256(data).hexdigest()
+    assert store.get("mine") == data and _pending_uploads(store) == []
+    with pytest.raises(ObjectExists):  # another writer's completion still fails
+        store.put_chunks("k2", _racing_put(other, "k2"))
+    assert store.get("k2") == b"the other writer" and _pending_uploads(store) == []
+
+
+def _racing_put(other: S3Store, key: str) -> Iterator[bytes]:
+    yield b"r" * PART
+    other.put(key, b"the other writer")
+    yield b"r"
+
+
+def test_put_chunks_holds_one_part_in_memory(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    store, sizes = _small_part_store(s3_url, monkeypatch)
+    chunk = 256 * 1024
+    total = 6 * PART + 1000
+
+    def produced() -> Iterator[bytes]:  # made on the fly, as a trainer serialises tensors
+        for i in range(0, total, chunk):
+            yield bytes([i % 251]) * min(chunk, total - i)
+
+    h = hashlib.sha256()
+    for c in produced():
+        h.update(c)
+    store.put_chunks("warm-up", [b"w" * (PART + 1)])  # boto3 loads its models on first use
+    sizes.clear()
+    tracemalloc.start()
+    try:
+        _uri, digest, size = store.put_chunks("big", produced())
+        _now, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert size == total and digest == h.hexdigest()
+    assert sizes[:-1] == [PART] * 6 and sizes[-1] == 1000
+    # one part buffer and a chunk, plus boto3's working memory; far below the object's size
+    assert peak < PART + 2 * chunk + 2 * MiB < total / 4, peak
+    assert hashlib.sha256(store.get("big")).hexdigest() == digest
+
+
+def test_part_size_grows_to_fit_s3s_part_limit(s3_url: str) -> None:
+    store = S3Store.from_url(s3_url)
+    assert store.part_bytes == 64 * MiB and store.max_put_bytes == 5 * 1024**3
+    store.part_bytes = PART
+    assert store._part_size(None) == PART
+    assert store._part_size(10_000 * PART) == PART
+    assert store._part_size(10_000 * PART + 1) == 6 * MiB
+    assert store._part_size(10 * 1024**4) == 1049 * MiB  # 10 TiB in 10,000 parts
+    store.part_bytes = MiB  # below S3's smallest part: raised to it
+    assert store._part_size(None) == PART
+
+
+def test_server_that_ignores_if_none_match_on_complete_falls_back_to_check_then_put(
+    s3_url: str,
+    ignoring_on_complete_endpoint: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bucket, prefix = parse_url(s3_url)
+    store = S3Store(bucket, prefix, S3Settings(endpoint_url=ignoring_on_complete_endpoint))
+    store.part_bytes = PART
+    store.max_put_bytes = MiB
+    assert store.create_only_mode() == "conditional"  # PutObject honours it
+    assert store.multipart_create_only_mode() == "check-then-put"
+    assert "ignores If-None-Match on CompleteMultipartUpload" in caplog.text
+    assert store.list() == [] and _pending_uploads(store) == []  # the probe left nothing
+    data = b"p" * (PART + 1)
+    store.put_chunks("k", [data])
+    with pytest.raises(ObjectExists):  # checked before the upload starts
+        store.put_chunks("k", [data])
+    with pytest.raises(ObjectExists):  # and again before it completes
+        store.put_chunks("k2", _racing_put(store, "k2"))
+    assert store.get("k") == data and store.get("k2") == b"the other writer"
+    assert _pending_uploads(store) == []
 
 
 # -- the weights protocol through S3, with crashes ---------------------------------------------
