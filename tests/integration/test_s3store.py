@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import tracemalloc
+import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -576,3 +577,35 @@ def test_store_init_creates_the_bucket_once(  # type: ignore[no-untyped-def]
     store = S3Store.from_url("s3://made-by-init/run", S3Settings(endpoint_url=s3_server.endpoint))
     store.put("k", b"v")
     assert store.list() == ["k"]
+
+
+def test_a_checkpoint_shard_over_the_single_put_limit_saves_and_restores_through_multipart(
+    s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer checkpoint whose shards are larger than one put may be (lowered to 1 MiB here;
+    5 GiB on S3) streams up in parts and loads back row for row, on either world size."""
+    from consumers import checkpoint as ckpts
+
+    store, sizes = _small_part_store(s3_url, monkeypatch)
+    run = f"big-{uuid.uuid4().hex[:8]}"
+    full = torch.randn(3 * 1024 + 1, 1024)  # 12 MiB of fp32 rows, an odd count
+    half = (full.shape[0] + 1) // 2  # torch.chunk's split over 2 ranks
+    layout = [(0, full[:half]), (half, full[half:])]
+    entries = [
+        ckpts.write_shard(
+            store,
+            run,
+            1,
+            r,
+            2,
+            {"model/w": rows.contiguous()},
+            {"layout": {"model/w": [len(full), at]}},
+        )
+        for r, (at, rows) in enumerate(layout)
+    ]
+    ckpts.save(store, run, 1, step=1, version=1, ledger={}, events=[], shards=entries)
+    assert sizes.count(PART) >= 2, f"both shards went up in parts: {sizes}"
+    assert not _pending_uploads(store)
+    shards = ckpts.load(store, run, 1).shards
+    assert torch.equal(shards.rows("model/w", 0, len(full), len(full)), full)  # on one rank
+    assert torch.equal(shards.rows("model/w", half, len(full), len(full)), full[half:])
