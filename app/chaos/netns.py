@@ -18,6 +18,7 @@ or mounts refused), or None; the row of a fault that needs it then says so.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -110,6 +111,8 @@ class FullDisk:
     """A tmpfs of ``size_mb`` at ``path`` for the object store; ``fill`` / ``free`` it."""
 
     FILLER = ".chaos-filler"
+    PIECE = 16 * 1024 * 1024  # the filler grows by at most this much at a time
+    MIN_PIECE = 4096  # ENOSPC for a piece this small: the disk is full
 
     def __init__(self, path: Path, size_mb: int) -> None:
         self.path, self.size_mb = path, size_mb
@@ -137,15 +140,32 @@ class FullDisk:
         return self
 
     def fill(self, leave_bytes: int = 64 * 1024) -> int:
-        """Take all but ``leave_bytes`` of the free space; the bytes taken."""
+        """Take all but about ``leave_bytes`` of the free space; the bytes taken.
+
+        The store's writers go on meanwhile (a checkpoint, a publish), so the space can shrink
+        between ``statvfs`` and the allocation: ENOSPC is the goal reached, not a failure. The
+        filler grows by pieces of at most :attr:`PIECE` bytes (a tmpfs gives back all of a
+        ``fallocate`` that fails, so one piece for everything could end with nothing taken);
+        a piece refused with ENOSPC is tried again halved, down to :attr:`MIN_PIECE`, so what
+        is left free is about ``leave_bytes``, or less than ``2 * MIN_PIECE`` after ENOSPC."""
         st = os.statvfs(self.path)
-        take = max(0, st.f_bavail * st.f_frsize - leave_bytes)
+        want = max(0, st.f_bavail * st.f_frsize - leave_bytes)
+        taken, piece = 0, self.PIECE
         fd = os.open(self.path / self.FILLER, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
-            os.posix_fallocate(fd, 0, take)
+            while taken < want and piece >= self.MIN_PIECE:
+                n = min(piece, want - taken)
+                try:
+                    os.posix_fallocate(fd, taken, n)
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    piece = n // 2  # full, or all but less than n: take what is left
+                    continue
+                taken += n
         finally:
             os.close(fd)
-        return take
+        return taken
 
     def free(self) -> None:
         (self.path / self.FILLER).unlink(missing_ok=True)

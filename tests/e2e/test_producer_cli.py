@@ -194,7 +194,8 @@ def test_sigkill_of_a_worker_mid_trajectory_is_resumed_by_another(
         live = next(w for w in procs if w != dead)
         procs[dead].send_signal(signal.SIGKILL)
         assert procs[dead].wait(timeout=10) == -signal.SIGKILL
-        killed_mid = set(incomplete_of(t, dead))
+        # unfinished as far as the test had read at the kill: a lower bound of dead's progress
+        seen_mid = set(incomplete_of(t, dead))
         with worker(cli_env, tiny_model, "wc", logs["wc"], *fast) as wc:
             rest = {live: procs[live], "wc": wc}
             until(t, lambda t: len(t.complete()) == 24, rest, logs, 150)
@@ -204,16 +205,22 @@ def test_sigkill_of_a_worker_mid_trajectory_is_resumed_by_another(
                 assert w.wait(timeout=60) == 0, logs[name].read_text()[-3000:]
     done = check_exactly_once(t, {(p, s) for p in ids for s in range(4)})
     assert t.duplicates == 0
-    resumed = [cs for cs in done.values() if cs[0].trajectory_id in killed_mid]
-    assert resumed, "the killed worker's unfinished trajectories were not completed"
-    # others continued the numbering right after the killed one's last chunk (check_exactly_once:
+    # What the killed worker left unfinished is read from the topic once everything is in, not
+    # from what the test had read at the kill: its last chunks (a trajectory's last one among
+    # them) may have been acknowledged by the broker and still on their way to the test then.
+    # Others continued the numbering right after the killed one's last chunk (check_exactly_once:
     # seq 0..last once each). wc joining later moves partitions to it: a trajectory the survivor
     # resumed may be handed off to wc mid-way, so one or both of them write the rest
-    for cs in resumed:
+    started = {cs[0].trajectory_id: cs for cs in done.values() if cs[0].worker_id == dead}
+    assert seen_mid <= set(started), "a trajectory the killed worker had started was not completed"
+    resumed = []
+    for cs in started.values():
         workers_in_order = [c.worker_id for c in cs]
-        switch = next(i for i, w in enumerate(workers_in_order) if w != dead)
-        assert set(workers_in_order[:switch]) == {dead}
-        assert set(workers_in_order[switch:]) <= {live, "wc"}
+        switch = next((i for i, w in enumerate(workers_in_order) if w != dead), len(cs))
+        assert set(workers_in_order[switch:]) <= {live, "wc"}, workers_in_order
+        if switch < len(cs):
+            resumed.append(cs)
+    assert resumed, "the killed worker's unfinished trajectories were not resumed"
     summaries = logs[live].read_text() + logs["wc"].read_text()
     assert re.search(r"resumed [1-9]", summaries), summaries[-3000:]
 
@@ -284,7 +291,8 @@ def test_sigkill_then_a_replacement_under_a_new_group_resumes_the_dead_workers_t
         )
         wa.send_signal(signal.SIGKILL)
         assert wa.wait(timeout=10) == -signal.SIGKILL
-    killed_mid = set(incomplete_of(t, "wa"))
+    # unfinished as far as the test had read when wa died: a lower bound of wa's progress only
+    seen_mid = set(incomplete_of(t, "wa"))
     with worker(
         cli_env,
         tiny_model,
@@ -302,14 +310,17 @@ def test_sigkill_then_a_replacement_under_a_new_group_resumes_the_dead_workers_t
     done = check_exactly_once(t, {(p, s) for p in ids + short for s in range(4)})
     assert t.duplicates == 0
     assert all({c.worker_id for c in done[(p, s)]} == {"wa"} for p in short for s in range(4))
-    resumed = [cs for cs in done.values() if cs[0].trajectory_id in killed_mid]
-    assert len(resumed) == len(killed_mid), (
-        "the killed worker's unfinished trajectories were not completed"
-    )
-    for cs in resumed:  # wc continued the numbering right after wa's last chunk
+    # What wa left unfinished is read from the topic once everything is in, not from what the
+    # test had read at the kill: wa's last chunks (a trajectory's last one among them) may have
+    # been acknowledged by the broker and still on their way to the test's reader then.
+    for cs in done.values():  # wa's chunks, then wc's, continuing the numbering (exactly once)
         wids = [c.worker_id for c in cs]
-        switch = wids.index("wc")
-        assert set(wids[:switch]) == {"wa"} and set(wids[switch:]) == {"wc"}, wids
+        switch = wids.index("wc") if "wc" in wids else len(wids)
+        assert set(wids[:switch]) <= {"wa"} and set(wids[switch:]) <= {"wc"}, wids
+    started = {cs[0].trajectory_id for cs in done.values() if cs[0].worker_id == "wa"}
+    assert seen_mid <= started, "a trajectory wa had started was not completed"
+    resumed = [cs for cs in done.values() if cs[0].worker_id == "wa" and cs[-1].worker_id == "wc"]
+    assert resumed, "the killed worker's unfinished trajectories were not resumed"
     log_c = logs["wc"].read_text()
     assert re.search(r"took over [1-9]", log_c) and re.search(r"resumed [1-9]", log_c), log_c[
         -3000:
