@@ -27,6 +27,8 @@ What must hold, as for ``LocalStore``:
   ``srl-put-id`` metadata value, so the store sees that the object there is its own and the put
   counts as done.
 
+The multipart machinery (parts, uploads, their create-only probe) is ``srl.s3multipart``'s.
+
 Where the server is and who we are: ``s3_endpoint_url`` / ``s3_region`` / ``s3_profile`` from the
 config (``srl.stores.store_from_config``), else the usual AWS
 variables (``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_ACCESS_KEY_ID`` /
@@ -45,11 +47,18 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from srl.errors import ConfigError, StoreError
+from srl.s3multipart import (
+    PUT_ID,
+    MultipartWriter,
+    NotImplementedByServer,
+    cut_parts,
+    part_size,
+)
 from srl.store import ObjectExists, ObjectMissing, ObjectStore, check_key
 
 if TYPE_CHECKING:
@@ -60,9 +69,6 @@ log = logging.getLogger("srl.s3store")
 CreateOnly = Literal["auto", "conditional", "check-then-put"]
 MAX_PUT_BYTES = 5 * 1024**3  # S3's limit on a single PutObject; more goes multipart
 PART_BYTES = 64 * 1024**2  # multipart part size (S3: >= 5 MiB except the last part)
-MIN_PART_BYTES = 5 * 1024**2  # S3's smallest part (but the last); smaller part_bytes are raised
-MAX_PARTS = 10_000  # S3's limit on the parts of one multipart upload
-PUT_ID = "srl-put-id"  # user metadata naming the put() call that wrote an object
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,6 @@ class S3Settings:
 
 
 _modes: dict[tuple[str | None, str], str] = {}  # (endpoint, bucket) -> probed create-only mode
-_mp_modes: dict[tuple[str | None, str], str] = {}  # the same for CompleteMultipartUpload
 _lock = threading.Lock()
 
 
@@ -123,6 +128,7 @@ class S3Store(ObjectStore):
         self.settings = settings or S3Settings()
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self._client = _make_client(self.settings)
+        self._multipart = MultipartWriter(self)
 
     @classmethod
     def from_url(cls, url: str, settings: S3Settings | None = None) -> S3Store:
@@ -141,7 +147,7 @@ class S3Store(ObjectStore):
     def put(self, key: str, data: bytes | memoryview) -> str:
         size = memoryview(data).nbytes
         if size > self.max_put_bytes:  # above S3's single-put limit: a multipart upload
-            return self._upload(key, _parts([data], self._part_size(size), None))[0]
+            return self._multipart.upload(key, cut_parts([data], self._part_size(size), None))[0]
         body = bytes(data)
         full = self._key(key)
         if self.create_only_mode() == "conditional":
@@ -182,11 +188,11 @@ class S3Store(ObjectStore):
         size)."""
         self._key(key)  # a bad key fails before a chunk is read
         h = hashlib.sha256()
-        parts = _parts(chunks, self._part_size(size_hint), h)
+        parts = cut_parts(chunks, self._part_size(size_hint), h)
         first = next(parts)
         if first.last and first.size <= self.max_put_bytes:
             return self.put(key, bytes(first.data)), h.hexdigest(), first.size
-        uri, size = self._upload(key, itertools.chain([first], parts))
+        uri, size = self._multipart.upload(key, itertools.chain([first], parts))
         return uri, h.hexdigest(), size
 
     def get(self, key: str) -> bytes:
@@ -271,7 +277,7 @@ class S3Store(ObjectStore):
                 )
             except ObjectExists:
                 mode = "conditional"
-        except _NotImplemented:
+        except NotImplementedByServer:
             log.warning(
                 "S3 server at %s refuses If-None-Match; create-only falls back to check-then-put",
                 self.settings.endpoint_url or "AWS",
@@ -283,152 +289,17 @@ class S3Store(ObjectStore):
                 log.debug("probe cleanup: %s", e)
         return mode
 
-    # -- multipart uploads -------------------------------------------------------------
-    def _part_size(self, total: int | None) -> int:
-        """``part_bytes`` (at least S3's 5 MiB), grown to a whole MiB where ``total`` would
-        need more than 10,000 parts."""
-        part = max(self.part_bytes, MIN_PART_BYTES)
-        need = -(-(total or 0) // MAX_PARTS)
-        return part if need <= part else -(-need // 1024**2) * 1024**2
-
-    def _upload(self, key: str, parts: Iterator[_Part]) -> tuple[str, int]:
-        """One multipart upload of ``parts``, create-only; aborted on any failure (nothing is
-        left behind: no object, no pending upload). Returns (uri, size)."""
-        full = self._key(key)
-        conditional = self.multipart_create_only_mode() == "conditional"
-        # Checked first in every mode: the object may be tens of GB, so refuse before uploading.
-        if self.exists(key):
-            raise ObjectExists(f"object {key} already exists in {self.url} (create-only store)")
-        put_id = self._new_put_id()
-        resp = self._call(
-            "create_multipart", key, Bucket=self.bucket, Key=full, Metadata={PUT_ID: put_id}
-        )
-        upload_id = str(resp["UploadId"])
-        done: list[dict[str, Any]] = []
-        size = 0
-        try:
-            for part in parts:
-                if part.size == 0 and done:  # the stream ended on a part boundary
-                    break
-                number = len(done) + 1
-                if number > MAX_PARTS:
-                    raise StoreError(
-                        f"object {key} needs more than {MAX_PARTS} parts (S3's limit) after "
-                        f"{size} bytes; raise part_bytes or pass size_hint"
-                    )
-                resp = self._call(
-                    "upload_part",
-                    key,
-                    Bucket=self.bucket,
-                    Key=full,
-                    UploadId=upload_id,
-                    PartNumber=number,
-                    Body=part.data,
-                )
-                done.append({"PartNumber": number, "ETag": resp["ETag"]})
-                size += part.size
-            kw: dict[str, Any] = {
-                "Bucket": self.bucket,
-                "Key": full,
-                "UploadId": upload_id,
-                "MultipartUpload": {"Parts": done},
-            }
-            if conditional:
-                kw["IfNoneMatch"] = "*"
-            elif self.exists(key):  # check-then-put: check again, just before it lands
-                raise ObjectExists(f"object {key} already exists in {self.url} (create-only store)")
-            try:
-                self._call("complete_multipart", key, **kw)
-            except StoreError:  # ObjectExists included: a retried complete may find its own
-                if not self._landed(key, put_id):
-                    raise
-                log.info("upload %s: a retried completion found its own earlier one landed", key)
-        except BaseException:
-            self._abort(key, full, upload_id)
-            raise
-        log.debug("upload %s: %d bytes in %d parts", key, size, len(done))
-        return self.uri(key), size
-
-    def _landed(self, key: str, put_id: str) -> bool:
-        try:
-            return self._put_id(key) == put_id
-        except StoreError:
-            return False
-
-    def _abort(self, key: str, full: str, upload_id: str) -> None:
-        try:
-            self._call("abort_multipart", key, Bucket=self.bucket, Key=full, UploadId=upload_id)
-        except StoreError as e:  # the original error matters more; a lifecycle rule cleans up
-            log.warning("cannot abort the multipart upload of %s (%s): %s", key, upload_id, e)
-
+    # -- multipart uploads (srl.s3multipart) -----------------------------------------
     def multipart_create_only_mode(self) -> str:
         """The create-only mode of multipart uploads: ``create_only_mode()``, except that in
         auto mode a server that enforces ``If-None-Match`` on PutObject is probed once more for
         CompleteMultipartUpload (some honour it on PutObject only)."""
-        mode = self.create_only_mode()
-        if mode != "conditional" or self.settings.create_only == "conditional":
-            return mode
-        ident = (self.settings.endpoint_url, self.bucket)
-        with _lock:
-            if ident not in _mp_modes:
-                _mp_modes[ident] = self._probe_multipart()
-            return _mp_modes[ident]
+        return self._multipart.create_only_mode()
 
-    def _probe_multipart(self) -> str:
-        """Complete two one-part uploads of one probe key with ``If-None-Match: *``: a 412 on
-        the second means the server enforces it on CompleteMultipartUpload."""
-        key = f".srl-probe/{uuid.uuid4().hex}"
-        full = self._key(key)
-        mode = "check-then-put"
-        try:
-            self._probe_upload(key, full, b"1")
-            try:
-                self._probe_upload(key, full, b"2")
-                log.warning(
-                    "S3 server at %s ignores If-None-Match on CompleteMultipartUpload; "
-                    "create-only multipart uploads fall back to check-then-put",
-                    self.settings.endpoint_url or "AWS",
-                )
-            except ObjectExists:
-                mode = "conditional"
-        except _NotImplemented:
-            log.warning(
-                "S3 server at %s refuses If-None-Match on CompleteMultipartUpload; create-only "
-                "multipart uploads fall back to check-then-put",
-                self.settings.endpoint_url or "AWS",
-            )
-        finally:
-            try:
-                self._call("delete", key, Bucket=self.bucket, Key=full)
-            except StoreError as e:  # a leftover probe object is harmless and hidden by list()
-                log.debug("probe cleanup: %s", e)
-        return mode
-
-    def _probe_upload(self, key: str, full: str, body: bytes) -> None:
-        resp = self._call("create_multipart", key, Bucket=self.bucket, Key=full)
-        upload_id = str(resp["UploadId"])
-        try:
-            part = self._call(
-                "upload_part",
-                key,
-                Bucket=self.bucket,
-                Key=full,
-                UploadId=upload_id,
-                PartNumber=1,
-                Body=body,
-            )
-            self._call(
-                "complete_multipart",
-                key,
-                Bucket=self.bucket,
-                Key=full,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]},
-                IfNoneMatch="*",
-            )
-        except BaseException:
-            self._abort(key, full, upload_id)
-            raise
+    def _part_size(self, total: int | None) -> int:
+        """``part_bytes`` (at least S3's 5 MiB), grown to a whole MiB where ``total`` would
+        need more than 10,000 parts."""
+        return part_size(self.part_bytes, total)
 
     # -- boto3 calls with one-line errors ----------------------------------------------
     def _new_put_id(self) -> str:
@@ -475,7 +346,9 @@ class S3Store(ObjectStore):
                         f"bucket {self.bucket} does not exist at {where}; create it first"
                     ) from None
                 if code == "NotImplemented" or status == 501:
-                    raise _NotImplemented(f"{op} {key}: {err.get('Message', code)}") from None
+                    raise NotImplementedByServer(
+                        f"{op} {key}: {err.get('Message', code)}"
+                    ) from None
                 raise StoreError(
                     f"cannot {op} {key} in {where}: {code} {err.get('Message', '')}".rstrip()
                 ) from None
@@ -487,49 +360,6 @@ class S3Store(ObjectStore):
             except BotoCoreError as e:
                 raise StoreError(f"cannot {op} {key} in {where}: {e}") from None
         raise StoreError(f"cannot {op} {key} in {where}: conflicting concurrent writes")
-
-
-@dataclass
-class _Part:
-    data: bytearray  # the part's bytes (boto3 takes a bytearray, not a memoryview)
-    last: bool  # the stream ended with this part
-
-    @property
-    def size(self) -> int:
-        return len(self.data)
-
-
-def _parts(
-    chunks: Iterable[bytes | memoryview], part_bytes: int, h: hashlib._Hash | None
-) -> Iterator[_Part]:
-    """Cut the concatenated ``chunks`` into parts of ``part_bytes`` and a shorter last one
-    (empty where the stream ends on a part boundary), hashing each chunk into ``h`` as it is
-    read. One buffer serves every part: a part yielded is valid until the next is asked for.
-    The buffer grows with the first part (a small stream never holds a whole part), then is
-    overwritten in place."""
-    buf = bytearray()
-    n = 0  # bytes of buf in use
-    for c in chunks:
-        view = memoryview(c).cast("B")
-        if h is not None:
-            h.update(view)
-        while view:
-            take = min(part_bytes - n, len(view))
-            if n == len(buf):
-                buf += view[:take]
-            else:
-                buf[n : n + take] = view[:take]
-            n += take
-            view = view[take:]
-            if n == part_bytes:
-                yield _Part(buf, last=False)
-                n = 0
-    del buf[n:]
-    yield _Part(buf, last=True)
-
-
-class _NotImplemented(StoreError):
-    """The server does not implement a request feature (e.g. conditional puts)."""
 
 
 def _make_client(s: S3Settings) -> Any:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from botocore.exceptions import ClientError, ReadTimeoutError
 
-from srl import s3store
+from srl import s3multipart
 from srl.errors import ConfigError, StoreError
 from srl.s3store import S3Settings, S3Store, parse_url
 from srl.store import (
@@ -358,7 +358,7 @@ def test_a_failure_mid_stream_leaves_no_object_and_no_pending_upload(
 
     # more parts than S3 allows: refused, aborted
     monkeypatch.setattr(store._client, "upload_part", upload_part)
-    monkeypatch.setattr(s3store, "MAX_PARTS", 2)
+    monkeypatch.setattr(s3multipart, "MAX_PARTS", 2)
     with pytest.raises(StoreError, match="more than 2 parts"):
         store.put_chunks("ckpt/broken.bin", _chunks(b"u" * (2 * PART + 1), MiB))
     assert not store.exists("ckpt/broken.bin") and _pending_uploads(store) == []
