@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from consumers import checkpoint as ckpts
@@ -139,10 +140,6 @@ class Dist:
         self.round.append(mb)
         return self._deal() if len(self.round) == self.world else []
 
-    def flush(self) -> list[MicroBatch]:
-        """Before a step: the lockstep round being filled leaves, padded."""
-        return self._deal() if self.round else []
-
     def _deal(self) -> list[MicroBatch]:
         """One micro-batch per rank, the most tokens to rank 0 (it also reads Kafka, so its
         backward starts last); zero-weight ones where the round is short."""
@@ -162,9 +159,13 @@ class Dist:
         for t in mb.tensors():
             dist.send(t.contiguous(), dst=dst, group=self.group)
 
-    def step(self, step: int, normalizer: float) -> None:
+    def step(self, step: int, normalizer: float, backward: Callable[[MicroBatch], None]) -> None:
+        """The step boundary: a lockstep round still being filled leaves, padded (rank 0 runs
+        its part with ``backward``); then every rank steps with the step's normaliser."""
         import torch
 
+        for own in self._deal() if self.round else []:
+            backward(own)
         self._to_all(STEP, step, torch.tensor([normalizer], dtype=torch.float64))
         self.next_rank = 0  # every step starts its round robin at rank 0: deterministic
 

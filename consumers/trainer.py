@@ -398,9 +398,7 @@ class Trainer:
             )
             return StepStats()
         if self.dist is not None:
-            for own in self.dist.flush():  # a lockstep round still being filled
-                self.engine.backward(own)
-            self.dist.step(self.step + 1, normalizer)
+            self.dist.step(self.step + 1, normalizer, self.engine.backward)
         return self.engine.step(normalizer)
 
     def _take_step(self) -> None:

@@ -3,12 +3,13 @@
 ``srl-consumer train`` turns its options into a :class:`~consumers.config.TrainConfig` and
 calls :func:`consumers.trainer.run_trainer`; torch and transformers are imported there, so
 ``--help`` answers at once. Several ranks: ``torchrun --nproc-per-node N -m app.cli.consumer train
-…``.
+…``. ``srl-consumer plan`` prints the GPU memory per rank of training a model
+(:mod:`consumers.plan`), from its config alone.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 import click
 
@@ -52,6 +53,102 @@ def train(cfg: TrainConfig, as_json: bool) -> None:
             f"trained {result.steps} steps; policy version {result.version}; outcomes "
             f"{result.outcomes}"
         )
+
+
+@cli.command("plan")
+@click.option(
+    "--model",
+    required=True,
+    metavar="DIR|CONFIG.JSON",
+    help="Model directory, or a config.json: built on the meta device, no weights read.",
+)
+@click.option("--ranks", type=int, required=True, help="Ranks (GPUs) the trainer runs on.")
+@click.option(
+    "--gpu-memory",
+    type=float,
+    required=True,
+    metavar="GIB",
+    help="Memory of one GPU in GiB (an 80 GB H100 has 79.6).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["bfloat16", "float32"]),
+    default=None,
+    help="Compute dtype (master weights and AdamW state are fp32). [default: the trainer's, "
+    "float32]",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(["fsdp", "torch"]),
+    default="torch",
+    show_default=True,
+    help="torch: the replicated engine (the one-rank default); fsdp: FSDP2, sharded per "
+    "decoder layer (the multi-rank default).",
+)
+@click.option(
+    "--activation-checkpointing",
+    is_flag=True,
+    help="Keep only each layer's input; recompute one layer at a time in the backward pass.",
+)
+@click.option(
+    "--micro-batch-tokens",
+    type=int,
+    default=None,
+    help="Tokens of one micro-batch. [default: the trainer's, 4096]",
+)
+@click.option(
+    "--publish-bucket-mb",
+    type=float,
+    default=512.0,
+    show_default=True,
+    help="MiB of weights gathered at once to publish (fsdp).",
+)
+@click.option(
+    "--kl-coef",
+    type=float,
+    default=None,
+    help="Above 0 the trainer holds a frozen reference model. [default: the trainer's, 0]",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan(
+    model: str,
+    ranks: int,
+    gpu_memory: float,
+    dtype: str | None,
+    backend: Literal["fsdp", "torch"],
+    activation_checkpointing: bool,
+    micro_batch_tokens: int | None,
+    publish_bucket_mb: float,
+    kl_coef: float | None,
+    as_json: bool,
+) -> None:
+    """GPU memory per rank of training MODEL, and whether it fits: parameters, gradients,
+    AdamW state, reference model, activations of one micro-batch, publish bucket.
+
+    Counts the parameters exactly on the meta device (a 7B config answers in seconds, no
+    weights); the formulas are in consumers/plan.py and docs/trainer.md.
+    """
+    from consumers.plan import PlanOptions, format_plan, plan_model
+
+    # not given: the trainer's defaults, which PlanOptions reads from TrainConfig
+    given: dict[str, Any] = {
+        "dtype": dtype,
+        "micro_batch_tokens": micro_batch_tokens,
+        "kl_coef": kl_coef,
+    }
+    options = PlanOptions(
+        ranks=ranks,
+        gpu_memory_gib=gpu_memory,
+        backend=backend,
+        activation_checkpointing=activation_checkpointing,
+        publish_bucket_mb=publish_bucket_mb,
+        **{k: v for k, v in given.items() if v is not None},
+    )
+    result = plan_model(model, options)
+    if as_json:
+        echo_json(result.to_dict())
+    else:
+        click.echo(format_plan(result))
 
 
 main = run_main(cli, "srl-consumer")

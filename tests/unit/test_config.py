@@ -228,7 +228,7 @@ def test_bucket_names_follow_the_layout_wherever_it_comes_from(tmp_path: Path) -
     ("values", "needle"),
     [
         ({"backend": "deepspeed", "zero_stage": 3}, "zero_stage: 3 partitions the parameters"),
-        ({"backend": "deepspeed", "dtype": "bfloat16"}, "float32 only"),
+        ({"backend": "deepspeed", "master_dtype": "bfloat16"}, "keeps float32 master weights"),
         ({"sync_barrier": True}, "add --max-staleness 0"),
         ({"publish_every": 3}, "windows need --publish-every <= max_staleness + 1"),
     ],
