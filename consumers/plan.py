@@ -9,13 +9,15 @@ bytes per element of the dtype (4 float32, 2 bfloat16), ``T`` tokens of a micro-
   and AdamW's two fp32 moments, ``4·P``, ``4·P`` and ``8·P``; with ``--dtype bfloat16`` autocast
   holds a bf16 copy of the weights while it computes, ``2·P``; on more than one rank the
   all-reduce concatenates the gradients into one flat buffer, ``4·P`` more. The publisher
-  copies the tensors straight to host memory: no bucket on the GPU.
+  copies each tensor to host memory, cast to the serving dtype first: under ``--dtype
+  bfloat16`` the largest parameter's bf16 copy ``2·largest`` on the GPU at once.
 * ``fsdp`` backend (``consumers.engine_fsdp``: FSDP2 ``fully_shard`` per decoder layer and once
   at the root): fp32 master shard ``4·P/N``, fp32 gradient shard
   ``4·P/N``, AdamW moments ``8·P/N``; while computing, two decoder layers are gathered at once
   (current and prefetched) and the root stays gathered, ``c·(2·layer + root)``, and their
   unsharded gradients wait for the reduce-scatter, ``c·(layer + root)``; publishing gathers
-  the weights bucket by bucket (``--publish-bucket-mb``).
+  the weights one parameter at a time, the largest whole in fp32 plus its cast copy,
+  ``(4 + c)·largest`` (the embedding or lm_head, ``V·h``).
 * reference model (``--kl-coef`` > 0): ``P·c`` (``/N`` under fsdp). Its logits live only
   before the backward pass, so they never add to the logits' backward peak below.
 * activations of one micro-batch (the Hugging Face Llama/Qwen2 layer under SDPA, no dropout;
@@ -71,6 +73,7 @@ class ModelShape:
     architecture: str
     params: int  # tied weights once
     layer_params: int  # the largest decoder layer
+    largest: int  # elements of the largest parameter (what publishing gathers whole)
     root_params: int  # outside the decoder layers: embeddings, lm_head, final norm
     layers: int
     hidden: int
@@ -89,7 +92,6 @@ class PlanOptions:
     backend: Backend = "torch"
     activation_checkpointing: bool = False
     micro_batch_tokens: int = int(TrainConfig.model_fields["micro_batch_tokens"].default)
-    publish_bucket_mb: float = 512.0
     kl_coef: float = float(TrainConfig.model_fields["kl_coef"].default)
 
     def check(self) -> None:
@@ -99,8 +101,8 @@ class PlanOptions:
             raise ConfigError(f"--gpu-memory {self.gpu_memory_gib:g}: must be positive")
         if self.micro_batch_tokens < 1:
             raise ConfigError(f"--micro-batch-tokens {self.micro_batch_tokens}: at least 1")
-        if self.publish_bucket_mb < 0 or self.kl_coef < 0:
-            raise ConfigError("--publish-bucket-mb and --kl-coef must not be negative")
+        if self.kl_coef < 0:
+            raise ConfigError("--kl-coef must not be negative")
         if self.dtype not in DTYPE_BYTES or self.backend not in BACKENDS:
             raise ConfigError(f"dtype {self.dtype!r} / backend {self.backend!r}: not planned")
 
@@ -161,7 +163,6 @@ class Plan:
             "activation_checkpointing": o.activation_checkpointing,
             "micro_batch_tokens": o.micro_batch_tokens,
             "kl_coef": o.kl_coef,
-            "publish_bucket_mb": o.publish_bucket_mb,
             "rows": [
                 {"key": r.key, "name": r.name, "bytes": r.bytes, "what": r.what} for r in self.rows
             ],
@@ -240,6 +241,7 @@ def model_shape(model: str | Path) -> ModelShape:
             architecture=type(built).__name__,
             params=params,
             layer_params=max(per_layer),
+            largest=max(p.numel() for p in built.parameters()),
             root_params=params - sum(per_layer),
             layers=len(layers),
             hidden=hidden,
@@ -335,7 +337,8 @@ def plan(shape: ModelShape, options: PlanOptions, model: str = "") -> Plan:
     c, t = DTYPE_BYTES[options.dtype], options.micro_batch_tokens
     act = activations(shape, t, c, options.activation_checkpointing)
     how = "layer inputs + 1 layer" if options.activation_checkpointing else "all layers"
-    bucket = int(options.publish_bucket_mb * MIB) if options.backend == "fsdp" else 0
+    fsdp = options.backend == "fsdp"
+    bucket = shape.largest * ((4 + c) if fsdp else (c if c != 4 else 0))
     rows = [
         *state_rows(shape, options),
         Row("activations", "activations", act.layers, f"{t} tokens, {how}"),
@@ -344,7 +347,9 @@ def plan(shape: ModelShape, options: PlanOptions, model: str = "") -> Plan:
             "publish_bucket",
             "publish bucket",
             bucket,
-            "weights gathered to publish" if bucket else "tensors copied straight to host",
+            ("largest parameter gathered, fp32 + cast" if fsdp else "largest parameter cast")
+            if bucket
+            else "tensors copied straight to host",
         ),
     ]
     return Plan(model, shape, options, tuple(rows))

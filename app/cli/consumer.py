@@ -97,13 +97,6 @@ def train(cfg: TrainConfig, as_json: bool) -> None:
     help="Tokens of one micro-batch. [default: the trainer's, 4096]",
 )
 @click.option(
-    "--publish-bucket-mb",
-    type=float,
-    default=512.0,
-    show_default=True,
-    help="MiB of weights gathered at once to publish (fsdp).",
-)
-@click.option(
     "--kl-coef",
     type=float,
     default=None,
@@ -118,7 +111,6 @@ def plan(
     backend: Literal["fsdp", "torch"],
     activation_checkpointing: bool,
     micro_batch_tokens: int | None,
-    publish_bucket_mb: float,
     kl_coef: float | None,
     as_json: bool,
 ) -> None:
@@ -141,7 +133,6 @@ def plan(
         gpu_memory_gib=gpu_memory,
         backend=backend,
         activation_checkpointing=activation_checkpointing,
-        publish_bucket_mb=publish_bucket_mb,
         **{k: v for k, v in given.items() if v is not None},
     )
     result = plan_model(model, options)

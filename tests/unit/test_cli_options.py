@@ -140,7 +140,6 @@ OWN: dict[str, set[str]] = {
         "--backend",
         "--activation-checkpointing",
         "--micro-batch-tokens",
-        "--publish-bucket-mb",
         "--kl-coef",
         "--json",
     },

@@ -71,7 +71,8 @@ def test_7b_fits_eight_80_gib_gpus_under_fsdp(qwen7b: ModelShape) -> None:
     assert r["parameters"] == r["gradients"] == 4 * -(-n // 8)  # fp32 shards
     assert r["optimizer"] == 8 * -(-n // 8)
     assert r["parameters_gathered"] == 2 * (2 * qwen7b.layer_params + qwen7b.root_params)
-    assert r["reference"] == 0 and r["publish_bucket"] == 512 << 20
+    assert r["reference"] == 0 and r["publish_bucket"] == 6 * qwen7b.largest
+    assert qwen7b.largest == 152064 * 3584  # the embedding (and the untied lm_head)
     # replicated, the same 8 ranks hold the whole 7B each: no fit
     assert not plan(qwen7b, PlanOptions(ranks=8, gpu_memory_gib=80)).fits
 
@@ -89,7 +90,10 @@ def test_the_options_move_the_plan_the_right_way(qwen7b: ModelShape) -> None:
     # the flat all-reduce
     assert torch8["optimizer"] == 8 * qwen7b.params and torch1["gradient_buffers"] == 0
     assert torch8["parameters_gathered"] == 2 * qwen7b.params
-    assert torch8["gradient_buffers"] == 4 * qwen7b.params and torch8["publish_bucket"] == 0
+    assert (
+        torch8["gradient_buffers"] == 4 * qwen7b.params
+        and torch8["publish_bucket"] == 2 * qwen7b.largest
+    )
     # the trainer's default micro-batch (consumers/config.py)
     assert PlanOptions().micro_batch_tokens == 4096
 
