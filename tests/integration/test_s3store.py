@@ -346,12 +346,12 @@ def test_a_failure_mid_stream_leaves_no_object_and_no_pending_upload(
     # the server fails a part: the upload is aborted too
     upload_part = store._client.upload_part
 
-    def flaky(**kw: Any) -> Any:
+    def failing_part_2(**kw: Any) -> Any:
         if kw["PartNumber"] == 2:
             raise ClientError({"Error": {"Code": "InternalError", "Message": "x"}}, "UploadPart")
         return upload_part(**kw)
 
-    monkeypatch.setattr(store._client, "upload_part", flaky)
+    monkeypatch.setattr(store._client, "upload_part", failing_part_2)
     with pytest.raises(StoreError, match="cannot upload_part ckpt/broken.bin"):
         store.put_chunks("ckpt/broken.bin", [b"v" * (3 * PART)])
     assert not store.exists("ckpt/broken.bin") and _pending_uploads(store) == []
