@@ -13,7 +13,11 @@ Loop, in this order:
    the sliding window of the most recent ``window`` pairs, warm-started from the latest
    published version, so the ranker follows the policy's drift;
 3. publish the version (``ranker.publish``: files, manifest last);
-4. only then commit the consumer offsets of the chunks that went into it.
+4. only then commit the consumer offsets of the chunks that went into it, held back on each
+   partition to the first chunk of any trajectory still half-seen (``PairCollector.holds``):
+   a restarted ranker reads that chunk again and pairs the trajectory, instead of losing it.
+   The pairs between the hold and the commit are read again too and count once more in the
+   restarted ranker's window (a sliding window; a pair twice is harmless, a pair lost is not).
 
 A record that is not a usable chunk goes to the DLQ with the reason and is counted, and the
 run goes on: oversized, undecodable, another record type (``srl.metrics.read_record``), a
@@ -78,11 +82,15 @@ class Pair:
     predicted_length: int | None
 
 
+Where = tuple[str, int, int]  # topic, partition, offset of a record
+
+
 @dataclass
 class _Half:
     prompt_tokens: bytes | None = None
     predicted: int | None = None
     length: int | None = None
+    first: Where | None = None  # the first of its chunks read
 
 
 @dataclass
@@ -101,14 +109,14 @@ class PairCollector:
     _open: OrderedDict[str, _Half] = field(default_factory=OrderedDict)
     _done: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
-    def add(self, c: TrajectoryChunk) -> Pair | None:
+    def add(self, c: TrajectoryChunk, where: Where | None = None) -> Pair | None:
         tid = c.trajectory_id
         if tid in self._done:
             self.duplicates += 1
             return None
         half = self._open.get(tid)
         if half is None:
-            half = self._open[tid] = _Half()
+            half = self._open[tid] = _Half(first=where)
             if len(self._open) > self.max_open:
                 self._open.popitem(last=False)
                 self.evicted += 1
@@ -126,6 +134,25 @@ class PairCollector:
         if len(self._done) > self.max_done:
             self._done.popitem(last=False)
         return Pair(tid, half.prompt_tokens, half.length, half.predicted)
+
+    def holds(self) -> dict[tuple[str, int], int]:
+        """Per (topic, partition), the offset of the earliest first chunk of a half-seen
+        trajectory: a commit must not pass it, or a restart never pairs that trajectory."""
+        out: dict[tuple[str, int], int] = {}
+        for half in self._open.values():
+            if half.first is not None:
+                t, p, o = half.first
+                out[(t, p)] = min(o, out.get((t, p), o))
+        return out
+
+
+def commit_offsets(
+    pending: dict[tuple[str, int], int], holds: dict[tuple[str, int], int]
+) -> list[TopicPartition]:
+    """The offsets to commit: each partition read since the last commit, up to what was read
+    or to its hold, whichever is lower. A partition not read since keeps its last commit,
+    which was already held back."""
+    return [TopicPartition(t, p, min(o, holds.get((t, p), o))) for (t, p), o in pending.items()]
 
 
 @dataclass
@@ -266,7 +293,8 @@ class _OnlineRun:
 
     def take(self, msg: Message) -> tuple[LengthRanker, dict[str, float]] | None:
         """One record; the version published because of it, if any (steps 1-4 above)."""
-        self.pending[(msg.topic() or "", msg.partition() or 0)] = (msg.offset() or 0) + 1
+        where = (msg.topic() or "", msg.partition() or 0, msg.offset() or 0)
+        self.pending[where[:2]] = where[2] + 1
         chunk = read_record(msg, TrajectoryChunk, self.producer, self.layout, self.metrics)
         if chunk is None:
             return None
@@ -285,7 +313,7 @@ class _OnlineRun:
                 self.metrics,
             )
             return None
-        pair = self.collector.add(chunk)
+        pair = self.collector.add(chunk, where)
         if pair is None:
             return None
         self.last_progress = time.monotonic()
@@ -298,7 +326,7 @@ class _OnlineRun:
         self.metrics.emit("ranker_published", values)
         self.metrics.flush_counters()
         # step 4: the version holding these pairs is durable
-        offsets = [TopicPartition(t, p, o) for (t, p), o in self.pending.items()]
+        offsets = commit_offsets(self.pending, self.collector.holds())
         try:
             self.consumer.commit_sync(offsets)
         except KafkaException as e:  # a rebalance (a restarted broker): not worth an exit

@@ -46,7 +46,8 @@ CATALOGUE: dict[str, Fault] = {
             "trainer-kill-checkpoint", f.kill_trainer_mid_checkpoint, f.trainer_stepped, "trainer"
         ),
         Fault("dispatcher-kill", f.kill_role("dispatcher"), f.new_step_trained, "dispatcher"),
-        Fault("ranker-kill", f.kill_role("ranker"), f.ranker_published, "ranker"),
+        # killed up to MIX_WINDOW_S after the warm-up, the ranker needs steps after that
+        Fault("ranker-kill", f.kill_role("ranker"), f.ranker_published, "ranker", None, 16),
         Fault("broker-restart", f.restart_broker, f.all_back, "broker"),
         Fault("weights-corrupt", s.spoil_weights(False), s.refused_then_newer, "store"),
         Fault("weights-delete", s.spoil_weights(True), s.refused_then_newer, "store"),

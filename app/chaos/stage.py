@@ -121,8 +121,10 @@ class Stage:
             },
             "ranker": {
                 "model_dir": str(self.model_dir),
-                "retrain_every": 4 * c.groups_per_step * c.group_size,
-                "min_pairs": 2 * c.groups_per_step * c.group_size,
+                # a version a step: a ranker restarted late in a run still has a step's
+                # pairs ahead of it to publish from (its window starts empty)
+                "retrain_every": c.groups_per_step * c.group_size,
+                "min_pairs": c.groups_per_step * c.group_size,
                 "window": 2000,
                 "epochs": 10,
                 "hidden": [16],

@@ -122,3 +122,35 @@ def test_online_training_publishes_versions_and_commits(make_cfg: Any) -> None:
     rp = RankerPredictor(store, cfg.run, fallback)
     assert rp.version == 2 and rp.predict(["count to 3"]).dtype == np.int64
     assert RankerPredictor(store_from_config(cfg), "other-run", fallback).predict(["x"])[0] == 7
+
+
+def test_a_restarted_ranker_pairs_the_trajectory_that_straddled_its_last_commit(
+    make_cfg: Any,
+) -> None:
+    # "a" starts before the ten trajectories that make version 1 and ends after them: the
+    # commit after version 1 stops at a's first chunk, so the next ranker reads it again
+    cfg: RankerConfig = make_cfg(
+        RankerConfig, window=100, retrain_every=10, min_pairs=10, epochs=2, hidden=(8,)
+    )
+    layout = Layout.from_config(cfg)
+    create_topics(cfg)
+    a = _trajectory(99, 20, layout)  # 40 tokens: three chunks
+    records = [a[0], *(c for i in range(10) for c in _trajectory(i, 3, layout)), *a[1:]]
+    with Producer(cfg, "test") as p:
+        for c in records:
+            p.produce(layout.trajectories, encode(c), key=c.trajectory_id, partition=0)
+    seen: list[dict[str, float]] = []
+    assert (
+        run_online(cfg, max_versions=1, idle_timeout_s=10, on_version=lambda r, v: seen.append(v))
+        == 1
+    )
+    committed = committed_offsets(cfg, cfg.group_id(), [(layout.trajectories, 0)])
+    assert committed[(layout.trajectories, 0)] == 0  # a's first chunk, not past it
+    restarted = cfg.model_copy(update={"retrain_every": 11, "min_pairs": 11})
+    assert (
+        run_online(
+            restarted, max_versions=1, idle_timeout_s=10, on_version=lambda r, v: seen.append(v)
+        )
+        == 1
+    )
+    assert [int(v["pairs"]) for v in seen] == [10, 11]  # the ten again, and a

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ranker.online import PairCollector, TrainWindow, live_report
+from ranker.online import PairCollector, TrainWindow, commit_offsets, live_report
 from schemas.records import TrajectoryChunk, pack_logprobs, pack_tokens
 
 
@@ -61,6 +61,25 @@ def test_aborted_trajectories_and_bounds() -> None:
     for t in ("p", "q", "r"):
         c.add(chunk(t, 0, 0, 3, False, prompt_tokens=pack_tokens([1])))
     assert c.evicted == 1
+
+
+def test_a_commit_never_passes_the_first_chunk_of_a_half_seen_trajectory() -> None:
+    c, T = PairCollector(), "trajectories"
+    c.add(chunk("a", 0, 0, 8, False, prompt_tokens=pack_tokens([1])), (T, 0, 5))
+    c.add(chunk("b", 0, 0, 8, False, prompt_tokens=pack_tokens([1])), (T, 0, 9))
+    c.add(chunk("m", 2, 32, 4, True), (T, 1, 3))  # a migrated tail, read before its head
+    assert c.add(chunk("c", 0, 0, 4, True, prompt_tokens=pack_tokens([1])), (T, 2, 7))
+    assert c.holds() == {(T, 0): 5, (T, 1): 3}
+    pending = {(T, 0): 12, (T, 1): 8, (T, 2): 8}
+    got = {(tp.topic, tp.partition): tp.offset for tp in commit_offsets(pending, c.holds())}
+    assert got == {(T, 0): 5, (T, 1): 3, (T, 2): 8}
+    # once "a" is paired the hold moves to "b"; aborted and paired trajectories hold nothing
+    assert c.add(chunk("a", 1, 8, 2, True), (T, 0, 12)) is not None
+    aborted = TrajectoryChunk.from_dict(
+        {**chunk("b", 1, 8, 0, True).to_dict(), "finish_reason": "abort"}
+    )
+    assert c.add(aborted, (T, 0, 13)) is None
+    assert c.holds() == {(T, 1): 3}
 
 
 def test_window_slides_and_reports_dispatch_time_quality() -> None:
