@@ -209,9 +209,10 @@ def demo_prefix(cfg: DemoConfig) -> str:
 
 def role_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The roles' environment: no SRL_* variable but SRL_VERBOSE (they read OUT/srl.toml only,
-    and SRL_* would override it), one thread per math library."""
+    and SRL_* would override it), one thread per math library, trainer ranks on loopback."""
     env = {k: v for k, v in environ.items() if not k.startswith("SRL_") or k == "SRL_VERBOSE"}
-    return env | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return env | one | {"GLOO_SOCKET_IFNAME": "lo"}
 
 
 def _run_roles(plan: Plan, before: Any, eval_set: list[Any], progress: bool) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from pydantic import Field, model_validator
 
 from srl.config import CommonConfig, KafkaSettings
 from srl.errors import SrlError
+from srl.ports import free_port
 
 log = logging.getLogger("app.demo")
 
@@ -65,6 +66,16 @@ class DemoConfig(KafkaSettings):
     group_size: int = Field(8, ge=2, le=256, description="Samples per prompt (GRPO group).")
     groups_per_step: int = Field(8, ge=1, le=4096, description="Groups per optimizer step.")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
+    trainer_ranks: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="Trainer ranks (CPU gloo, under torchrun); more than one: FSDP2, sharded.",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="The trainer's compute dtype; bfloat16 keeps fp32 master weights.",
+    )
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
     max_new_tokens: int = Field(72, ge=1, description="Max generated tokens per sample.")
     eval_prompts: int = Field(256, ge=1, description="Held-out prompts for eval accuracy.")
@@ -185,6 +196,16 @@ def console_script(name: str, *args: str) -> list[str]:
     return [found, *args]
 
 
+def trainer_argv(ranks: int, conf: list[str]) -> list[str]:
+    """``srl-consumer train``, or with several ranks the same module under torchrun (gloo on
+    loopback: ``GLOO_SOCKET_IFNAME=lo`` in the environment; a free rendezvous port)."""
+    if ranks == 1:
+        return console_script("srl-consumer", "train", *conf)
+    rdzv = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    nodes = ["--nnodes", "1", "--nproc-per-node", str(ranks), *rdzv]
+    return console_script("torchrun", *nodes, "-m", "app.cli.consumer", "train", *conf)
+
+
 # -- config file ---------------------------------------------------------------------------
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
@@ -285,6 +306,7 @@ class Plan:
                 "temperature": c.temperature,
                 "seed": c.seed,
                 "device": "cpu",
+                "dtype": c.dtype,
             },
         }
 
@@ -314,10 +336,13 @@ class Plan:
         path.write_text(toml_text(top, tables))
         return path
 
+    def trainer_argv(self, conf: list[str]) -> list[str]:
+        return trainer_argv(self.cfg.trainer_ranks, conf)
+
     def roles(self, config_file: Path) -> list[Role]:
         c, logs, conf = self.cfg, self.out / "logs", ["--config", str(config_file)]
         return [
-            Role("trainer", console_script("srl-consumer", "train", *conf), logs / "trainer.log"),
+            Role("trainer", self.trainer_argv(conf), logs / "trainer.log"),
             Role(
                 "gen-regular",
                 console_script(

@@ -423,6 +423,8 @@ class EventTally:
     counters: dict[str, MetricEvent] = field(default_factory=dict)  # latest counter per source
     train: MetricEvent | None = None  # latest train_step
     published: MetricEvent | None = None  # latest weights_published
+    checkpoint: MetricEvent | None = None  # latest checkpoint_saved
+    refused: dict[str, MetricEvent] = field(default_factory=dict)  # latest store_refused by what
     staleness: Counter[int] = field(default_factory=Counter)
     outcomes: Counter[str] = field(default_factory=Counter)
     trained_ts: list[int] = field(default_factory=list)
@@ -441,6 +443,10 @@ def tally_events(events: Iterable[MetricEvent], run: str) -> EventTally:
             t.train = e
         elif e.kind == "weights_published":
             t.published = e
+        elif e.kind == "checkpoint_saved":
+            t.checkpoint = e
+        elif e.kind == "store_refused":
+            t.refused[e.labels.get("what", "?")] = e
         elif e.kind == "counter":
             t.counters[e.source] = e
         elif e.kind == "serve_stats":
@@ -494,7 +500,37 @@ def summarize_events(events: Iterable[MetricEvent], run: str, now: int) -> dict[
             "by_outcome": {k: v for k, v in sorted(t.outcomes.items()) if k != "trained"},
             "dead_letters_counted": int(dead),
         },
+        "store": store_summary(t, now),
         **({"serving": serving} if serving is not None else {}),
+    }
+
+
+def store_summary(t: EventTally, now: int) -> dict[str, Any]:
+    """The trainer's writes to the store: its last checkpoint (number, step, seconds, age) and
+    each kind of write (``publish``, ``checkpoint``) the store refused since that kind last
+    succeeded: the reason, refusals in a row and the back-off before the trainer tries again."""
+    ckpt = t.checkpoint
+    last_ok = {"checkpoint": ckpt, "publish": t.published}
+    refused = {}
+    for what, e in sorted(t.refused.items()):
+        ok = last_ok.get(what)
+        if ok is None or ok.ts_ms < e.ts_ms:
+            refused[what] = {
+                "reason": e.labels.get("reason", ""),
+                "in_a_row": _int(e.values.get("in_a_row")),
+                "retry_s": e.values.get("retry_s"),
+                "age_s": (now - e.ts_ms) / 1000,
+            }
+    return {
+        "checkpoint": None
+        if ckpt is None
+        else {
+            "number": _int(ckpt.values.get("number")),
+            "step": ckpt.step,
+            "seconds": ckpt.values.get("seconds"),
+            "age_s": (now - ckpt.ts_ms) / 1000,
+        },
+        "refused": refused,
     }
 
 

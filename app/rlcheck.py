@@ -58,7 +58,7 @@ class RlSettings:
     loss: LossKind = "tis"
     max_grad_norm: float = 1.0
     eval_prompts: int = 256
-    micro_batch_tokens: int = 4096  # the trainer's budget (rows x longest row)
+    micro_batch_tokens: int = 4096  # the trainer's budget (tokens computed per micro-batch)
 
 
 def make_engine(model_dir: Path, seed: int, s: RlSettings) -> Engine:
@@ -158,7 +158,7 @@ def _step(engine: Engine, tok: Any, prompts: list[task.Prompt], s: RlSettings) -
     """One GRPO step over ``groups_per_step`` groups, as the trainer takes a barrier step;
     returns the mean reward."""
     comps = _sample(engine.model, tok, [p.text for p in prompts], s.group_size, s)
-    batcher = StepBatcher(engine.cfg.micro_batch_tokens, pipeline=False)
+    batcher = StepBatcher(engine.cfg.micro_batch_tokens, pipeline=False, packed=engine.cfg.packing)
     rewards_all: list[float] = []
     for g, p in enumerate(prompts):  # every behaviour log-prob before the step's first gradient
         group = comps[g * s.group_size : (g + 1) * s.group_size]

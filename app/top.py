@@ -54,6 +54,9 @@ def render(snap: dict[str, Any]) -> Any:
     text, style = weights_line(snap["weights"])
     parts.append(Text(text, style=style))
     parts.append(Text(versions_line(snap["versions"])))
+    if "store" in snap:
+        text, style = store_line(snap["store"])
+        parts.append(Text(text, style=style))
     parts.append(Text(staleness_line(snap["staleness"], snap["window_s"])))
     parts.append(Text(drops_line(snap["drops"])))
     return Group(*parts)
@@ -167,6 +170,26 @@ def weights_line(w: dict[str, Any]) -> tuple[str, str]:
         return f"weights: no version announced for run {w['run']}", "yellow"
     ok = "manifest ok" if w["manifest_ok"] else f"MANIFEST NOT OK: {w['error']}"
     return f"weights: {w['run']} v{w['version']}  {ok}", "green" if w["manifest_ok"] else "bold red"
+
+
+def store_line(st: dict[str, Any]) -> tuple[str, str]:
+    """The trainer's last checkpoint, and in red each write the store refused since that kind
+    last succeeded (how many in a row, the reason, the back-off before the next try)."""
+    c = st["checkpoint"]
+    line = (
+        "checkpoints: none yet"
+        if c is None
+        else (
+            f"checkpoints: c{c['number']} at step {_s(c['step'])} ({c['seconds']:.1f} s, "
+            f"{c['age_s']:.0f} s ago)"
+        )
+    )
+    for what, r in st["refused"].items():
+        line += (
+            f"; {what.upper()} REFUSED {_s(r['in_a_row'])}x in a row ({r['age_s']:.0f} s ago, "
+            f"retried after {_s(r['retry_s'])} s): {r['reason']}"
+        )
+    return line, "bold red" if st["refused"] else ""
 
 
 def versions_line(v: dict[str, Any]) -> str:
@@ -338,6 +361,8 @@ def srl_metrics(snap: dict[str, Any]) -> Iterator[Any]:
     yield from _serving_metrics(snap.get("serving"))
     yield from _weights_metrics(snap["weights"])
     yield from _version_metrics(snap["versions"])
+    if "store" in snap:
+        yield from _store_metrics(snap["store"])
     yield _labelled(
         "srl_staleness_samples",
         "Samples per staleness (v - b) in the window",
@@ -398,6 +423,21 @@ def _weights_metrics(w: dict[str, Any]) -> Iterator[Any]:
     if w["version"] is not None:
         ok.add_metric([w["run"]], 1 if w["manifest_ok"] else 0)
     yield ok
+
+
+def _store_metrics(st: dict[str, Any]) -> Iterator[Any]:
+    yield _labelled(
+        "srl_store_refused_in_a_row",
+        "Writes of this kind the store refused in a row since the last that succeeded",
+        "what",
+        ((w, r["in_a_row"] or 0) for w, r in st["refused"].items()),
+    )
+    if st["checkpoint"] is not None:
+        yield _gauge(
+            "srl_checkpoint_age_seconds",
+            "Seconds since the trainer's last complete checkpoint",
+            value=st["checkpoint"]["age_s"],
+        )
 
 
 def _version_metrics(v: dict[str, Any]) -> Iterator[Any]:

@@ -3,8 +3,9 @@
 Owns when work becomes a micro-batch (StreamRL's dynamic-batch pipelining); which groups make
 up a step is ``consumers.steps``'s decision. What must hold:
 
-* a micro-batch's padded cost, ``rows × longest row``, stays within ``budget`` tokens, except
-  a single row longer than the budget, which runs alone;
+* a micro-batch's cost, the tokens its forward computes, stays within ``budget`` tokens, except
+  a single row longer than the budget, which runs alone: ``rows × longest row`` padded, the sum
+  of the rows' lengths packed (``packed``: the engine runs them as one row, ``packing``);
 * streaming (``pipeline=True``): rows join the open micro-batch in arrival order and a
   micro-batch is handed out as soon as the next row would overflow it, so forward/backward
   runs while later groups are still generating; the rest is handed out by ``drain`` when the
@@ -53,17 +54,22 @@ def padded_cost(lengths: list[int]) -> int:
     return len(lengths) * max(lengths) if lengths else 0
 
 
-def fits(lengths: list[int], new: int, budget: int) -> bool:
+def cost(lengths: list[int], packed: bool) -> int:
+    """The tokens a micro-batch of ``lengths`` computes: packed in one row, or padded."""
+    return sum(lengths) if packed else padded_cost(lengths)
+
+
+def fits(lengths: list[int], new: int, budget: int, packed: bool = False) -> bool:
     """Whether a row of length ``new`` may join a micro-batch of ``lengths``."""
-    return not lengths or padded_cost([*lengths, new]) <= budget
+    return not lengths or cost([*lengths, new], packed) <= budget
 
 
-def pack(lengths: list[int], budget: int) -> list[list[int]]:
+def pack(lengths: list[int], budget: int, packed: bool = False) -> list[list[int]]:
     """Greedy in the given order: indices of ``lengths`` grouped into micro-batches."""
     out: list[list[int]] = []
     cur: list[int] = []
     for i, n in enumerate(lengths):
-        if not fits([lengths[j] for j in cur], n, budget):
+        if not fits([lengths[j] for j in cur], n, budget, packed):
             out.append(cur)
             cur = []
         cur.append(i)
@@ -75,9 +81,10 @@ def pack(lengths: list[int], budget: int) -> list[list[int]]:
 class StepBatcher:
     """Accumulates one step's groups and hands out micro-batches of rows."""
 
-    def __init__(self, budget: int, pipeline: bool = True) -> None:
+    def __init__(self, budget: int, pipeline: bool = True, packed: bool = False) -> None:
         self.budget = budget
         self.pipeline = pipeline
+        self.packed = packed  # the engine packs each micro-batch: its cost is its real tokens
         self.reset()
 
     def reset(self) -> None:
@@ -97,7 +104,7 @@ class StepBatcher:
             self.rows += 1
             self.loss_tokens += row.loss_tokens
             if self.pipeline and not fits(
-                [r.length for r in self.pending], row.length, self.budget
+                [r.length for r in self.pending], row.length, self.budget, self.packed
             ):
                 ready.append(self.pending)
                 self.pending = []
@@ -109,4 +116,5 @@ class StepBatcher:
         rows, self.pending = self.pending, []
         if not self.pipeline:
             rows = sorted(rows, key=lambda r: -r.length)
-        return [[rows[i] for i in mb] for mb in pack([r.length for r in rows], self.budget)]
+        lengths = [r.length for r in rows]
+        return [[rows[i] for i in mb] for mb in pack(lengths, self.budget, self.packed)]

@@ -159,7 +159,11 @@ class TrainConfig(CommonConfig):
     micro_batch_tokens: int = Field(
         4096,
         ge=16,
-        description="Token budget of a micro-batch (padded rows x longest row).",
+        description="Token budget of a micro-batch: sum of lengths packed, rows x longest padded.",
+    )
+    packing: bool = Field(
+        True,
+        description="One row per micro-batch, attention within each sample: no padding computed.",
     )
     expire_s: float = Field(
         300.0,
@@ -173,13 +177,31 @@ class TrainConfig(CommonConfig):
         ge=1,
         description="Checkpoint (and commit offsets) every N steps.",
     )
+    checkpoint_every_s: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "And at least this long after the last checkpoint (0: every checkpoint_every "
+            "steps). A checkpoint holds fp32 weights and AdamW state, 12 bytes a parameter "
+            "(91 GB at 7B): docs/trainer.md's 7B configuration takes 900."
+        ),
+    )
     keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints kept in the store.")
     keep_versions: int = Field(
-        0,
+        4,
         ge=0,
         description=(
             "Published weights versions kept in the store, the newest; older ones are deleted "
-            "after each publish (0: keep every version, e.g. for evaluating them later)."
+            "after each publish (0: keep every version, e.g. for evaluating them later: 15 GB "
+            "a version at 7B in bf16)."
+        ),
+    )
+    publish_background: bool = Field(
+        True,
+        description=(
+            "Upload each version in a background thread while the next step trains: the step "
+            "waits for the snapshot (and for the upload before it, one at a time); off: the "
+            "step waits for the upload too."
         ),
     )
     max_steps: int = Field(0, ge=0, description="Stop after this many optimizer steps; 0: never.")

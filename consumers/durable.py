@@ -14,13 +14,14 @@ Owns three counters that survive a restart, and the writes that move them:
 * ``number``: checkpoint numbers, one past the highest in the store, complete or not
   (create-only writes never meet an interrupted one again).
 
-``publish`` writes ``weights/{run}/v{N}/`` (``srl.weights``: files, manifest last) and then
-announces it; ``reannounce`` repeats the newest announcement after a restart; ``save`` writes
-a checkpoint (``consumers.checkpoint``: marker last) and prunes old ones. A write the store
-refuses (a full disk) fails the publish or the checkpoint, not the trainer: nothing of it is
-left in the store, nothing is announced or made durable, the next one tries again. When each
-happens, and what follows a checkpoint (sample events, commits), is ``consumers.trainer``'s
-order.
+``publish`` snapshots the weights and has ``weights/{run}/v{N}/`` written (``srl.weights``:
+files, manifest last) and announced in the background while the next step trains
+(``consumers.publisher``), ``collect`` takes the finished upload; ``reannounce`` repeats the
+newest announcement after a restart; ``save`` writes a checkpoint (``consumers.checkpoint``:
+marker last) and prunes old ones. A write the store refuses (a full disk) fails the publish
+or the checkpoint, not the trainer: nothing of it is left in the store, nothing is announced
+or made durable, the next one tries again. When each happens, and what follows a checkpoint
+(sample events, commits), is ``consumers.trainer``'s order.
 """
 
 from __future__ import annotations
@@ -35,23 +36,19 @@ from consumers.config import TrainConfig
 from consumers.distributed import Dist, save_shard
 from consumers.engine import extra_files
 from consumers.outcomes import Outcomes
+from consumers.publisher import Publisher, Upload
 from consumers.train_engine import TrainEngine
 from srl.errors import StoreError
 from srl.kafka import Producer
 from srl.metrics import Metrics
 from srl.store import ObjectStore
 from srl.topics import Layout
-from srl.weights import (
-    MANIFEST,
-    Manifest,
-    Published,
-    announce,
-    prune_versions,
-    publish,
-    version_prefix,
-)
+from srl.weights import MANIFEST, Manifest, Published, announce, prune_versions, version_prefix
 
 log = logging.getLogger("srl.trainer")
+
+RETRY_FIRST_S = 5.0  # a refused write is tried again on its own after this long, doubling
+RETRY_MAX_S = 300.0  # up to this (a full store is not freed in seconds)
 
 
 class Durable:
@@ -77,39 +74,54 @@ class Durable:
         before = ckpt.extra.get("skipped", []) if ckpt else []
         self.skipped = frozenset(before) | frozenset(range(self.lineage + 1, self.version + 1))
         self.owed = False  # the last publish was refused: the current weights are not out
-
-    def publish(self, step: int) -> bool:
-        """Version ``version + 1`` from the engine's weights: files, manifest, announcement.
-        False if the store refused a write (:meth:`_refused`): nothing is announced and the
-        next publish tries the same version again."""
-        t0 = time.perf_counter()
-        version = self.version + 1
-        try:
-            pub = publish(
-                self.store,
-                self.cfg.run,
-                version,
-                self._export(),
-                trainer_step=step,
-                parent_version=self.lineage,
-                extra_files=self.files,
-            )
-        except StoreError as e:
-            self.owed = True  # the trainer tries again while idle (``publish_owed``)
-            return self._refused("publish", version, step, e)
-        announce(self.producer, self.layout, pub)
-        self.version = self.lineage = version
-        self.owed = False
-        self._prune_versions(step)
-        self.metrics.emit(
-            "weights_published",
-            {
-                "version": version,
-                "bytes": pub.manifest.total_bytes,
-                "publish_s": time.perf_counter() - t0,
-            },
-            step=step,
+        self.refusals: dict[str, int] = {}  # what → refusals in a row (``_refused``)
+        self.retry_at: dict[str, float] = {}  # what → monotonic time of the next retry
+        self.saved_at = time.monotonic()  # of the last checkpoint (``checkpoint_every_s``)
+        self.publisher = Publisher(
+            store, cfg.run, producer, self.layout, self.files, cfg.publish_background
         )
+
+    def publish(self, step: int) -> None:
+        """Version ``version + 1`` from the engine's weights: the snapshot now (every rank
+        joins the export), the upload in the background (``consumers.publisher``). The
+        weights trained from now on are that version, so ``version`` moves at once; an upload
+        the store refuses moves it back (:meth:`collect`) and the next publish tries the same
+        version again with newer weights. The previous upload is collected first: one
+        snapshot in memory at a time."""
+        t0 = time.perf_counter()
+        self.collect(wait=True)
+        t1 = time.perf_counter()
+        tensors = self._export()
+        up = Upload(self.version + 1, step, self.lineage, time.perf_counter() - t1, t1 - t0)
+        self.version = self.lineage = up.version
+        self.publisher.start(up, tensors)
+        del tensors  # the upload holds the only reference
+        if not self.publisher.background:
+            self.collect(wait=True)
+
+    def collect(self, wait: bool = False) -> bool | None:
+        """The finished upload, if any (``wait``: the one in flight, once it has finished):
+        True published and announced, False refused by the store, None none to collect."""
+        up = self.publisher.wait() if wait else self.publisher.done()
+        if up is None:
+            return None
+        if up.error is not None:
+            self.version, self.lineage = up.version - 1, up.parent
+            self.owed = True  # the trainer tries again while idle (``publish_owed``)
+            return self._refused("publish", up.version, up.step, up.error)
+        assert up.published is not None  # finished without an error: published
+        self.owed = False
+        self._succeeded("publish")
+        self._prune_versions(up.step)
+        values = {
+            "version": up.version,
+            "bytes": up.published.manifest.total_bytes,
+            "publish_s": up.snapshot_s + up.upload_s,
+            "snapshot_s": up.snapshot_s,
+            "upload_s": up.upload_s,
+            "wait_s": up.wait_s,
+        }
+        self.metrics.emit("weights_published", values, step=up.step)
         return True
 
     def _prune_versions(self, step: int) -> None:
@@ -125,12 +137,44 @@ class Durable:
 
     def _refused(self, what: str, number: int, step: int, e: StoreError) -> bool:
         """A write the store refused (a full disk, a store that is down): the trainer goes on
-        without it; logged, counted (``{what}_failures``) and a ``store_refused`` event."""
-        log.warning("%s %d at step %d failed, training goes on: %s", what, number, step, e)
+        without it; logged, counted (``{what}_failures``), a ``store_refused`` event, and not
+        tried again on its own before a back-off (``due``) that doubles with each refusal in a
+        row, from ``RETRY_FIRST_S`` to ``RETRY_MAX_S``."""
+        n = self.refusals.get(what, 0) + 1
+        self.refusals[what] = n
+        wait = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (n - 1))
+        self.retry_at[what] = time.monotonic() + wait
+        log.warning(
+            "%s %d at step %d failed (%d in a row; tried again in %.0f s at the earliest), "
+            "training goes on: %s",
+            *(what, number, step, n, wait, e),
+        )
         self.metrics.incr(f"{what}_failures")
         labels = {"what": what, "reason": str(e)[:300]}
-        self.metrics.emit("store_refused", {"number": float(number)}, labels, step=step)
+        values = {"number": float(number), "in_a_row": float(n), "retry_s": wait}
+        self.metrics.emit("store_refused", values, labels, step=step)
         return False
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether step ``step`` checkpoints: every ``checkpoint_every`` steps, at least
+        ``checkpoint_every_s`` after the last checkpoint, and not in a refusal's back-off."""
+        since = time.monotonic() - self.saved_at
+        every = step % self.cfg.checkpoint_every == 0
+        return every and since >= self.cfg.checkpoint_every_s and self.due("checkpoint")
+
+    def publish_owed(self, step: int) -> None:
+        """Publish again a version the store refused, once its back-off has passed."""
+        if self.owed and not self.publisher.busy and self.due("publish"):
+            self.publish(step)
+
+    def due(self, what: str) -> bool:
+        """Whether a retry of ``what`` (``publish``, ``checkpoint``) that nothing forces may
+        run: its back-off after a refusal has passed."""
+        return time.monotonic() >= self.retry_at.get(what, 0.0)
+
+    def _succeeded(self, what: str) -> None:
+        self.refusals.pop(what, None)
+        self.retry_at.pop(what, None)
 
     def reannounce(self) -> None:
         """After a restart: announce the newest version again (its manifest is in the store)."""
@@ -156,6 +200,8 @@ class Durable:
         """Checkpoint ``number + 1``: every rank's shard of the model and optimizer, the ledger
         and the window's events. False if the store refused a write: nothing of it is left,
         nothing became durable."""
+        self.collect(wait=True)  # the checkpoint holds a version that is out, or none
+        t0 = time.perf_counter()
         self.number += 1
         try:
             if self.dist is not None:
@@ -180,4 +226,8 @@ class Durable:
             ckpts.remove(self.store, self.cfg.run, self.number)
             return self._refused("checkpoint", self.number, step, e)
         ckpts.prune(self.store, self.cfg.run, self.cfg.keep_checkpoints)
+        self._succeeded("checkpoint")
+        self.saved_at = time.monotonic()
+        values = {"number": self.number, "seconds": time.perf_counter() - t0}
+        self.metrics.emit("checkpoint_saved", values, step=step)
         return True

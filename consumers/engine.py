@@ -8,6 +8,9 @@ Owns what touches parameters. What must hold:
 * ``step(normalizer)`` all-reduces the summed gradients across ranks (one flat buffer),
   divides by the step's normaliser (loss tokens or rows, known only when the step is full),
   clips, and takes one AdamW update; every rank holds the same replicated state afterwards;
+* ``packing``: a micro-batch runs as one row of its samples' tokens, attention within each
+  sample (``consumers.packing``): the same loss terms as the padded rows, no compute on
+  padding; the reference and the further passes run the same packed row;
 * ``updates_per_step > 1`` re-runs the step's stored micro-batches with the proximal
   log-probs recorded on the first pass (decoupled PPO's ``prox``), one update each pass;
 * published and checkpointed tensors are the HF state dict without tied aliases
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from consumers import checkpoint as ckpts
 from consumers.config import TrainConfig
 from consumers.losses import k3_kl, policy_loss, token_logprobs
+from consumers.packing import packed, packed_inputs, use_packed_attention
 from consumers.train_engine import MicroBatch, StepStats
 from srl.errors import SrlError
 from srl.tinymodel import load_model
@@ -96,7 +100,7 @@ class Engine:
             )
         # bf16 compute over fp32 master weights: autocast casts each matmul's operands
         self.autocast = self.compute_dtype != master
-        self.model = self._wrap(load_model(cfg.model, self._load_device, master), master)
+        self.model = self._wrap(self._load(master), master)
         self.model.train()
         if cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable(
@@ -104,7 +108,7 @@ class Engine:
             )
         self.ref = None
         if cfg.kl_coef > 0:  # frozen: held in the compute dtype, no master copy
-            ref = load_model(cfg.model, self._load_device, self.compute_dtype)
+            ref = self._load(self.compute_dtype)
             self.ref = self._wrap(ref, self.compute_dtype).eval().requires_grad_(False)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
@@ -119,16 +123,31 @@ class Engine:
     def _load_device(self) -> str:
         return self.device
 
+    def _load(self, dtype: Any) -> Any:
+        """The HF model in ``dtype``, with the packed micro-batches' attention under ``packing``."""
+        model = load_model(self.cfg.model, self._load_device, dtype)
+        if self.cfg.packing:
+            use_packed_attention(model)
+        return model
+
     def _wrap(self, model: Any, dtype: Any) -> Any:
         """The loaded model as the backend trains it (FSDP shards it here)."""
         return model
 
-    def _forward(self, model: Any, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def _forward(
+        self, model: Any, ids: torch.Tensor, attn: torch.Tensor | None, **packing: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits of every position but the last. Padded: ``attn`` masks the padding. Packed:
+        ``packing`` holds ``position_ids`` and ``cu_seq_lens_q`` (``consumers.packing``) and no
+        mask goes in, so transformers masks by the restarting positions, which it does only
+        without a KV cache (``use_cache=False``; none is of use in training)."""
         import torch
 
         dev = "cuda" if self.device.startswith("cuda") else "cpu"
+        mask = None if packing else attn
         with torch.autocast(dev, dtype=self.compute_dtype, enabled=self.autocast):
-            return model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+            out = model(input_ids=ids, attention_mask=mask, use_cache=False, **packing)
+            return out.logits[:, :-1]
 
     # -- micro-batches ------------------------------------------------------------------
     def _loss(self, mb: MicroBatch, first_pass: bool) -> torch.Tensor:
@@ -136,8 +155,9 @@ class Engine:
 
         cfg = self.cfg
         ids, attn = mb.ids.to(self.device), mb.attn.to(self.device)
+        packing = packed_inputs(mb, self.device)
         behav, weight = mb.behav.to(self.device), mb.weight.to(self.device)
-        logits = self._forward(self.model, ids, attn)
+        logits = self._forward(self.model, ids, attn, **packing)
         logp = token_logprobs(logits, ids[:, 1:], cfg.temperature)
         if first_pass and cfg.updates_per_step > 1:
             mb.prox = logp.detach().cpu()
@@ -155,7 +175,7 @@ class Engine:
         on = weight > 0
         if self.ref is not None:
             with torch.no_grad():
-                ref_logits = self._forward(self.ref, ids, attn)
+                ref_logits = self._forward(self.ref, ids, attn, **packing)
                 ref_logp = token_logprobs(ref_logits, ids[:, 1:], cfg.temperature)
             kl = k3_kl(logp, ref_logp)
             loss = loss + cfg.kl_coef * kl
@@ -178,8 +198,11 @@ class Engine:
         return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
 
     def backward(self, mb: MicroBatch) -> None:
-        """Forward/backward one micro-batch now; gradients accumulate until ``step``."""
+        """Forward/backward one micro-batch now (packed first under ``packing``); gradients
+        accumulate until ``step``."""
         t0 = time.perf_counter()
+        if self.cfg.packing:
+            mb = packed(mb)
         loss = self._loss(mb, first_pass=True)
         self._backprop(loss)
         self.stats.loss += float(loss.detach())
@@ -264,8 +287,9 @@ class Engine:
         mine = self.dist is None or self.dist.rank == 0
         for name, t in export_tensors(self.model).items():
             full = t.full_tensor() if isinstance(t, DTensor) else t
-            if mine:
-                out[name] = full.detach().to(dtype or full.dtype).cpu().contiguous()
+            if mine:  # a copy, never the parameter itself: it is uploaded while training goes on
+                to = {"device": "cpu", "dtype": dtype or full.dtype, "copy": full is t}
+                out[name] = full.detach().to(**to).contiguous()
             del full
         return out
 

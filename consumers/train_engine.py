@@ -41,7 +41,8 @@ class TrainEngine(Protocol):
 
     def export(self, dtype: Any = None) -> dict[str, Any]:
         """The HF state dict to publish, on the CPU in ``dtype`` (a collective where sharded;
-        ranks > 0 get nothing)."""
+        ranks > 0 get nothing): a snapshot, never the live parameters, since it is uploaded
+        while the next step trains (``consumers.publisher``)."""
         ...
 
     def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -53,16 +54,28 @@ class TrainEngine(Protocol):
 
 @dataclass
 class MicroBatch:
-    """Tensors of one micro-batch, in the shifted frame: position j predicts token j + 1."""
+    """Tensors of one micro-batch, in the shifted frame: position j predicts token j + 1.
 
-    ids: torch.Tensor  # [B, L] int64, right-padded
-    attn: torch.Tensor  # [B, L] int64
+    Two forms of the same loss terms. Padded (``make_micro_batch``; what ranks send each other,
+    ``tensors``): one row per sample, right-padded to the longest. Packed
+    (``consumers.packing.packed``; an engine packs what it receives when ``packing`` is on):
+    the samples' tokens concatenated into one row ``[1, T]``, T the sum of their lengths,
+    ``positions`` restarting at 0 at each sample's first token, the advantage per token; the
+    position of a sample's last token, which would predict the next sample's first, has weight
+    0 and behav 0.
+    """
+
+    ids: torch.Tensor  # [B, L] int64, right-padded; packed: [1, T]
+    attn: torch.Tensor  # [B, L] int64, 1 on a sample's tokens; packed: all 1
     behav: torch.Tensor  # [B, L-1] float32 behaviour log-prob of token j+1 (0 off the loss)
-    adv: torch.Tensor  # [B] float32
+    adv: torch.Tensor  # [B] float32 per sample; packed: [1, T-1] per token
     weight: torch.Tensor  # [B, L-1] float32 loss weight (0 off the loss)
     prox: torch.Tensor | None = None  # [B, L-1] log-probs of the first pass (updates_per_step > 1)
+    positions: torch.Tensor | None = None  # packed: [1, T] int64 position in the sample
 
     def tensors(self) -> list[torch.Tensor]:
+        """The padded form's tensors, in the order ``consumers.distributed`` sends them."""
+        assert self.positions is None, "ranks exchange padded micro-batches"
         return [self.ids, self.attn, self.behav, self.adv, self.weight]
 
 

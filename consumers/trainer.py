@@ -6,11 +6,13 @@ Owns the order of everything durable. The hot loop is flat: poll → decode and 
 
 1. the optimizer step (all ranks); the step's samples are decided (trained, dropped, failed)
    at the policy version they trained from;
-2. every ``publish_every`` steps: weights ``v+1`` to the store (create-only files, manifest
-   last) and the announcement on the weights topic (``consumers.durable``, ``srl.weights``);
-   then the ``train_step`` event, with the version after that publish;
+2. every ``publish_every`` steps: a snapshot of weights ``v+1`` (all ranks), whose upload to
+   the store (create-only files, manifest last) and announcement on the weights topic run in
+   the background while the next step trains (``consumers.durable``, ``consumers.publisher``,
+   ``srl.weights``); then the ``train_step`` event, with the version after that publish;
 3. every ``checkpoint_every`` steps: a checkpoint (model, optimizer, step, version, the
-   dedupe ledger, the window's sample events; marker last; ``consumers.durable``);
+   dedupe ledger, the window's sample events; marker last; ``consumers.durable``), after the
+   upload in flight has finished (a checkpoint never names a version that is not out);
 4. the window's ``sample`` events, a producer flush (events and dead letters delivered);
 5. only then the consumer offsets, up to the first record still held by an unfinished
    trajectory (``consumers.offsets``).
@@ -82,6 +84,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("srl.trainer")
 IDLE_CHECKPOINT_S = 2.0  # idle this long with undurable decisions: checkpoint and commit
+MAX_POLL_INTERVAL_MS = 1_800_000  # librdkafka's 5 minutes is less than a 70B checkpoint
+NO_GROUP = (
+    "step %d: no group to train (%d released groups missing); publishing the same weights so "
+    "the run moves on"
+)
+CHECKPOINT_WARN_BYTES = 10 << 30  # a checkpoint this large every step: said at start
 
 
 @dataclass
@@ -132,6 +140,23 @@ def run_trainer(cfg: TrainConfig) -> TrainResult:
             dist.close()
 
 
+def warn_sizes(cfg: TrainConfig, engine: TrainEngine) -> None:
+    """Say at start what a setting costs at this model's size, where it cannot work well."""
+    n = sum(int(p.numel()) for p in getattr(engine, "params", []))  # a DTensor counts whole
+    ckpt = n * 12  # fp32 weights and AdamW's two moments
+    if cfg.checkpoint_every_s == 0 and ckpt >= CHECKPOINT_WARN_BYTES:
+        log.warning(
+            "every %d step(s) a checkpoint writes %.0f GB (fp32 weights and AdamW state): "
+            "set --checkpoint-every-s (docs/trainer.md, 7B configuration: 900)",
+            *(cfg.checkpoint_every, ckpt / 1e9),
+        )
+    if cfg.keep_versions == 0 and n * 2 >= CHECKPOINT_WARN_BYTES:
+        log.warning(
+            "--keep-versions 0 keeps every version in the store, %.0f GB each in bf16",
+            n * 2 / 1e9,
+        )
+
+
 def restore(
     cfg: TrainConfig, store: ObjectStore, engine: TrainEngine, dist: Dist | None
 ) -> ckpts.Checkpoint | None:
@@ -172,6 +197,9 @@ def open_consumers(cfg: TrainConfig, topics: list[str]) -> tuple[Consumer, Consu
     # of waiting for the group to notice the dead member; a second trainer in the same
     # group fences the first rather than splitting the partitions (and the groups) with it
     static: dict[str, Any] = {"group.instance.id": f"{gid}-rank0"}
+    # a step, a publish's snapshot and a checkpoint of a large model run between two polls:
+    # the group must not drop a trainer that is busy (a 7B checkpoint is minutes)
+    static["max.poll.interval.ms"] = MAX_POLL_INTERVAL_MS  # -X max.poll.interval.ms wins
     consumer = make_consumer(cfg, gid, "trainer", **static)
     # how far we have read, for the generators' backlog bound (committed offsets trail
     # behind every unfinished trajectory and every checkpoint interval)
@@ -236,7 +264,7 @@ class Trainer:
         self.replay_events = ckpts.window_events(store, cfg.run, ckpt.number) if ckpt else []
         self.dirty = False  # steps since the last checkpoint
         self.groups = GroupBuffer(cfg.expire_s)
-        self.batcher = StepBatcher(cfg.micro_batch_tokens, not cfg.sync_barrier)
+        self.batcher = StepBatcher(cfg.micro_batch_tokens, not cfg.sync_barrier, cfg.packing)
         self.planner = StepPlanner(
             cfg.groups_per_step, cfg.expire_s, self.step + 1, windows=cfg.batching == "windows"
         )
@@ -244,6 +272,7 @@ class Trainer:
         self.producer = Producer(cfg, "trainer")
         self.metrics = Metrics(self.producer, self.layout, cfg.run, "trainer-0")
         self.durable = Durable(cfg, engine, store, dist, self.producer, self.metrics, ckpt)
+        warn_sizes(cfg, engine)
         versions = KnownVersions(store, floor=lambda: self.version)
         self.intake = Intake(
             self.outcomes, engine.max_length, cfg.expire_s, self.producer, self.metrics, versions
@@ -297,6 +326,8 @@ class Trainer:
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+            with contextlib.suppress(Exception):  # after a crash: the upload ends first and
+                self.durable.collect(wait=True)  # is reported (a restart counts its version)
             with contextlib.suppress(KafkaException):
                 share_positions(self.sharer, self.consumer, asynchronous=False)
             self.sharer.close()
@@ -390,12 +421,7 @@ class Trainer:
         b = self.batcher
         normalizer = float(b.rows if self.cfg.loss_agg == "seq_mean" else b.loss_tokens)
         if not b.groups:  # nothing of the step trains (all lost or failed): same weights
-            log.warning(
-                "step %d: no group to train (%d released groups missing); publishing "
-                "the same weights so the run moves on",
-                self.step + 1,
-                self.planner.missing,
-            )
+            log.warning(NO_GROUP, self.step + 1, self.planner.missing)
             return StepStats()
         if self.dist is not None:
             self.dist.step(self.step + 1, normalizer, self.engine.backward)
@@ -421,7 +447,7 @@ class Trainer:
         values["policy_version"] = self.version
         self.metrics.emit("train_step", values, step=self.step)
         log_step(self.step, values, stats.loss)
-        if self.step % self.cfg.checkpoint_every == 0:
+        if self.durable.checkpoint_due(self.step):
             self._checkpoint()
         self.metrics.flush_counters(self.step)
         self.batcher.reset()
@@ -452,8 +478,8 @@ class Trainer:
         for g in [*self.groups.expire(), *self.feedback.expire(now, self.consumer)]:
             self._plan(g)
         self._steps()  # a step whose groups stopped arriving completes by expiry
-        if self.durable.owed:  # a refused publish (a full store): the dispatcher waits for it
-            self.durable.publish(self.step)
+        self.durable.collect()  # an upload that finished: its metrics, pruning, or a refusal
+        self.durable.publish_owed(self.step)  # the dispatcher waits for a refused publish
         self.metrics.incr(
             "duplicates", self.intake.assembler.duplicates - self.metrics.counters["duplicates"]
         )
@@ -461,6 +487,7 @@ class Trainer:
             self.outcomes.undurable
             and self.last_record is not None
             and now - self.last_record >= IDLE_CHECKPOINT_S
+            and self.durable.due("checkpoint")
         ):
             # decisions no step will follow soon (e.g. stale drops): make them durable and
             # commit, or generators bounded by the trainer's backlog would wait on us forever
@@ -501,6 +528,7 @@ class Trainer:
         log.info("at step %d, v%d; ledger %d", self.step, self.version, len(self.outcomes.ledger))
 
     def _shutdown(self) -> None:
+        self.durable.collect(wait=True)  # the last version is out before the trainer is
         if self.batcher.groups:
             log.info(
                 "leaving a partial step of %d groups; its records are read again on restart",

@@ -145,7 +145,7 @@ def _starting(engine: str) -> None:
     "--sizes",
     default="10M,100M,500M",
     show_default=True,
-    help="Comma-separated model sizes: 1M, 10M, 100M, 500M.",
+    help="Comma-separated model sizes: 1M, 10M, 100M, 500M, 1.5B (3 GB in bf16).",
 )
 @click.option(
     "--repeats",
@@ -161,8 +161,15 @@ def _starting(engine: str) -> None:
     show_default=True,
     help="Weight swaps between decode steps for swap_pause_ms (median).",
 )
+@click.option(
+    "--work-dir",
+    type=click.Path(file_okay=False, exists=True),
+    default=None,
+    help="Where the store and the copies are written (default: the system's temporary "
+    "directory); /dev/shm takes the disk out of the figures.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def weights(sizes: str, repeats: int, swaps: int, as_json: bool) -> None:
+def weights(sizes: str, repeats: int, swaps: int, work_dir: str | None, as_json: bool) -> None:
     """Publish + fetch + verify + load against a plain file copy; a generator's swap pause."""
     from app.bench import weights as w
     from srl.errors import ConfigError
@@ -173,7 +180,7 @@ def weights(sizes: str, repeats: int, swaps: int, as_json: bool) -> None:
         raise ConfigError(
             f"--sizes: unknown {', '.join(bad) or 'empty'}; choose from {', '.join(w.SIZES)}"
         )
-    r = w.run(names, repeats, swaps)
+    r = w.run(names, repeats, swaps, work_dir)
     if as_json:
         echo_json(r)
         return
@@ -184,10 +191,63 @@ def weights(sizes: str, repeats: int, swaps: int, as_json: bool) -> None:
             f"{s['plain_copy_s']:.3f}s "
             f"(ratio {s['ratio']})"
         )
+        t = s["trainer"]
+        click.echo(
+            f"      trainer: the step waits {t['step_wait_s']}s (snapshot), the upload "
+            f"{t['upload_s']}s runs beside the next step; end to end {t['e2e_gb_per_s']} GB/s"
+        )
     click.echo(
         f"swap pause (demo model shape): median {r['swap_pause_ms']} ms, max "
         f"{r['swap_pause_ms_max']} ms"
     )
+
+
+@bench.command("trainer")
+@click.option("--backends", default="torch,fsdp", show_default=True, help="torch, fsdp or both.")
+@click.option("--ranks", default="1,2", show_default=True, help="CPU gloo rank counts to run.")
+@click.option(
+    "--steps", type=click.IntRange(1, 1000), default=4, show_default=True, help="Timed steps."
+)
+@click.option(
+    "--rows", type=click.IntRange(2, 4096), default=16, show_default=True, help="Rows a step."
+)
+@click.option(
+    "--budget", type=click.IntRange(16), default=4096, show_default=True, help="Micro-batch tokens."
+)
+@click.option(
+    "--spec",
+    type=click.Choice(["test", "default", "10M"]),
+    default="10M",
+    show_default=True,
+    help="Model shape: the test fixture's, the demo's (0.9M) or 10M parameters.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def trainer(
+    backends: str, ranks: str, steps: int, rows: int, budget: int, spec: str, as_json: bool
+) -> None:
+    """Trainer tokens/s on 1 and 2 CPU ranks, replicated vs sharded, peak memory vs the plan."""
+    from app.bench import trainranks
+    from srl.errors import ConfigError
+
+    names = [b.strip() for b in backends.split(",") if b.strip()]
+    if not names or any(b not in trainranks.BACKENDS for b in names):
+        raise ConfigError(f"--backends {backends}: choose from torch, fsdp")
+    try:
+        counts = [int(r) for r in ranks.split(",") if r.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(not 1 <= n <= 8 for n in counts):
+        raise ConfigError(f"--ranks {ranks}: comma-separated counts from 1 to 8")
+    r = trainranks.run(names, counts, steps, rows, budget, spec)
+    if as_json:
+        echo_json(r)
+        return
+    for x in r["runs"]:
+        peaks = ", ".join(f"{p:.0f}" for p in x["peak_rss_mib"])
+        click.echo(
+            f"{x['backend']:>5} x{x['ranks']}: {x['tokens_per_s']:8.1f} tokens/s, step "
+            f"{x['step_s_median']:.3f}s; peak MiB per rank {peaks} (plan {x['plan_mib']:.0f})"
+        )
 
 
 @bench.command("pipeline")

@@ -1,11 +1,13 @@
 """Trainer compute throughput: completion tokens per second of forward/backward + AdamW.
 
-``python -m app.bench.train [--steps 5] [--groups 4] [--n 4] [--budget 4096] [--spec default|test]``
-builds the tiny HF model locally, makes synthetic rows (prompt 32 tokens, completion lengths
-log-normal around 128, clipped to [16, 512]) and times ``make_micro_batch`` →
-``Engine.backward`` → ``Engine.step`` for each step, after one warm-up step. No Kafka: this is
-the compute side alone; the end-to-end rate is the ``tokens_per_s`` of ``train_step`` events.
-Prints one JSON object. Numbers for docs/benchmarks.md ("Training").
+``python -m app.bench.train [--steps 5] [--groups 4] [--n 4] [--budget 4096] [--spec default|test]
+[--packing/--no-packing]`` builds the tiny HF model locally, makes synthetic rows (prompt 32
+tokens, completion lengths log-normal around 128, clipped to [16, 512]) and times
+``make_micro_batch`` → ``Engine.backward`` → ``Engine.step`` for each step, after one warm-up
+step; the budget counts what the engine computes, as the trainer's (``consumers.batcher``).
+No Kafka: this is the compute side alone; the end-to-end rate is the ``tokens_per_s`` of
+``train_step`` events. Prints one JSON object; ``padded_tokens`` are the tokens computed.
+Numbers for docs/benchmarks.md ("Training").
 """
 
 from __future__ import annotations
@@ -38,7 +40,14 @@ from srl.tinymodel import TinyModelSpec, build_tiny_model
     help="default: TinyModelSpec() (~0.9M params); test: the test fixture's smaller one.",
 )
 @click.option("--threads", default=0, help="torch threads; 0: torch's default.")
-def main(steps: int, groups: int, n: int, budget: int, spec: str, threads: int) -> None:
+@click.option(
+    "--packing/--no-packing",
+    default=None,
+    help="Pack each micro-batch into one row (TrainConfig.packing). [default: the trainer's]",
+)
+def main(
+    steps: int, groups: int, n: int, budget: int, spec: str, threads: int, packing: bool | None
+) -> None:
     import numpy as np
     import torch
 
@@ -47,9 +56,8 @@ def main(steps: int, groups: int, n: int, budget: int, spec: str, threads: int) 
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(tmp, model_spec(spec))
-        cfg = load_config(
-            TrainConfig, cli={"model": str(model_dir), "device": "cpu", "lr": 1e-5}, env={}
-        )
+        cli = {"model": str(model_dir), "device": "cpu", "lr": 1e-5, "packing": packing}
+        cfg = load_config(TrainConfig, cli={k: v for k, v in cli.items() if v is not None}, env={})
         engine = Engine(cfg)
         params = sum(p.numel() for p in engine.params)
         times, tokens, padded = time_steps(engine, rng, steps, groups * n, budget)
@@ -60,6 +68,7 @@ def main(steps: int, groups: int, n: int, budget: int, spec: str, threads: int) 
             "steps": steps,
             "rows_per_step": groups * n,
             "budget": budget,
+            "packing": cfg.packing,
             "threads": torch.get_num_threads(),
             "completion_tokens": tokens,
             "padded_tokens": padded,
@@ -106,7 +115,7 @@ def time_steps(
     for step in range(steps + 1):
         rows = synthetic_rows(rng, rows_per_step)
         t0 = time.perf_counter()
-        for mb in pack([r.length for r in rows], budget):
+        for mb in pack([r.length for r in rows], budget, engine.cfg.packing):
             engine.backward(make_micro_batch([rows[i] for i in mb], seq_mean=False))
         stats = engine.step(float(sum(r.loss_tokens for r in rows)))
         if step:  # the first step warms up

@@ -33,11 +33,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from consumers.config import TrainConfig
+from consumers.engine import Engine
+from consumers.publisher import Publisher, Upload
 from producers.chunker import Chunker, TrajectoryStart
 from producers.engines.base import Request
 from producers.engines.hf import HFEngine
+from srl.config import load_config
 from srl.store import LocalStore
 from srl.tinymodel import TinyModelSpec, build_config, build_tiny_model, build_tokenizer
+from srl.topics import Layout
 from srl.weights import fetch_tensors, load_manifest, publish
 
 # about 10M, 100M and 500M parameters with the 260-token byte vocabulary
@@ -64,6 +69,15 @@ SIZES: dict[str, TinyModelSpec] = {
         num_hidden_layers=32,
         num_attention_heads=16,
         num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
+    # Qwen2-1.5B's layers (28 there, 32 here for the byte vocabulary): 3.0 GB in bf16
+    "1.5B": TinyModelSpec(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=32,
+        num_attention_heads=12,
+        num_key_value_heads=2,
         tie_word_embeddings=False,
     ),
     "1M": TinyModelSpec(
@@ -159,6 +173,61 @@ def bench_size(name: str, spec: TinyModelSpec, work: Path, repeats: int = 1) -> 
     }
 
 
+class _NoBroker:
+    """The announcement's producer in a bench without a broker: one small record, not timed."""
+
+    def produce(self, *_: Any, **__: Any) -> None:
+        return None
+
+    def flush(self, *_: Any, **__: Any) -> None:
+        return None
+
+
+def trainer_side(name: str, spec: TinyModelSpec, work: Path) -> dict[str, Any]:
+    """The trainer's view of a publish: ``snapshot_s`` (``Engine.export`` of fp32 masters into
+    bf16 copies: all the step waits for) and ``upload_s`` (``consumers.publisher``: files,
+    hashes, manifest, in its background thread), then a follower's ``fetch_verify_s`` and
+    ``load_s`` into an ``HFEngine``; ``e2e_gb_per_s``: the version's bytes over the four."""
+    import torch
+
+    model_dir = _model_dir(work / f"trainer-{name}", spec, torch.bfloat16, seed=0)
+    cli = {"model": str(model_dir), "device": "cpu", "dtype": "bfloat16"}
+    cfg = load_config(TrainConfig, cli=cli, env={})
+    engine = Engine(cfg)  # fp32 master weights, bf16 compute
+    store = LocalStore(work / f"trainer-store-{name}")
+    pub = Publisher(store, "bench", _NoBroker(), Layout(), {}, background=True)  # type: ignore[arg-type]
+    t0 = time.perf_counter()
+    snapshot = engine.export(torch.bfloat16)
+    snapshot_s = time.perf_counter() - t0
+    pub.start(Upload(1, 1, 0, snapshot_s, 0.0), snapshot)
+    del snapshot, engine
+    up = pub.wait()
+    assert up is not None and up.published is not None, up and up.error
+    gc.collect()
+    follower = HFEngine(model_dir, max_batch=1, dtype="bfloat16", seed=0)
+    t1 = time.perf_counter()
+    fetched = fetch_tensors(store, load_manifest(store, up.published.announcement()))
+    t2 = time.perf_counter()
+    follower.load_weights(fetched, 1)
+    t3 = time.perf_counter()
+    nbytes = up.published.manifest.total_bytes
+    del fetched, follower
+    shutil.rmtree(store.root)
+    shutil.rmtree(model_dir)
+    gc.collect()
+    e2e = snapshot_s + up.upload_s + (t3 - t1)
+    return {
+        "snapshot_s": round(snapshot_s, 3),
+        "upload_s": round(up.upload_s, 3),
+        "step_wait_s": round(snapshot_s, 3),
+        "step_wait_sync_s": round(snapshot_s + up.upload_s, 3),
+        "follower_fetch_verify_s": round(t2 - t1, 3),
+        "follower_load_s": round(t3 - t2, 3),
+        "e2e_s": round(e2e, 3),
+        "e2e_gb_per_s": round(nbytes / e2e / 1e9, 3),
+    }
+
+
 def swap_pause(work: Path, swaps: int = 20, batch: int = 8) -> dict[str, Any]:
     """Decode-stop time of a swap on the demo model's shape (HFEngine, fp32), median of
     ``swaps``."""
@@ -198,14 +267,21 @@ def swap_pause(work: Path, swaps: int = 20, batch: int = 8) -> dict[str, Any]:
     }
 
 
-def run(sizes: list[str], repeats: int = 1, swaps: int = 20) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="srl-bench-weights-"))
+def run(
+    sizes: list[str], repeats: int = 1, swaps: int = 20, under: str | None = None
+) -> dict[str, Any]:
+    """Every size, then the swap pause; the store, models and copies in a temporary directory
+    under ``under`` (a tmpfs takes the disk out of the figures), removed at the end."""
+    work = Path(tempfile.mkdtemp(prefix="srl-bench-weights-", dir=under))
     try:
         out = [bench_size(n, SIZES[n], work, repeats) for n in sizes]
+        for row in out:
+            row["trainer"] = trainer_side(row["name"], SIZES[row["name"]], work)
         swap = swap_pause(work, swaps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {
+        "work_dir": str(work.parent),
         "sizes": out,
         **swap,
         "swap_path": "producers.worker swap: chunker.flush_all + HFEngine.load_weights",

@@ -24,7 +24,7 @@ from typing import Any
 
 from app.chaos.cast import Proc
 from app.chaos.config import ChaosConfig
-from app.demoplan import console_script, toml_text, toml_top
+from app.demoplan import console_script, toml_text, toml_top, trainer_argv
 from srl.config import CommonConfig
 
 BUCKET_BOUNDS = (16, 32)
@@ -117,6 +117,7 @@ class Stage:
                 "expire_s": c.expire_s,
                 "seed": c.seed,
                 "device": "cpu",
+                "dtype": self.cfg.dtype,
                 "keep_versions": KEEP_VERSIONS,  # a bounded store in the soak
             },
             "ranker": {
@@ -150,7 +151,7 @@ class Stage:
             return Proc(name, argv, logs / f"{name}.log", prefix=self.prefix)
 
         return [
-            Proc("trainer", console_script("srl-consumer", "train", *f), logs / "trainer.log"),
+            Proc("trainer", trainer_argv(self.cfg.trainer_ranks, f), logs / "trainer.log"),
             *(gen(g, "regular", REGULAR, True) for g in self.generators[:-1]),
             gen(self.generators[-1], "longtail", LONGTAIL, False),
             Proc(

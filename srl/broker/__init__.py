@@ -33,8 +33,8 @@ from srl.broker.embedded import (
 from srl.broker.embedded import start as start_embedded
 from srl.broker.embedded import status as embedded_status
 from srl.broker.embedded import stop as stop_embedded
-from srl.broker.process import free_port, port_open
 from srl.errors import SrlError
+from srl.ports import free_port, port_open
 
 Engine = Literal["embedded", "kafka"]
 ENGINES: tuple[Engine, ...] = ("embedded", "kafka")

@@ -45,17 +45,16 @@ import orjson
 from srl.broker.process import (
     alive,
     exit_code,
-    free_port,
     kill,
     last_line,
     owned,
-    port_open,
     signal_pid,
     spawn,
     wait_gone,
 )
 from srl.errors import SrlError
 from srl.kafka import broker_count
+from srl.ports import free_port, port_open
 
 DIST = "apache_kafka"  # package data of srl.broker: pom.xml, server.properties, log4j2.properties
 MAIN_CLASS = "kafka.Kafka"

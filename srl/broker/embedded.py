@@ -29,14 +29,13 @@ import orjson
 from srl.broker.process import (
     alive,
     exit_code,
-    free_port,
     kill,
     last_line,
-    port_open,
     spawn,
 )
 from srl.errors import SrlError
 from srl.kafka import broker_answers
+from srl.ports import free_port, port_open
 
 __all__ = ["EmbeddedBroker", "free_port", "port_open", "start", "status", "stop"]
 

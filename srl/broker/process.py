@@ -9,25 +9,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 # Brokers started by this process, kept referenced so they are reaped (not warned about).
 _children: dict[int, subprocess.Popen[bytes]] = {}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def port_open(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex((host, port)) == 0
 
 
 def alive(pid: int, marker: bytes) -> bool:

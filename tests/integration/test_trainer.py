@@ -462,3 +462,60 @@ def test_a_producer_failed_for_good_starts_the_trainer_over_in_its_own_process(
     with pytest.raises(ProducerFailed):
         run_trainer(cfg.model_copy(update={"max_steps": 6}))
     assert always == [5, 5]
+
+
+def test_the_upload_of_a_version_overlaps_the_next_step(
+    make_cfg: Any, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """v1's weights file is held back until the optimizer has done step 2: a trainer whose
+    step waited for the upload would never get there (the gate gives up after 60 s)."""
+    import threading
+
+    from consumers import trainer
+    from consumers.engine import Engine
+
+    # a checkpoint waits for the upload in flight (it never names a version that is not out):
+    # none but the one at the end here, an hour after the start
+    cfg = train_cfg(
+        make_cfg,
+        tiny_model,
+        max_steps=3,
+        checkpoint_every_s=3600.0,
+        reward="consumers.rewards:first_line_match",
+    )
+    create_topics(cfg)
+    produce(cfg, make_groups(6))
+    order: list[str] = []
+    stepped = threading.Event()
+    real_step, real_store = Engine.step, trainer.store_from_config
+
+    def step(self: Engine, normalizer: float) -> Any:
+        out = real_step(self, normalizer)
+        order.append("step")
+        if order.count("step") == 2:
+            stepped.set()
+        return out
+
+    def gated_store(c: Any) -> Any:
+        store = real_store(c)
+        put = store.put_chunks
+
+        def put_chunks(key: str, chunks: Any, **kw: Any) -> Any:
+            if "/v00000001/" in key and key.endswith(".safetensors"):
+                order.append("v1 upload")
+                assert stepped.wait(60), "step 2 never came while v1 was uploading"
+            return put(key, chunks, **kw)
+
+        store.put_chunks = put_chunks
+        return store
+
+    monkeypatch.setattr(Engine, "step", step)
+    monkeypatch.setattr(trainer, "store_from_config", gated_store)
+    result = run_trainer(cfg)
+    assert (result.steps, result.version) == (3, 3)
+    assert order[:3] == ["step", "v1 upload", "step"]
+    published = metric_events(cfg, "weights_published")
+    assert [e.values["version"] for e in published] == [1, 2, 3]
+    assert all(e.values["snapshot_s"] <= e.values["publish_s"] for e in published)
+    store = store_from_config(cfg)
+    assert ckpts.complete(store, cfg.run) == [1] and ckpts.load(store, cfg.run, 1).step == 3

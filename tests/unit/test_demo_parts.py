@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from app.demo import demo_prefix, role_env
-from app.demoplan import DemoConfig
+from app.demoplan import DemoConfig, Plan
 from app.smoke import smoke_result, synthetic_chunks
 from srl.topics import Layout
 
@@ -37,7 +39,22 @@ def test_role_env_drops_srl_settings_but_verbosity() -> None:
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        "GLOO_SOCKET_IFNAME": "lo",
     }
+
+
+def test_two_trainer_ranks_run_under_torchrun_and_the_dtype_reaches_the_trainer(
+    tmp_path: Path,
+) -> None:
+    cfg = DemoConfig(trainer_ranks=2, dtype="bfloat16")
+    plan = Plan(cfg, tmp_path, tmp_path / "model", "127.0.0.1:9092", "p", "r", "file:///s")
+    assert plan.role_tables()["train"]["dtype"] == "bfloat16"
+    argv = plan.trainer_argv(["--config", "srl.toml"])
+    assert Path(argv[0]).name == "torchrun" and "--nproc-per-node" in argv
+    assert argv[argv.index("--nproc-per-node") + 1] == "2"
+    assert argv[-5:] == ["-m", "app.cli.consumer", "train", "--config", "srl.toml"]
+    one = Plan(DemoConfig(), *[tmp_path, tmp_path / "model", "127.0.0.1:9092", "p", "r", "x"])
+    assert Path(one.trainer_argv([])[0]).name == "srl-consumer"
 
 
 def test_smoke_result() -> None:

@@ -5,6 +5,7 @@ a hand-written engine and producer."""
 from __future__ import annotations
 
 import errno
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from schemas.records import WeightsAnnouncement, decode_as
 from srl.metrics import Metrics
 from srl.store import LocalStore
 from srl.topics import Layout
-from srl.weights import version_prefix
+from srl.weights import fetch_tensors, load_manifest, version_prefix
 
 
 class FakeEngine:
@@ -38,7 +39,7 @@ class FakeEngine:
     lockstep = False
 
     def export(self, dtype: Any = None) -> dict[str, Any]:
-        return {"w": self.weight.to(dtype or self.weight.dtype)}
+        return {"w": self.weight.to(dtype or self.weight.dtype, copy=True)}  # a snapshot
 
     def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         return ckpts.engine_state(["w"], [self.weight], self.optimizer_state())
@@ -98,6 +99,7 @@ def test_publish_save_and_a_restart_that_continues_after_the_newest_version(
     outcomes.invalid("b", "p", "le256", 2, "bad")
     d.save(1, outcomes)
     d.publish(step=2)  # published after the checkpoint; the checkpoint still says v1
+    assert d.collect(wait=True)
     assert (d.version, d.lineage, d.number) == (2, 2, 1)
     assert announced(producer) == [(1, 0), (2, 1)]
     manifest = orjson.loads(d.store.get(f"{version_prefix('r', 2)}/manifest.json"))
@@ -122,7 +124,7 @@ def test_publish_save_and_a_restart_that_continues_after_the_newest_version(
     again.reannounce()
     assert announced(producer2) == [(2, 1)]
     again.publish(step=2)
-    assert announced(producer2)[-1] == (3, 1)
+    assert again.collect(wait=True) and announced(producer2)[-1] == (3, 1)
     again.save(2, Outcomes(Ledger(c.ledger), 30.0))
     assert ckpts.complete(again.store, "r") == [1, 2]
     extra = ckpts.load(again.store, "r", 2).extra
@@ -132,12 +134,13 @@ def test_publish_save_and_a_restart_that_continues_after_the_newest_version(
 def test_publish_emits_weights_published(tmp_path: Path) -> None:
     d, _, metrics = durable(tmp_path)
     d.publish(step=5)
+    assert d.collect(wait=True)
     [(kind, values, step)] = metrics.events
     assert (kind, step, values["version"], sorted(values)) == (
         "weights_published",
         5,
         1,
-        ["bytes", "publish_s", "version"],
+        ["bytes", "publish_s", "snapshot_s", "upload_s", "version", "wait_s"],
     )
     assert values["bytes"] > 0
 
@@ -145,7 +148,8 @@ def test_publish_emits_weights_published(tmp_path: Path) -> None:
 def test_the_store_keeps_the_newest_keep_versions_versions(tmp_path: Path) -> None:
     d, producer, metrics = durable(tmp_path, keep_versions=2)
     for step in range(1, 6):
-        assert d.publish(step)
+        d.publish(step)
+    assert d.collect(wait=True)
     assert ckpts.newest_published(d.store, "r") == 5
     kept = sorted({k.split("/")[2] for k in d.store.list("weights/r/")})
     assert kept == ["v00000004", "v00000005"]
@@ -183,11 +187,14 @@ def test_a_full_disk_fails_the_publish_and_the_checkpoint_not_the_trainer(
     """Issue 18: a write the store refuses leaves nothing of the version or checkpoint behind,
     announces nothing, is counted and said; the next publish takes the same version number."""
     d, producer, metrics = durable(tmp_path)
-    assert d.publish(step=1) and d.save(1, Outcomes(Ledger(), 30.0))
+    d.publish(step=1)
+    assert d.collect(wait=True) and d.save(1, Outcomes(Ledger(), 30.0))
     disk = SmallDisk(free=20)  # the weights file does not fit
     monkeypatch.setattr(srl.store, "open", disk, raising=False)
     assert not d.owed
-    assert d.publish(step=2) is False
+    d.publish(step=2)
+    assert d.version == 2  # the weights trained from now on are v2, until the upload fails
+    assert d.collect(wait=True) is False and d.version == 1
     assert d.owed  # the trainer tries it again while idle: the dispatcher waits for it
     assert d.save(2, Outcomes(Ledger(), 30.0)) is False
     assert (d.version, announced(producer)) == (1, [(1, 0)])
@@ -195,7 +202,73 @@ def test_a_full_disk_fails_the_publish_and_the_checkpoint_not_the_trainer(
     assert ckpts.complete(d.store, "r") == [1] and ckpts.highest_number(d.store, "r") == 1
     refused = [(v["number"], s) for k, v, s in metrics.events if k == "store_refused"]
     assert refused == [(2.0, 2), (2.0, 2)]
+    # the idle trainer does not try again at once: 5 s, doubling with each refusal in a row
+    assert not d.due("checkpoint") and not d.due("publish")
+    assert [v["retry_s"] for k, v, _ in metrics.events if k == "store_refused"] == [5.0, 5.0]
     assert metrics.counters["publish_failures"] == metrics.counters["checkpoint_failures"] == 1
+    assert d.save(2, Outcomes(Ledger(), 30.0)) is False  # a step's checkpoint: forced
+    assert [v["retry_s"] for k, v, _ in metrics.events if k == "store_refused"][-1] == 10.0
     disk.free = 10**9  # space again: the same version is published, the next checkpoint saved
-    assert d.publish(step=3) and d.save(3, Outcomes(Ledger(), 30.0)) and not d.owed
-    assert announced(producer) == [(1, 0), (2, 1)] and ckpts.complete(d.store, "r") == [1, 3]
+    d.publish(step=3)
+    assert d.collect(wait=True) and d.save(3, Outcomes(Ledger(), 30.0)) and not d.owed
+    assert d.due("checkpoint") and d.due("publish")
+    saved = [(v["number"], s) for k, v, s in metrics.events if k == "checkpoint_saved"]
+    assert saved == [(1, 1), (4, 3)]  # numbers 2 and 3 were refused, never reused
+    assert announced(producer) == [(1, 0), (2, 1)] and ckpts.complete(d.store, "r") == [1, 4]
+
+
+class GatedStore(LocalStore):
+    """A local store whose weights files wait for ``gate``: an upload that takes as long as
+    the test wants, so what happens meanwhile is seen by events, not by time."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def put_chunks(self, key: str, chunks: Any, **kw: Any) -> Any:
+        if key.endswith(".safetensors"):
+            self.entered.set()
+            assert self.gate.wait(30), "the test never opened the gate"
+        return super().put_chunks(key, chunks, **kw)
+
+
+def test_the_upload_runs_while_the_next_step_trains_and_one_snapshot_at_a_time(
+    tmp_path: Path,
+) -> None:
+    d, producer, metrics = durable(tmp_path)
+    store = d.publisher.store = d.store = GatedStore(tmp_path / "gated")
+    exports: list[float] = []
+    real = d.engine.export
+    d.engine.export = lambda dtype=None: (exports.append(float(d.engine.weight[0])), real(dtype))[1]  # type: ignore[method-assign]
+    d.publish(step=1)  # returns with v1's files still waiting for the store
+    assert store.entered.wait(30) and d.publisher.busy
+    assert d.version == 1 and announced(producer) == [] and d.collect() is None
+    d.engine.weight += 1.0  # the next step trains: the snapshot being uploaded does not change
+    second = threading.Thread(target=d.publish, args=(2,))
+    second.start()  # waits for v1's upload before it takes its snapshot
+    second.join(0.5)
+    assert second.is_alive() and exports == [0.0]
+    store.gate.set()
+    second.join(30)
+    assert d.collect(wait=True) and exports == [0.0, 1.0]
+    assert announced(producer) == [(1, 0), (2, 1)]
+    v1 = fetch_tensors(
+        store, load_manifest(store, decode_as(producer.sent[0][1], WeightsAnnouncement))
+    )
+    assert float(v1["w"][0]) == 0.0
+    waited = [v["wait_s"] for k, v, _ in metrics.events if k == "weights_published"]
+    assert len(waited) == 2 and waited[1] > 0.0
+
+
+def test_an_upload_that_crashes_raises_on_the_trainers_thread(tmp_path: Path) -> None:
+    d, _, _ = durable(tmp_path)
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("a bug in the upload")
+
+    d.publisher.store.put_chunks = broken  # type: ignore[method-assign]
+    d.publish(step=1)
+    with pytest.raises(RuntimeError, match="a bug in the upload"):
+        d.collect(wait=True)
+    assert not d.publisher.busy

@@ -65,3 +65,13 @@ def test_pure_bfloat16_storage_rounds_small_updates_away_and_warns(
     before = one_step(engine)
     # what `dtype = bfloat16` did before mixed precision: most of the update is lost
     assert moved(before, engine.tensors()) < 0.2
+
+
+def test_the_export_is_a_snapshot_even_in_the_parameters_dtype(tiny_model: Path) -> None:
+    # the upload runs while the next step trains: the export must not alias a parameter
+    engine = Engine(TrainConfig(model=str(tiny_model), device="cpu", lr=1e-2))
+    published = engine.export(torch.float32)
+    frozen = {k: v.clone() for k, v in published.items()}
+    one_step(engine)
+    assert all(torch.equal(published[k], frozen[k]) for k in frozen)
+    assert not all(torch.equal(published[k], v) for k, v in engine.tensors().items())

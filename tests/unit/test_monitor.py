@@ -164,6 +164,7 @@ def test_summarize_events_uses_fresh_rates_and_the_runs_own_events() -> None:
         "versions": {"trainer": 4, "published": 4, "generators": {"gen-0": 2, "gen-3": None}},
         "staleness": {"histogram": {"0": 1, "1": 1, "3": 1}, "mean": 4 / 3, "max": 3},
         "drops": {"by_outcome": {"dropped_stale": 1, "expired": 1}, "dead_letters_counted": 3},
+        "store": {"checkpoint": None, "refused": {}},
     }
 
 
@@ -178,11 +179,40 @@ def test_summarize_nothing_and_stale_trainer_figures() -> None:
         "versions": {"trainer": None, "published": None, "generators": {}},
         "staleness": {"histogram": {}, "mean": None, "max": None},
         "drops": {"by_outcome": {}, "dead_letters_counted": 0},
+        "store": {"checkpoint": None, "refused": {}},
     }
     old = [event("train_step", age_ms=FRESH_MS + 1, values={"tokens_per_s": 5.0})]
     got = summarize_events(old, "r", NOW)
     assert got["throughput"]["train_tokens_per_s"] is None  # too old to be "now"
     assert got["versions"]["trainer"] is None  # no policy_version value
+
+
+def test_the_store_summary_shows_refusals_since_the_last_success_of_their_kind() -> None:
+    full = {"what": "checkpoint", "reason": "No space left on device"}
+    events = [
+        event("checkpoint_saved", age_ms=60_000, step=3, values={"number": 4.0, "seconds": 2.5}),
+        event("store_refused", age_ms=30_000, step=4, labels=full, values={"in_a_row": 1.0}),
+        event("store_refused", age_ms=9_000, step=5, labels=full, values=retry(2.0, 10.0)),
+        event("store_refused", age_ms=8_000, labels={"what": "publish"}, values=retry(1.0, 5.0)),
+        event("weights_published", age_ms=2_000, values={"version": 6.0}),  # published since
+    ]
+    assert summarize_events(events, "r", NOW)["store"] == {
+        "checkpoint": {"number": 4, "step": 3, "seconds": 2.5, "age_s": 60.0},
+        "refused": {
+            "checkpoint": {
+                "reason": "No space left on device",
+                "in_a_row": 2,
+                "retry_s": 10.0,
+                "age_s": 9.0,
+            }
+        },
+    }
+    saved = event("checkpoint_saved", age_ms=1_000, step=6, values={"number": 7.0, "seconds": 1})
+    assert summarize_events([*events, saved], "r", NOW)["store"]["refused"] == {}
+
+
+def retry(in_a_row: float, retry_s: float) -> dict[str, float]:
+    return {"in_a_row": in_a_row, "retry_s": retry_s}
 
 
 def test_tally_keeps_the_latest_event_of_each_kind_and_source() -> None:

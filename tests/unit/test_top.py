@@ -289,3 +289,16 @@ def test_the_exporter_carries_the_serving_figures() -> None:
     assert got["srl_serving_served"] == [12] and got["srl_serving_published"] == [11]
     assert got["srl_serving_trained"] == [6] and got["srl_serving_publish_dropped"] == [1]
     assert got["srl_serving_queue_wait_ms"] == [pytest.approx(62.5)]
+
+
+def test_the_store_line_is_red_while_a_write_kind_is_refused() -> None:
+    from app.top import store_line
+
+    ok = {"checkpoint": {"number": 4, "step": 3, "seconds": 2.5, "age_s": 60.0}, "refused": {}}
+    assert store_line(ok) == ("checkpoints: c4 at step 3 (2.5 s, 60 s ago)", "")
+    full = {"reason": "No space left on device", "in_a_row": 2, "retry_s": 10.0, "age_s": 9.0}
+    text, style = store_line({"checkpoint": None, "refused": {"checkpoint": full}})
+    assert style == "bold red" and text == (
+        "checkpoints: none yet; CHECKPOINT REFUSED 2x in a row (9 s ago, retried after 10.0 s): "
+        "No space left on device"
+    )
