@@ -145,8 +145,8 @@ class Durable:
         wait = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (n - 1))
         self.retry_at[what] = time.monotonic() + wait
         log.warning(
-            "%s %d at step %d failed (%d in a row; tried again in %.0f s at the earliest), "
-            "training goes on: %s",
+            "%s %d at step %d failed, training goes on (%d in a row; tried again in %.0f s at "
+            "the earliest): %s",
             *(what, number, step, n, wait, e),
         )
         self.metrics.incr(f"{what}_failures")

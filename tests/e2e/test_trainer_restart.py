@@ -83,6 +83,8 @@ def train(
         "1",
         "--checkpoint-every",
         "2",
+        "--keep-versions",  # every version stays: the audit checks none was skipped
+        "0",
         "--max-staleness",
         "1",
         "--lr",
