@@ -307,6 +307,7 @@ class Plan:
                 "seed": c.seed,
                 "device": "cpu",
                 "dtype": c.dtype,
+                "keep_versions": 0,  # the report evaluates versions along the run
             },
         }
 

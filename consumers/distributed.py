@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from consumers import checkpoint as ckpts
-from consumers.train_engine import MicroBatch, TrainEngine, empty_micro_batch
+from consumers.train_engine import MicroBatch, TrainEngine, empty_micro_batch, split_rows
 from srl.errors import StoreError
 
 if TYPE_CHECKING:
@@ -140,10 +140,22 @@ class Dist:
         self.round.append(mb)
         return self._deal() if len(self.round) == self.world else []
 
+    def _spread(self) -> None:
+        """A last round with fewer micro-batches than ranks (a step's tokens fit fewer
+        micro-batches than there are ranks): split the biggest by rows until every rank has
+        one or no micro-batch has two rows, so no rank only pads while another computes."""
+        while len(self.round) < self.world:
+            many = [m for m in self.round if m.ids.shape[0] > 1]
+            if not many:
+                return
+            big = max(many, key=lambda m: int(m.attn.sum()))
+            self.round = [m for m in self.round if m is not big] + list(split_rows(big))
+
     def _deal(self) -> list[MicroBatch]:
         """One micro-batch per rank, the most tokens to rank 0 (it also reads Kafka, so its
-        backward starts last); zero-weight ones where the round is short."""
-        mbs = sorted(self.round, key=lambda m: -m.ids.numel())
+        backward starts last); zero-weight ones where the round is short. Tokens are the
+        real ones (``attn``): what a packed micro-batch computes."""
+        mbs = sorted(self.round, key=lambda m: -int(m.attn.sum()))
         self.round = []
         for r in range(1, self.world):
             self._send(r, mbs[r] if r < len(mbs) else None)
@@ -164,6 +176,7 @@ class Dist:
         its part with ``backward``); then every rank steps with the step's normaliser."""
         import torch
 
+        self._spread()
         for own in self._deal() if self.round else []:
             backward(own)
         self._to_all(STEP, step, torch.tensor([normalizer], dtype=torch.float64))

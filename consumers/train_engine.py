@@ -79,6 +79,30 @@ class MicroBatch:
         return [self.ids, self.attn, self.behav, self.adv, self.weight]
 
 
+def split_rows(mb: MicroBatch) -> tuple[MicroBatch, MicroBatch]:
+    """A padded micro-batch of two rows or more as two, by rows, with about half its real
+    tokens each, each trimmed to its own longest row: the same loss terms, so the same
+    gradient summed (the step's normaliser is global). How a lockstep round shorter than the
+    ranks still gives every rank work (``consumers.distributed``)."""
+    lengths = mb.attn.sum(dim=1)
+    cut = int((lengths.cumsum(0) < lengths.sum() / 2).sum()) + 1
+    cut = min(max(cut, 1), mb.ids.shape[0] - 1)
+
+    def part(rows: slice) -> MicroBatch:
+        n = int(lengths[rows].max())
+        prox = None if mb.prox is None else mb.prox[rows, : n - 1]
+        return MicroBatch(
+            mb.ids[rows, :n],
+            mb.attn[rows, :n],
+            mb.behav[rows, : n - 1],
+            mb.adv[rows],
+            mb.weight[rows, : n - 1],
+            prox,
+        )
+
+    return part(slice(0, cut)), part(slice(cut, None))
+
+
 def empty_micro_batch() -> MicroBatch:
     """A one-row micro-batch whose loss weights are all zero: it adds nothing to the
     gradient, but runs the forward and backward (and their collectives) a lockstep rank owes."""

@@ -83,6 +83,28 @@ def test_bench_weights_json() -> None:
     assert abs(s["publish_load_s"] - total) < 2e-3
     assert abs(s["ratio"] - s["publish_load_s"] / s["plain_copy_s"]) <= 0.01 * s["ratio"] + 0.01
     assert r["swaps"] == 3 and 0 < r["swap_pause_ms"] <= r["swap_pause_ms_max"]
+    t = s["trainer"]  # the step waits for the snapshot; the upload is what it no longer waits
+    assert 0 < t["step_wait_s"] == t["snapshot_s"] and t["upload_s"] > 0
+    assert abs(t["step_wait_sync_s"] - t["snapshot_s"] - t["upload_s"]) < 2e-3
+    parts = t["snapshot_s"] + t["upload_s"] + t["follower_fetch_verify_s"] + t["follower_load_s"]
+    assert abs(t["e2e_s"] - parts) < 5e-3 and t["e2e_gb_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_bench_trainer_json_at_the_test_models_size() -> None:
+    args = ["--spec", "test", "--steps", "1", "--rows", "8", "--budget", "512", "--json"]
+    out = run("srl", "bench", "trainer", *args, timeout=600)
+    assert out.returncode == 0, out.stderr
+    runs = orjson.loads(out.stdout)["runs"]
+    assert [(x["backend"], x["ranks"]) for x in runs] == [("torch", 1), ("torch", 2), ("fsdp", 2)]
+    for x in runs:
+        assert x["tokens_per_s"] > 0 and len(x["peak_rss_mib"]) == x["ranks"], x
+        assert x["plan_mib"] > 0 and all(p > 0 for p in x["peak_rss_mib"]), x
+    # the plan shards the state: less a rank on two FSDP ranks than replicated on two
+    assert runs[2]["plan_mib"] < runs[1]["plan_mib"]
+    bad = run("srl", "bench", "trainer", "--backends", "megatron")
+    assert bad.returncode != 0 and "--backends megatron" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_bench_weights_rejects_unknown_size() -> None:

@@ -16,10 +16,11 @@ import torch
 
 from consumers.batcher import Row, StepBatcher, pack
 from consumers.config import TrainConfig
+from consumers.distributed import Dist
 from consumers.engine import Engine
 from consumers.losses import token_logprobs
 from consumers.packing import packed, packed_inputs
-from consumers.train_engine import empty_micro_batch, make_micro_batch
+from consumers.train_engine import empty_micro_batch, make_micro_batch, split_rows
 from srl.tinymodel import TinyModelSpec, build_tiny_model
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -163,3 +164,32 @@ def test_a_lockstep_ranks_padding_packs_and_adds_no_gradient(tiny_model: Path) -
     e.backward(empty_micro_batch())
     assert all(float(g.abs().max()) == 0 for g in grads(e))
     assert e.stats.padded_tokens == 2
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_a_micro_batch_split_by_rows_gives_the_same_gradient(
+    tiny_model: Path, packing: bool
+) -> None:
+    """A lockstep round shorter than the ranks splits its biggest micro-batch (rank 1 had no
+    work in `srl demo --trainer-ranks 2`: a step's tokens fit one packed micro-batch)."""
+    mb = make_micro_batch(rows(), seq_mean=False)
+    a, b = split_rows(mb)
+    assert a.ids.shape[0] + b.ids.shape[0] == mb.ids.shape[0] and a.ids.shape[0] >= 1
+    assert int(a.attn.sum()) + int(b.attn.sum()) == int(mb.attn.sum())
+    assert a.ids.shape[1] == int(a.attn.sum(dim=1).max())  # trimmed to its own longest row
+    e = engine(tiny_model, packing)
+    e.backward(mb)
+    whole = grads(e)
+    e.backward(a)
+    e.backward(b)
+    for x, y in zip(whole, grads(e), strict=True):
+        torch.testing.assert_close(x, y, **TOL)
+    # the last round of a step on 3 ranks with one micro-batch: three, by rows
+    d = Dist(0, 3)
+    d.round = [mb]
+    d._spread()
+    assert len(d.round) == 3 and sum(m.ids.shape[0] for m in d.round) == mb.ids.shape[0]
+    one = make_micro_batch(rows()[:1], seq_mean=False)
+    d.round = [one]
+    d._spread()
+    assert d.round == [one]  # one row: nothing to split
