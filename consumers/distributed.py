@@ -32,6 +32,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -44,9 +46,28 @@ if TYPE_CHECKING:
 
     from srl.store import ObjectStore
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
 log = logging.getLogger("srl.trainer.dist")
 
 MB, STEP, DISCARD, STOP, EXPORT, SAVE = 1, 2, 3, 4, 6, 7
+
+
+def die_with_launcher() -> None:
+    """Under torchrun, end this rank when its launcher ends, whatever ends it. torchrun starts
+    each rank in a session of its own, so a process manager that SIGKILLs torchrun's process
+    group left the ranks running (found by ``srl chaos --trainer-ranks 2``: the killed
+    trainer's ranks kept their static group membership and checkpoints, beside the restarted
+    ones). Linux's parent-death signal makes the kernel SIGKILL the rank instead."""
+    if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+
+    launcher = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        log.warning("rank: cannot ask to die with torchrun (errno %d)", ctypes.get_errno())
+    elif os.getppid() != launcher:  # it ended before we asked
+        os._exit(1)
 
 
 class Dist:
@@ -69,6 +90,7 @@ class Dist:
         import torch
         import torch.distributed as dist
 
+        die_with_launcher()
         rank = int(os.environ["RANK"])
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if backend == "nccl":

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -250,3 +254,62 @@ def test_fsdp_resumes_from_its_sharded_checkpoint_on_any_world_size(
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
     print(f"FSDP on 2 ranks, resumed on {again} after step 2, vs 1 torch rank: {diff:.2e}")
     assert diff < 1e-5
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_the_ranks_die_with_a_sigkilled_torchrun(one_rank: Env, tiny_model: Path) -> None:
+    """torchrun starts each rank in a session of its own: a process manager that SIGKILLed
+    torchrun's process group left them running beside the restarted trainer (`srl chaos
+    --trainer-ranks 2`). The ranks now ask the kernel to kill them with their launcher."""
+    log = tiny_model.parent / f"killed-{uuid.uuid4().hex[:6]}.log"
+    argv = [bin_path("torchrun"), "--nnodes", "1", "--nproc-per-node", "2"]
+    argv += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    argv += ["-m", "app.cli.consumer", *ARGS, "--model", str(tiny_model)]
+    argv += ["--idle-exit-s", "0", "--max-steps", "100"]  # it trains 3 steps, then waits
+    with log.open("wb") as out:
+        launcher = subprocess.Popen(
+            argv,
+            env={**one_rank, "SRL_RUN": "killed"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while "step 3 v3" not in log.read_text():
+            assert launcher.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        ranks = _children(launcher.pid)
+        assert len(ranks) == 2, ranks
+        os.killpg(launcher.pid, signal.SIGKILL)  # what `srl chaos` and a process manager do
+        launcher.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in ranks if _alive(p)], "ranks outlived their torchrun"
+    finally:
+        for p in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
