@@ -165,6 +165,11 @@ class TrainConfig(CommonConfig):
         True,
         description="One row per micro-batch, attention within each sample: no padding computed.",
     )
+    max_train_tokens: int = Field(
+        0,
+        ge=0,
+        description="Longer trajectories (prompt + completion) go to the DLQ; 0: the model's.",
+    )
     expire_s: float = Field(
         300.0,
         gt=0,
@@ -198,11 +203,7 @@ class TrainConfig(CommonConfig):
     )
     publish_background: bool = Field(
         True,
-        description=(
-            "Upload each version in a background thread while the next step trains: the step "
-            "waits for the snapshot (and for the upload before it, one at a time); off: the "
-            "step waits for the upload too."
-        ),
+        description="Upload each version while the next step trains; off: the step waits for it.",
     )
     max_steps: int = Field(0, ge=0, description="Stop after this many optimizer steps; 0: never.")
     idle_exit_s: float = Field(

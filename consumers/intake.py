@@ -12,7 +12,8 @@ must hold:
   the future: ``srl.weights.KnownVersions``) goes to ``{prefix}.dlq`` with the reason and its
   origin (``srl.metrics``), holds nothing, and training goes on;
 * a trajectory that can never train (inconsistent chunks, longer than the model's
-  ``max_length``) is dead-lettered and returned as :class:`Invalid`: the trainer decides it
+  ``max_length`` or ``--max-train-tokens``: a restart would read it again and run out of
+  memory again) is dead-lettered and returned as :class:`Invalid`: the trainer decides it
   ``invalid`` and fills its slot in the group;
 * so is, without the dead letter, one aborted (``finish_reason = abort``) or sampled at
   settings the trainer does not represent (``untrainable_settings``: another temperature,
@@ -54,7 +55,7 @@ class Intake:
     def __init__(
         self,
         outcomes: Outcomes,
-        max_len: int,
+        max_len: tuple[int, str],
         expire_s: float,
         producer: Producer,
         metrics: Metrics,
@@ -65,7 +66,9 @@ class Intake:
         self.temperature = temperature  # the trainer's: the one sampling setting it represents
         self.assembler = Assembler(outcomes.ledger, expire_s)  # the ledger's ids are duplicates
         self.tracker = OffsetTracker()
-        self.max_len = max_len  # the model's longest sequence (prompt + completion)
+        # the longest sequence that may train (prompt + completion), and what sets it: the
+        # model's positions or --max-train-tokens
+        self.max_len, self.max_why = max_len
         self.producer, self.metrics = producer, metrics
         self.versions = versions  # which policy versions exist (srl.weights.KnownVersions)
 
@@ -100,7 +103,7 @@ class Intake:
         if traj is not None and (why := untrainable_settings(traj, self.temperature)):
             return Invalid(chunk, f"trajectory {tid}: {why}")  # counted like an abort
         if traj is not None and traj.length > self.max_len:
-            reason = f"trajectory {tid}: {traj.length} tokens > the model's {self.max_len}"
+            reason = f"trajectory {tid}: {traj.length} tokens > {self.max_why} {self.max_len}"
             return self._invalid(msg, chunk, reason)
         return traj
 

@@ -140,6 +140,13 @@ def run_trainer(cfg: TrainConfig) -> TrainResult:
             dist.close()
 
 
+def train_limit(cfg: TrainConfig, engine: TrainEngine) -> tuple[int, str]:
+    """The longest trajectory that may train, and what sets it."""
+    if cfg.max_train_tokens and cfg.max_train_tokens < engine.max_length:
+        return cfg.max_train_tokens, "--max-train-tokens"
+    return engine.max_length, "the model's"
+
+
 def warn_sizes(cfg: TrainConfig, engine: TrainEngine) -> None:
     """Say at start what a setting costs at this model's size, where it cannot work well."""
     n = sum(int(p.numel()) for p in getattr(engine, "params", []))  # a DTensor counts whole
@@ -274,10 +281,9 @@ class Trainer:
         self.durable = Durable(cfg, engine, store, dist, self.producer, self.metrics, ckpt)
         warn_sizes(cfg, engine)
         versions = KnownVersions(store, floor=lambda: self.version)
-        self.intake = Intake(
-            self.outcomes, engine.max_length, cfg.expire_s, self.producer, self.metrics, versions
-        )
-        self.intake.temperature = cfg.temperature  # the only sampling it trains on
+        limit, out = train_limit(cfg, engine), (self.producer, self.metrics, versions)
+        # the temperature: the only sampling it trains on
+        self.intake = Intake(self.outcomes, limit, cfg.expire_s, *out, cfg.temperature)
         self.score = functools.partial(scored, self.scorer, self.metrics)
         args = (self.producer, self.metrics, self.outcomes, self.groups, self.score, self._at)
         self.feedback = FeedbackPath(cfg, *args)

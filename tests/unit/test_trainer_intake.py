@@ -4,14 +4,17 @@ fake producer and records: what is dead-lettered, what is invalid, which offsets
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
 from consumers.assembler import Trajectory
+from consumers.config import TrainConfig
 from consumers.intake import Intake, Invalid
 from consumers.outcomes import REMEMBER_STEPS, Ledger, Outcomes
+from consumers.trainer import train_limit
 from schemas.records import ABORTED, TrajectoryChunk, encode
 from srl.metrics import Metrics
 from srl.topics import Layout
@@ -71,12 +74,12 @@ class Versions:
 
 
 def intake(
-    ledger: dict[str, list[Any]] | None = None, max_len: int = 100
+    ledger: dict[str, list[Any]] | None = None, max_len: int = 100, why: str = "the model's"
 ) -> tuple[Intake, FakeProducer]:
     producer = FakeProducer()
     metrics = Metrics(None, Layout(), "run", "trainer-0")
     outcomes = Outcomes(Ledger(ledger), 30.0)
-    return Intake(outcomes, max_len, 30.0, producer, metrics, Versions(3)), producer
+    return Intake(outcomes, (max_len, why), 30.0, producer, metrics, Versions(3)), producer
 
 
 def records(chunks: list[TrajectoryChunk], first: int = 0) -> list[Record]:
@@ -150,6 +153,26 @@ def test_a_trajectory_longer_than_the_model_is_invalid_and_dead_lettered() -> No
     assert got[1].chunk.seq == 1
     assert got[1].reason == "trajectory t: 6 tokens > the model's 5"
     assert [h["srl.reason"] for *_, h in dlq.sent] == [got[1].reason.encode()]
+
+
+def test_max_train_tokens_caps_what_trains_below_the_model(tmp_path: Path) -> None:
+    """A row that would run the trainer out of memory goes to the DLQ with the reason; a
+    restart reads it again and dead-letters it again, instead of crash-looping on it."""
+    cfg = TrainConfig(model=str(tmp_path), max_train_tokens=5)
+    limit = train_limit(cfg, Limit(100))  # type: ignore[arg-type]
+    assert limit == (5, "--max-train-tokens")
+    for cap in (0, 500):  # none, or above the model's: the model's
+        other = cfg.model_copy(update={"max_train_tokens": cap})
+        assert train_limit(other, Limit(100)) == (100, "the model's")  # type: ignore[arg-type]
+    it, dlq = intake(max_len=limit[0], why=limit[1])
+    got = [it.add(r) for r in records(chunks())]
+    assert isinstance(got[1], Invalid)
+    assert got[1].reason == "trajectory t: 6 tokens > --max-train-tokens 5" and len(dlq.sent) == 1
+
+
+class Limit:
+    def __init__(self, n: int) -> None:
+        self.max_length = n
 
 
 def test_inconsistent_chunks_make_an_invalid_trajectory() -> None:
