@@ -17,8 +17,12 @@ half is ``producers.dispatcher.release`` and the trainer's ``consumers.steps``. 
   wait ``latest`` is the floor (a bad upload must not stall generation for good: with
   k = 0 no newer version can come), and the trainer's staleness gate judges what comes of
   it;
-* a resumed trajectory (migration, recovery) may continue with any weights: its behaviour
-  version is already the oldest of its prefix, and newer tokens cannot make it older;
+* a resumed trajectory (migration, recovery) ignores the task's floors (its behaviour version
+  is already the oldest of its prefix) but continues only with weights at least as new as that
+  prefix (``resume.min_version``), or the newest this worker can load if that is older (the
+  prefix's version refused here): older tokens would make its behaviour version older. A
+  long-tail worker still on v0 continued v1 prefixes it had just been handed, and the sync
+  demo dropped a third of step 2 as stale (CI, under load);
 * order: resumed trajectories first (they are late and known long), then the earliest
   trainer step (its deadline comes first; unscheduled tasks last), then the longest
   predicted (LPT: a long sample started last finishes last).
@@ -41,7 +45,7 @@ def may_start(
     (``waiting``: refused versions whose tasks still wait for a newer good one, each with the
     trainer step it was announced after)."""
     if task.resume is not None:
-        return True
+        return loaded >= min(task.resume.min_version, latest)
     if loaded < latest - k:
         return False
     if task.min_version is None or loaded >= task.min_version:

@@ -84,8 +84,13 @@ def test_a_task_of_the_trainers_next_step_does_not_wait_for_a_refused_version() 
     assert not may_start(unscheduled, loaded=4, latest=4, k=1, waiting={5: 4})
 
 
-def test_a_resumed_trajectory_continues_with_any_weights() -> None:
-    assert may_start(task(step=1, min_version=9, resume=True), loaded=0, latest=9, k=0)
+def test_a_resumed_trajectory_continues_with_weights_no_older_than_its_prefix() -> None:
+    resumed = task(step=1, min_version=9, resume=True)  # its prefix's oldest version: 1
+    assert may_start(resumed, loaded=1, latest=9, k=0)  # the task's own floors do not apply
+    # a long-tail worker that has not loaded v1 yet waits: v0 tokens would make b = 0
+    assert not may_start(resumed, loaded=0, latest=1, k=0)
+    # unless v1 is refused here: the newest it can load is what it continues with
+    assert may_start(resumed, loaded=0, latest=0, k=0)
 
 
 def test_order_resumes_then_earliest_step_then_longest() -> None:
