@@ -39,7 +39,9 @@ def served(engine: HFEngine, temperature: float, top_p: float, tid: str) -> list
 def trainer_intake(temperature: float) -> Intake:
     metrics = Metrics(None, Layout(), "run", "trainer-0")
     outcomes = Outcomes(Ledger(None), 30.0)
-    return Intake(outcomes, (1000, "the model's"), 30.0, FakeProducer(), metrics, Versions(0), temperature)
+    return Intake(
+        outcomes, (1000, "the model's"), 30.0, FakeProducer(), metrics, Versions(0), temperature
+    )
 
 
 def assembled(it: Intake, chunks: list[TrajectoryChunk]) -> Trajectory | Invalid | None:
