@@ -54,7 +54,7 @@ from srl.broker.process import (
 )
 from srl.errors import SrlError
 from srl.kafka import broker_count
-from srl.ports import free_port, port_open
+from srl.ports import bindable, free_port, port_open
 
 DIST = "apache_kafka"  # package data of srl.broker: pom.xml, server.properties, log4j2.properties
 MAIN_CLASS = "kafka.Kafka"
@@ -474,7 +474,7 @@ class KafkaCluster:
         todo = [n for n in self.nodes if not self.running(n)]
         for n in todo:
             for p in (n.port, n.controller_port):
-                if port_open(p):
+                if not bindable(p):
                     raise SrlError(
                         f"port {p} on 127.0.0.1 is already in use; pick another with --port"
                     )

@@ -12,9 +12,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from srl.broker import apache, free_port
+from srl.broker import apache
 from srl.config import CommonConfig, load_config
 from srl.kafka import Producer, create_topics, read_range
+from srl.ports import free_ports
 from srl.topics import TopicSpec
 from tests.conftest import TEST_KAFKA_JVM_OPTS, bin_path
 
@@ -45,7 +46,7 @@ def one_line_error(out: subprocess.CompletedProcess[str], text: str) -> None:
 
 
 def test_start_status_stop_and_start_again_on_the_same_data(tmp_path: Path) -> None:
-    data, port = tmp_path / "k", free_port()
+    data, port = tmp_path / "k", free_ports(2)  # the node and its controller (P + 1)
     out = kafka_start("--port", str(port), "--data-dir", str(data))
     assert out.returncode == 0, out.stderr
     assert f"bootstrap 127.0.0.1:{port}" in out.stdout
@@ -86,7 +87,7 @@ def test_kafka_home_uses_an_existing_install(tmp_path: Path) -> None:
     home = tmp_path / "kafka_2.13-x"
     home.mkdir()
     (home / "libs").symlink_to(apache.fetch(), target_is_directory=True)
-    data, port = tmp_path / "k", free_port()
+    data, port = tmp_path / "k", free_ports(2)  # the node and its controller (P + 1)
     args = ["--port", str(port), "--data-dir", str(data), "--kafka-home", str(home)]
     out = kafka_start(*args)
     try:
