@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -34,6 +34,21 @@ STOP_GRACE_S = 60.0  # SIGTERM → SIGKILL; generators drain in-flight work with
 
 class DemoError(SrlError):
     """The demo could not run (a role died, the run timed out …)."""
+
+
+# the trainer's ranks and dtype, as srl demo and srl chaos start it
+TrainerRanks = Annotated[
+    int,
+    Field(
+        ge=1,
+        le=8,
+        description="Trainer ranks (CPU gloo, under torchrun); more than one: FSDP2, sharded.",
+    ),
+]
+TrainerDtype = Annotated[
+    Literal["float32", "bfloat16"],
+    Field(description="The trainer's compute dtype; bfloat16 keeps fp32 master weights."),
+]
 
 
 class DemoConfig(KafkaSettings):
@@ -66,16 +81,8 @@ class DemoConfig(KafkaSettings):
     group_size: int = Field(8, ge=2, le=256, description="Samples per prompt (GRPO group).")
     groups_per_step: int = Field(8, ge=1, le=4096, description="Groups per optimizer step.")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
-    trainer_ranks: int = Field(
-        1,
-        ge=1,
-        le=8,
-        description="Trainer ranks (CPU gloo, under torchrun); more than one: FSDP2, sharded.",
-    )
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32",
-        description="The trainer's compute dtype; bfloat16 keeps fp32 master weights.",
-    )
+    trainer_ranks: TrainerRanks = 1
+    dtype: TrainerDtype = "float32"
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
     max_new_tokens: int = Field(72, ge=1, description="Max generated tokens per sample.")
     eval_prompts: int = Field(256, ge=1, description="Held-out prompts for eval accuracy.")

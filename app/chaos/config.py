@@ -13,6 +13,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from app.demoplan import TrainerDtype, TrainerRanks
 from srl.config import Settings
 from srl.errors import ConfigError
 
@@ -74,16 +75,8 @@ class ChaosConfig(Settings):
     regular_workers: int = Field(
         2, ge=1, le=8, description="Generator workers in the regular pool (the long tail has one)."
     )
-    trainer_ranks: int = Field(
-        1,
-        ge=1,
-        le=8,
-        description="Trainer ranks (CPU gloo, under torchrun); more than one: FSDP2, sharded.",
-    )
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32",
-        description="The trainer's compute dtype; bfloat16 keeps fp32 master weights.",
-    )
+    trainer_ranks: TrainerRanks = 1
+    dtype: TrainerDtype = "float32"
     max_staleness: int = Field(1, ge=0, le=100, description="k of every role.")
     steps: int = Field(12, ge=4, le=100_000, description="Optimizer steps of each run.")
     warmup_steps: int = Field(
