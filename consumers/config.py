@@ -18,20 +18,50 @@ from srl.errors import ConfigError
 from srl.topics import trainer_group
 
 
-class TrainConfig(CommonConfig):
-    """Settings of ``srl-consumer train``."""
+class RewardSettings(CommonConfig):
+    """The trainer's reward: which function, and the processes that run it
+    (``consumers.rewardpool``)."""
 
-    section = "train"
-
-    model: str = Field(
-        "", description="Hugging Face model directory the run starts from (policy version 0)."
-    )
     reward: str = Field(
         "app.task:demo_reward",
         description=(
             "Reward function as module:function, called as fn(prompt, completion, metadata) -> "
             "float."
         ),
+    )
+    reward_workers: int = Field(
+        2,
+        ge=0,
+        le=256,
+        description=(
+            "Processes that run the reward beside the consume loop (a slow or stuck reward never "
+            "stops the trainer reading); 0: in the trainer's process, synchronously, no timeout."
+        ),
+    )
+    reward_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description=(
+            "A reward call running longer fails its sample (failed_reward) and its process is "
+            "replaced (reward_workers > 0)."
+        ),
+    )
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_spec(cls, v: str) -> str:
+        if ":" not in v:
+            raise ValueError(f"expected module:function, got {v!r}")
+        return v
+
+
+class TrainConfig(RewardSettings):
+    """Settings of ``srl-consumer train``."""
+
+    section = "train"
+
+    model: str = Field(
+        "", description="Hugging Face model directory the run starts from (policy version 0)."
     )
     group_id: str | None = Field(
         None,
@@ -252,13 +282,6 @@ class TrainConfig(CommonConfig):
             "layer inputs, at about a third more compute."
         ),
     )
-
-    @field_validator("reward")
-    @classmethod
-    def _reward_spec(cls, v: str) -> str:
-        if ":" not in v:
-            raise ValueError(f"expected module:function, got {v!r}")
-        return v
 
     @field_validator("start_from")
     @classmethod

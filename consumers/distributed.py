@@ -38,7 +38,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from consumers import checkpoint as ckpts
-from consumers.train_engine import MicroBatch, TrainEngine, empty_micro_batch, split_rows
+from consumers.train_engine import (
+    MicroBatch,
+    TrainEngine,
+    balanced,
+    empty_micro_batch,
+    split_rows,
+)
 from srl.errors import StoreError
 
 if TYPE_CHECKING:
@@ -162,6 +168,17 @@ class Dist:
         self.round.append(mb)
         return self._deal() if len(self.round) == self.world else []
 
+    def _balance(self) -> None:
+        """The last round of a step (shorter, or its micro-batches of unequal sizes: the step's
+        remainder): its rows regrouped into one micro-batch per rank of about equal tokens
+        (``balanced``), so no rank waits at the step for the one that got the full micro-batch;
+        where that cannot be done within the batcher's bound, ``_spread``."""
+        parts = balanced(self.round, self.world) if self.round else None
+        if parts is not None:
+            self.round = parts
+        else:
+            self._spread()
+
     def _spread(self) -> None:
         """A last round with fewer micro-batches than ranks (a step's tokens fit fewer
         micro-batches than there are ranks): split the biggest by rows until every rank has
@@ -198,7 +215,7 @@ class Dist:
         its part with ``backward``); then every rank steps with the step's normaliser."""
         import torch
 
-        self._spread()
+        self._balance()
         for own in self._deal() if self.round else []:
             backward(own)
         self._to_all(STEP, step, torch.tensor([normalizer], dtype=torch.float64))

@@ -14,7 +14,10 @@ Owns how a model too large for one rank trains. What must hold:
   last round with zero-weight ones);
 * each backward reduce-scatters its gradients (averaged over ranks by FSDP; ``_update`` scales
   by the world size, so the step sees the sum as on one rank, then divides by the normaliser);
-* the reference model (KL) is sharded the same way, in the compute dtype, frozen.
+* the reference model (KL) is sharded the same way, in the compute dtype, frozen;
+* no rank loads the whole model: it is built on the meta device, sharded, and each rank reads
+  only its rows of the checkpoint's safetensors files (``consumers.shardload``; at 7B the whole
+  fp32 model on each of 8 ranks' CPUs was 240 GB of host RAM before the first step).
 
 gloo on CPU, NCCL on GPUs; torchrun starts the ranks. Called through ``consumers.backends``.
 """
@@ -23,8 +26,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from consumers import shardload
 from consumers.config import TrainConfig
-from consumers.engine import Engine
+from consumers.engine import Engine, log
+from consumers.packing import use_packed_attention
 from srl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -47,13 +52,30 @@ class FSDPEngine(Engine):
     def __init__(self, cfg: TrainConfig, dist: Dist | None = None) -> None:
         if dist is None:
             raise ConfigError("backend fsdp: start several ranks with torchrun (one rank: torch)")
-        super().__init__(cfg, dist)
         self.world = dist.world
+        self.loaded: shardload.Loaded | None = None  # what this rank read of the checkpoint
+        self._files: dict[str, Any] = {}
+        super().__init__(cfg, dist)
         self.autocast = False  # the policy casts the gathered parameters instead
 
     @property
     def _load_device(self) -> str:
-        return "cpu"  # sharded on the CPU, then each rank moves only its shard
+        return "cpu"  # the whole-model fallback: sharded on the CPU, then each rank moves its shard
+
+    def _load(self, dtype: Any) -> Any:
+        """The model on the meta device when this rank can read its rows of the checkpoint
+        alone (``consumers.shardload``); else the whole model on the CPU, said once."""
+        model = shardload.meta_model(self.cfg.model, dtype)
+        files = shardload.weight_files(self.cfg.model)
+        why = shardload.unreadable(model, files)
+        if why is not None or files is None:
+            if self.dist is None or self.dist.rank == 0:
+                log.warning("--model %s: %s; every rank loads the whole model", self.cfg.model, why)
+            return super()._load(dtype)
+        self._files = files
+        if self.cfg.packing:
+            use_packed_attention(model)
+        return model
 
     def _wrap(self, model: Any, dtype: Any) -> Any:
         import torch
@@ -69,7 +91,18 @@ class FSDPEngine(Engine):
         for layer in layers:
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
-        return model.to(self.device)
+        if next(model.parameters()).device.type != "meta":
+            return model.to(self.device)
+        model.to_empty(device=self.device)  # this rank's shards only, uninitialised
+        shardload.init_buffers(model)
+        got = shardload.fill(model, self._files)
+        if self.dist is None or self.dist.rank == 0:
+            log.info(
+                "rank 0 of %d read %.3f of %.3f GB of %s (its rows)",
+                *(self.world, got.read / 1e9, got.total / 1e9, self.cfg.model),
+            )
+        self.loaded = got
+        return model
 
     def _update(self, normalizer: float) -> float:
         import torch

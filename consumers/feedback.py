@@ -136,7 +136,8 @@ class FeedbackJoin:
 
 class FeedbackPath:
     """The trainer's side of feedback: the join, the feedback records' offsets, what becomes of
-    missing, late and unmatched feedback. ``score`` is the ``--reward`` function's path;
+    missing, late and unmatched feedback. ``score`` queues a trajectory for the ``--reward``
+    function (its group completes when the reward comes back: ``consumers.rewardpool``);
     ``at`` gives the trainer's open step and policy version for decisions."""
 
     def __init__(
@@ -146,7 +147,7 @@ class FeedbackPath:
         metrics: Metrics,
         outcomes: Outcomes,
         groups: GroupBuffer,
-        score: Callable[[Trajectory], Sample],
+        score: Callable[[Trajectory], None],
         at: Callable[[], tuple[int, int]],
     ) -> None:
         self.enabled = cfg.feedback_window_s > 0
@@ -206,7 +207,8 @@ class FeedbackPath:
     def _without_feedback(self, traj: Trajectory) -> Group | None:
         if self.missing == "reward":
             self.metrics.incr("feedback_missing_scored")
-            return self.groups.add(self.score(traj))
+            self.score(traj)
+            return None
         step, version = self.at()
         window = f"{self.join.window_s:g}s"
         reason = f"no feedback for served trajectory {traj.trajectory_id} within {window}"

@@ -13,7 +13,9 @@ Built-ins (generic, for tasks whose metadata carries ``answer``):
 * ``contains_answer``: 1.0 when ``metadata["answer"]`` occurs in the completion;
 * ``first_line_match``: exact match on the completion's first line (answers ended by a newline).
 
-Called by the trainer (``Scorer``) for every assembled trajectory on rank 0.
+Called by the trainer for every assembled trajectory on rank 0: in reward processes
+(``consumers.rewardpool``, ``consumers.rewardworker``, through ``call_reward``) or, with
+``--reward-workers 0``, in its own (``Scorer``).
 """
 
 from __future__ import annotations
@@ -96,14 +98,19 @@ class Scorer:
 
     def score(self, traj: Trajectory) -> Scored:
         prompt, completion = self.texts(traj)
-        try:
-            value = self.fn(prompt, completion, dict(traj.metadata))
-        except Exception as e:  # a plugin's bug must not stop training: count it
-            return Scored(None, f"{type(e).__name__}: {e}"[:300])
-        try:
-            reward = float(value)
-        except (TypeError, ValueError):
-            return Scored(None, f"reward returned {type(value).__name__}, not a number")
-        if not math.isfinite(reward):
-            return Scored(None, f"reward returned {reward}")
-        return Scored(reward)
+        return call_reward(self.fn, prompt, completion, dict(traj.metadata))
+
+
+def call_reward(fn: RewardFn, prompt: str, completion: str, metadata: dict[str, Any]) -> Scored:
+    """``fn``'s reward, or why there is none (it raised, or returned no finite number)."""
+    try:
+        value = fn(prompt, completion, metadata)
+    except Exception as e:  # a plugin's bug must not stop training: count it
+        return Scored(None, f"{type(e).__name__}: {e}"[:300])
+    try:
+        reward = float(value)
+    except (TypeError, ValueError):
+        return Scored(None, f"reward returned {type(value).__name__}, not a number")
+    if not math.isfinite(reward):
+        return Scored(None, f"reward returned {reward}")
+    return Scored(reward)

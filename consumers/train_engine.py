@@ -103,6 +103,56 @@ def split_rows(mb: MicroBatch) -> tuple[MicroBatch, MicroBatch]:
     return part(slice(0, cut)), part(slice(cut, None))
 
 
+def balanced(mbs: list[MicroBatch], parts: int) -> list[MicroBatch] | None:
+    """The rows of padded micro-batches ``mbs`` regrouped into ``parts`` micro-batches of about
+    equal real tokens (longest rows first, each to the emptiest part), so a lockstep round's
+    ranks finish together; each part trimmed to its own longest row. The same loss terms, so
+    the same gradient summed. None when it cannot help: fewer rows than parts, or a part would
+    hold more tokens than the biggest of ``mbs`` (the batcher's memory bound)."""
+    rows = [(int(n), i, j) for i, mb in enumerate(mbs) for j, n in enumerate(mb.attn.sum(dim=1))]
+    cap = max(int(mb.attn.sum()) for mb in mbs)
+    if len(rows) < parts:
+        return None
+    bins: list[list[tuple[int, int]]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for n, i, j in sorted(rows, key=lambda r: (-r[0], r[1], r[2])):
+        k = min(range(parts), key=lambda b: (load[b], b))
+        bins[k].append((i, j))
+        load[k] += n
+    if max(load) > cap:
+        return None
+    return [take_rows(mbs, b) for b in bins]
+
+
+def take_rows(mbs: list[MicroBatch], rows: list[tuple[int, int]]) -> MicroBatch:
+    """Row ``j`` of ``mbs[i]`` for each ``(i, j)``, as one padded micro-batch."""
+    import torch
+
+    lengths = [int(mbs[i].attn[j].sum()) for i, j in rows]
+    b, length = len(rows), max(lengths)
+    out = MicroBatch(
+        torch.zeros((b, length), dtype=torch.int64),
+        torch.zeros((b, length), dtype=torch.int64),
+        torch.zeros((b, length - 1), dtype=torch.float32),
+        torch.zeros(b, dtype=torch.float32),
+        torch.zeros((b, length - 1), dtype=torch.float32),
+    )
+    with_prox = all(mbs[i].prox is not None for i, _ in rows)
+    prox = torch.zeros((b, length - 1), dtype=torch.float32) if with_prox else None
+    for r, ((i, j), n) in enumerate(zip(rows, lengths, strict=True)):
+        src = mbs[i]
+        out.ids[r, :n], out.attn[r, :n] = src.ids[j, :n], src.attn[j, :n]
+        out.behav[r, : n - 1], out.weight[r, : n - 1] = (
+            src.behav[j, : n - 1],
+            src.weight[j, : n - 1],
+        )
+        out.adv[r] = src.adv[j]
+        if prox is not None:
+            prox[r, : n - 1] = src.prox[j, : n - 1]  # type: ignore[index]
+    out.prox = prox
+    return out
+
+
 def empty_micro_batch() -> MicroBatch:
     """A one-row micro-batch whose loss weights are all zero: it adds nothing to the
     gradient, but runs the forward and backward (and their collectives) a lockstep rank owes."""

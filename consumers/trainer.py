@@ -1,8 +1,10 @@
 """``run_trainer``: the trainer consumer's loop, from Kafka records to published weights.
 
 Owns the order of everything durable. The hot loop is flat: poll → decode and assemble
-(``consumers.intake``) → score → group → gate → batch → forward/backward as micro-batches fill
-→ step when the step's groups are all in. At each step boundary, in this order:
+(``consumers.intake``) → reward (queued to reward processes, ``consumers.rewardpool``: the loop
+polls on while they run; results come back in order) → group → gate → batch →
+forward/backward as micro-batches fill → step when the step's groups are all in. At each step
+boundary, in this order:
 
 1. the optimizer step (all ranks); the step's samples are decided (trained, dropped, failed)
    at the policy version they trained from;
@@ -32,7 +34,6 @@ only through ``consumers.train_engine.TrainEngine``. Called by ``app.cli.consume
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 import signal
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from consumers import checkpoint as ckpts
-from consumers.assembler import Partial, Trajectory
+from consumers.assembler import Partial
 from consumers.backends import make_engine
 from consumers.batcher import Row, StepBatcher
 from consumers.config import TrainConfig
@@ -56,6 +57,7 @@ from consumers.groups import Group, GroupBuffer, Sample
 from consumers.intake import Intake, Invalid
 from consumers.offsets import OffsetTracker
 from consumers.outcomes import Event, Ledger, Outcomes, step_values
+from consumers.rewardpool import RewardPath, RewardPool
 from consumers.rewards import Scorer, load_reward
 from consumers.steps import StepPlanner
 from consumers.train_engine import StepStats, TrainEngine, make_micro_batch
@@ -213,13 +215,11 @@ def open_consumers(cfg: TrainConfig, topics: list[str]) -> tuple[Consumer, Consu
     return consumer, make_consumer(cfg, position_group(gid), "trainer-position")
 
 
-def scored(scorer: Scorer, metrics: Metrics, traj: Trajectory) -> Sample:
-    """``traj`` with its ``--reward``; a reward that fails is counted and logged, not raised."""
-    s = scorer.score(traj)
-    if s.error is not None:
-        metrics.incr("reward_failures")
-        log.warning("reward failed for %s: %s", traj.trajectory_id, s.error)
-    return Sample(traj, s.reward, s.error)
+def reward_pool(cfg: TrainConfig) -> RewardPool:
+    """``--reward`` (imported here first: a bad one stops the trainer in one line) and the
+    processes that run it (``--reward-workers``)."""
+    scorer = Scorer(load_reward(cfg.reward), load_tokenizer(cfg.model))
+    return RewardPool(cfg.reward, scorer, cfg.reward_workers, cfg.reward_timeout_s)
 
 
 def log_step(step: int, values: dict[str, float], loss: float) -> None:
@@ -275,7 +275,7 @@ class Trainer:
         self.planner = StepPlanner(
             cfg.groups_per_step, cfg.expire_s, self.step + 1, windows=cfg.batching == "windows"
         )
-        self.scorer = Scorer(load_reward(cfg.reward), load_tokenizer(cfg.model))
+        pool = reward_pool(cfg)
         self.producer = Producer(cfg, "trainer")
         self.metrics = Metrics(self.producer, self.layout, cfg.run, "trainer-0")
         self.durable = Durable(cfg, engine, store, dist, self.producer, self.metrics, ckpt)
@@ -284,15 +284,13 @@ class Trainer:
         limit, out = train_limit(cfg, engine), (self.producer, self.metrics, versions)
         # the temperature: the only sampling it trains on
         self.intake = Intake(self.outcomes, limit, cfg.expire_s, *out, cfg.temperature)
-        self.score = functools.partial(scored, self.scorer, self.metrics)
-        args = (self.producer, self.metrics, self.outcomes, self.groups, self.score, self._at)
+        # missing feedback is scored by --reward, like any other trajectory
+        args = (self.producer, self.metrics, self.outcomes, self.groups, pool.score, self._at)
         self.feedback = FeedbackPath(cfg, *args)
-        self.stopping = False
+        self.rewards = RewardPath(pool, self.feedback, self.metrics)
+        self.stopping, self.next_tick = False, 0.0
         self.last_record: float | None = None  # None until the group assigns us partitions
-        self.step_started = time.monotonic()
-        self.idle_s = 0.0
-        self.stale_in_step = 0
-        self.next_tick = 0.0
+        self.step_started, self.idle_s, self.stale_in_step = time.monotonic(), 0.0, 0
 
     @property
     def version(self) -> int:
@@ -311,19 +309,19 @@ class Trainer:
             self.consumer.subscribe(topics, on_assign=self._on_assign)
             while not self._done():
                 t0 = time.monotonic()
-                msgs = self.consumer.next_batch(500, 0.2)
+                # rewards in flight come back between polls: wait less for records meanwhile
+                msgs = self.consumer.next_batch(500, 0.01 if self.rewards.pending else 0.2)
                 now = time.monotonic()
                 self.idle_s += now - t0
                 for msg in msgs:
                     fb = msg.topic() != topics[0]  # a feedback record: the sample it rewards
                     traj = self.feedback.add(msg, now) if fb else self.intake.add(msg)
-                    if traj is None:
-                        continue
-                    group = self._group(traj)
-                    if group is not None:
-                        self._plan(group)
+                    if traj is not None:
+                        self.rewards.submit(traj)
+                    self._scored()
                     if self._stop_now():
                         break
+                self._scored()
                 if msgs:
                     self.last_record = time.monotonic()  # idle counts from the end of the work
                 if now >= self.next_tick:
@@ -332,6 +330,7 @@ class Trainer:
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+            self.rewards.close()
             with contextlib.suppress(Exception):  # after a crash: the upload ends first and
                 self.durable.collect(wait=True)  # is reported (a restart counts its version)
             with contextlib.suppress(KafkaException):
@@ -359,20 +358,23 @@ class Trainer:
             return True
         idle = (
             self.cfg.idle_exit_s
+            and not self.rewards.pending
             and self.last_record is not None
             and time.monotonic() - self.last_record >= self.cfg.idle_exit_s
         )
         return bool(idle)
 
     # -- trajectories → groups --------------------------------------------------------------
-    def _group(self, traj: Trajectory | Invalid | Sample) -> Group | None:
-        """The group ``traj`` completes: rewarded (by feedback for a served trajectory, which
-        may wait for it: ``consumers.feedback``), or (invalid) decided and its slot filled so
+    def _scored(self) -> None:
+        """What the reward path hands back, in the order read, to its groups (and steps)."""
+        for item in self.rewards.ready():
+            group = self._group(item)
+            if group is not None:
+                self._plan(group)
+
+    def _group(self, traj: Invalid | Sample) -> Group | None:
+        """The group ``traj`` completes: rewarded, or (invalid) decided and its slot filled so
         the rest of the group (and its step) is not held until expiry."""
-        if isinstance(traj, Trajectory):
-            waits = self.feedback.waits_for(traj)
-            sample = self.feedback.sample(traj, time.monotonic()) if waits else self.score(traj)
-            return None if sample is None else self.groups.add(sample)
         if isinstance(traj, Sample):
             return self.groups.add(traj)
         c = traj.chunk
@@ -473,6 +475,7 @@ class Trainer:
 
     def _tick(self, now: float) -> None:
         self.next_tick = now + 1.0
+        self._scored()
         try:
             share_positions(self.sharer, self.consumer)
         except KafkaException as e:  # a monitoring signal: the next tick tries again
@@ -486,9 +489,8 @@ class Trainer:
         self._steps()  # a step whose groups stopped arriving completes by expiry
         self.durable.collect()  # an upload that finished: its metrics, pruning, or a refusal
         self.durable.publish_owed(self.step)  # the dispatcher waits for a refused publish
-        self.metrics.incr(
-            "duplicates", self.intake.assembler.duplicates - self.metrics.counters["duplicates"]
-        )
+        new = self.intake.assembler.duplicates - self.metrics.counters["duplicates"]
+        self.metrics.incr("duplicates", new)
         if (
             self.outcomes.undurable
             and self.last_record is not None

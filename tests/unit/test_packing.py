@@ -20,7 +20,7 @@ from consumers.distributed import Dist
 from consumers.engine import Engine
 from consumers.losses import token_logprobs
 from consumers.packing import packed, packed_inputs
-from consumers.train_engine import empty_micro_batch, make_micro_batch, split_rows
+from consumers.train_engine import balanced, empty_micro_batch, make_micro_batch, split_rows
 from srl.tinymodel import TinyModelSpec, build_tiny_model
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -193,3 +193,35 @@ def test_a_micro_batch_split_by_rows_gives_the_same_gradient(
     d.round = [one]
     d._spread()
     assert d.round == [one]  # one row: nothing to split
+
+
+def test_the_last_round_is_regrouped_into_parts_of_equal_tokens(tiny_model: Path) -> None:
+    """A step's remainder on 2 ranks: a full micro-batch and a small one. Dealt as they are,
+    rank 1 idles while rank 0 computes 3x its tokens; regrouped by rows, the ranks get 27 and
+    27 tokens, and the same gradient."""
+    big = make_micro_batch(rows(2, [(4, 10), (3, 9), (5, 7), (2, 1)]), seq_mean=False)
+    small = make_micro_batch(rows(3, [(3, 6), (2, 2)]), seq_mean=False)
+    parts = balanced([big, small], 2)
+    assert parts is not None and len(parts) == 2
+    before = sorted(int(m.attn.sum()) for m in (big, small))
+    after = sorted(int(m.attn.sum()) for m in parts)
+    assert (before, after) == ([13, 41], [27, 27])
+    for m in parts:
+        assert m.ids.shape[1] == int(m.attn.sum(dim=1).max())  # trimmed to its own longest row
+    e = engine(tiny_model, packing=True)
+    for m in (big, small):
+        e.backward(m)
+    whole = grads(e)
+    for m in parts:
+        e.backward(m)
+    for x, y in zip(whole, grads(e), strict=True):
+        torch.testing.assert_close(x, y, **TOL)
+    # the Dist does it at the step: each rank gets one part
+    d = Dist(0, 2)
+    d.round = [big, small]
+    d._balance()
+    assert sorted(int(m.attn.sum()) for m in d.round) == [27, 27]
+    # one row longer than all the others together: no regrouping beats dealing them as they are
+    lop = make_micro_batch(rows(4, [(5, 30)]), seq_mean=False)
+    assert balanced([lop, small], 2) is not None  # 35 vs 13: already as even as rows allow
+    assert balanced([make_micro_batch(rows()[:1], seq_mean=False)], 2) is None  # one row

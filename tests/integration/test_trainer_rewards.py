@@ -1,0 +1,85 @@
+"""Rewards off the trainer's consume loop (``consumers.rewardpool``), against the session broker:
+the trainer reads on while a reward runs, and a reward past its timeout fails its sample."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from consumers.trainer import run_trainer
+from schemas.records import TrajectoryChunk
+from srl.kafka import committed_offsets, create_topics, position_group, watermarks
+from srl.topics import Layout
+from tests.chunks import metric_events, produce
+from tests.integration.test_trainer import make_groups, train_cfg
+
+REWARD = "tests.rewardfns:by_metadata"
+
+
+def with_metadata(chunks: list[TrajectoryChunk], sample: int, meta: str) -> list[TrajectoryChunk]:
+    """``chunks`` with sample ``sample`` of the first group carrying ``meta``."""
+    first = next(c for c in chunks if c.sample_index == sample and c.seq == 0)
+    return [
+        c if c is not first else c.__class__(**{**c.to_dict(), "metadata": meta}) for c in chunks
+    ]
+
+
+def test_the_trainer_reads_on_while_a_reward_runs(
+    make_cfg: Any, tiny_model: Path, tmp_path: Path
+) -> None:
+    """One sample's reward waits for a file; meanwhile the trainer's shared read position
+    (its loop's ``share_positions``, once a second) reaches the end of the topic, so its
+    consume loop polled on. With the reward in the loop (before) it stood still."""
+    flag = tmp_path / "go"
+    cfg = train_cfg(make_cfg, tiny_model, max_steps=2, reward=REWARD, idle_exit_s=30.0)
+    layout = Layout.from_config(cfg)
+    create_topics(cfg)
+    chunks = with_metadata(make_groups(4), 1, f'{{"wait_for": "{flag}"}}')
+    produce(cfg, chunks)
+    marks = watermarks(cfg, [layout.trajectories])
+    parts = [tp for tp, (_, hi) in marks.items() if hi > 0]
+    seen: dict[str, Any] = {}
+
+    def release_when_read() -> None:  # the trainer runs in the main thread (signals)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            read = committed_offsets(cfg, position_group(cfg.consumer_group), parts)
+            seen["read"] = read
+            if all(read.get(tp, -1) == marks[tp][1] for tp in parts):
+                seen["all read while the reward ran"] = True
+                break
+            time.sleep(0.2)
+        flag.touch()
+
+    watcher = threading.Thread(target=release_when_read, daemon=True)
+    watcher.start()
+    result = run_trainer(cfg)
+    watcher.join(timeout=60)
+    assert seen.get("all read while the reward ran"), f"read {seen.get('read')} of {marks}"
+    assert (result.steps, result.version) == (2, 2)
+    assert result.outcomes == {"trained": 16}
+
+
+def test_a_reward_past_its_timeout_fails_its_sample_and_the_group_trains(
+    make_cfg: Any, tiny_model: Path
+) -> None:
+    cfg = train_cfg(
+        make_cfg,
+        tiny_model,
+        max_steps=1,
+        groups_per_step=1,
+        reward=REWARD,
+        reward_timeout_s=1.0,
+    )
+    create_topics(cfg)
+    produce(cfg, with_metadata(make_groups(1), 2, '{"sleep": 120}'))
+    t0 = time.monotonic()
+    result = run_trainer(cfg)
+    assert time.monotonic() - t0 < 60
+    assert result.outcomes == {"trained": 3, "failed_reward": 1}
+    failed = [e for e in metric_events(cfg, "sample") if e.labels["outcome"] == "failed_reward"]
+    assert len(failed) == 1 and "timed out after 1s" in failed[0].labels["reason"]
+    counters = metric_events(cfg, "counter")[-1].values
+    assert counters["reward_failures"] == 1 and counters["reward_timeouts"] == 1
