@@ -24,13 +24,10 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from consumers.checkpoint import local_rows
 from srl.errors import ConfigError
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger("srl.trainer")
 INDEX = "model.safetensors.index.json"
@@ -108,33 +105,36 @@ def init_buffers(model: Any) -> None:
 
 def fill(model: Any, files: dict[str, Path]) -> Loaded:
     """Copy this rank's rows of every tensor from ``files`` into ``model``'s materialised
-    shards (a plain tensor, e.g. a persistent buffer, is read whole)."""
+    shards (a plain tensor, e.g. a persistent buffer, is read whole), one file at a time: a
+    file's mapped pages are let go before the next is opened."""
     import torch
     from safetensors import safe_open
 
     read = total = 0
-    handles: dict[Path, Any] = {}
-    try:
-        with torch.no_grad():
-            for name, t in named_state(model).items():
-                path = files[name]
-                if path not in handles:
-                    handles[path] = safe_open(str(path), framework="pt", device="cpu")
-                sl = handles[path].get_slice(name)
-                shape = tuple(sl.get_shape())
-                if shape != tuple(t.shape):
-                    raise ConfigError(
-                        f"--model: {name} is {shape} in {path.name}, the config makes it "
-                        f"{tuple(t.shape)}"
-                    )
-                local, _n, start = local_rows(t.data)
-                rows: torch.Tensor = sl[start : start + local.shape[0]] if local.dim() else sl[:]
-                local.copy_(rows.reshape(local.shape))
-                read += rows.numel() * rows.element_size()
-                total += _bytes(sl, shape)
-    finally:
-        handles.clear()
+    state = named_state(model)
+    by_file: dict[Path, list[str]] = {}
+    for name in state:
+        by_file.setdefault(files[name], []).append(name)
+    with torch.no_grad():
+        for path, names in sorted(by_file.items()):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in names:
+                    got, size = _fill_one(f.get_slice(name), name, state[name], path)
+                    read, total = read + got, total + size
     return Loaded(read, total)
+
+
+def _fill_one(sl: Any, name: str, t: Any, path: Path) -> tuple[int, int]:
+    """This rank's rows of ``t`` from the file's slice ``sl``; (bytes read, bytes in the file)."""
+    shape = tuple(sl.get_shape())
+    if shape != tuple(t.shape):
+        raise ConfigError(
+            f"--model: {name} is {shape} in {path.name}, the config makes it {tuple(t.shape)}"
+        )
+    local, _n, start = local_rows(t.data)
+    rows = sl[start : start + local.shape[0]] if local.dim() else sl[:]
+    local.copy_(rows.reshape(local.shape))
+    return rows.numel() * rows.element_size(), _bytes(sl, shape)
 
 
 def _bytes(sl: Any, shape: tuple[int, ...]) -> int:
