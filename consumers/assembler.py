@@ -248,6 +248,13 @@ class Assembler:
         (and forgets them once no redelivery can bring their records back)."""
         self.assembled -= tids
 
+    def in_flight(self) -> tuple[set[str], set[int | None]]:
+        """The prompts and the steps (from seq 0, None before it) of the trajectories still
+        receiving chunks: their groups and steps are not idle (``GroupBuffer.expire``,
+        ``StepPlanner.alive``)."""
+        parts = self.open.values()
+        return {p.prompt_id for p in parts}, {p.step[0] for p in parts}
+
     def expire(self, now: float | None = None) -> list[Partial]:
         """Remove and return the incomplete trajectories idle for ``expire_s`` or more."""
         now = time.monotonic() if now is None else now

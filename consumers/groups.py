@@ -7,7 +7,9 @@ Owns the wait for whole groups that GRPO-style advantages need. What must hold:
 * a slot is filled by a scored sample, a sample whose reward failed, or a trajectory that
   expired; the group is complete when every slot is filled, and is returned exactly once;
 * a group that gets nothing new for ``expire_s`` is returned by ``expire`` (its samples are
-  reported as expired, never trained).
+  reported as expired, never trained), unless one of its trajectories is still streaming in
+  (``alive``: a long tail of a 7B run generates for many minutes; it has its own expiry, the
+  assembler's, after which its slot is filled and the group completes).
 
 Pure logic; the trainer's hot loop calls ``add`` after scoring each trajectory.
 """
@@ -15,6 +17,7 @@ Pure logic; the trainer's hot loop calls ``add`` after scoring each trajectory.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from consumers.assembler import Trajectory
@@ -120,9 +123,16 @@ class GroupBuffer:
             g.step, g.step_groups = step
         return self._close_if_complete(g)
 
-    def expire(self, now: float | None = None) -> list[Group]:
+    def expire(self, now: float | None = None, alive: Collection[str] = ()) -> list[Group]:
+        """Remove and return the groups idle for ``expire_s``, but those of prompts in
+        ``alive`` (a trajectory of theirs is still receiving chunks)."""
         now = time.monotonic() if now is None else now
-        dead = [g for gs in self.open.values() for g in gs if now - g.last_arrival >= self.expire_s]
+        dead = [
+            g
+            for gs in self.open.values()
+            for g in gs
+            if now - g.last_arrival >= self.expire_s and g.prompt_id not in alive
+        ]
         for g in dead:
             self.open[g.prompt_id].remove(g)
             if not self.open[g.prompt_id]:

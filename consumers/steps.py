@@ -23,10 +23,11 @@ waited for instead of thrown away. What must hold:
   one dropped as stale neither publishes a version with nothing learnt nor makes the
   requests still being served one version older. Dispatched work counts whatever it trains:
   a dispatcher's groups are its step budget;
-* a step that got no new group for ``expire_s`` is complete with what it has, if it has
-  anything or later steps are waiting (a lost task must not stall the run; with nothing at
-  all the trainer takes an empty step, publishing the same weights, so the dispatcher's
-  barrier moves on).
+* a step that got no new group for ``expire_s`` (while none of its trajectories was still
+  streaming in: ``alive``, a long tail generating for many minutes) is complete with what it
+  has, if it has anything or later steps are waiting (a lost task must not stall the run;
+  with nothing at all the trainer takes an empty step, publishing the same weights, so the
+  dispatcher's barrier moves on).
 
 Pure logic; the trainer calls ``add`` per complete (or expired) group, ``credit`` for each
 group that joined once it is gated, ``complete`` after each, and ``advance`` after taking the
@@ -97,6 +98,12 @@ class StepPlanner:
     def missing(self) -> int:
         """Groups released for the open step that have not arrived (counted at an expiry)."""
         return max(0, (self.expected or 0) - self.arrived)
+
+    def alive(self, steps: set[int | None], now: float | None = None) -> None:
+        """Trajectories released for ``steps`` are still receiving chunks: the open step is
+        not idle while one of its own is (it is waited for, not expired)."""
+        if self.step in steps:
+            self.progress_at = time.monotonic() if now is None else now
 
     def advance(self, now: float | None = None) -> list[Group]:
         """Open the next step; the held groups that join it (call ``complete`` again after)."""

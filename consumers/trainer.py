@@ -356,13 +356,9 @@ class Trainer:
     def _done(self) -> bool:
         if self._stop_now():
             return True
-        idle = (
-            self.cfg.idle_exit_s
-            and not self.rewards.pending
-            and self.last_record is not None
-            and time.monotonic() - self.last_record >= self.cfg.idle_exit_s
-        )
-        return bool(idle)
+        last, limit = self.last_record, self.cfg.idle_exit_s
+        idle = limit and last is not None and time.monotonic() - last >= limit
+        return bool(idle) and not self.rewards.pending  # a reward in flight: not idle
 
     # -- trajectories → groups --------------------------------------------------------------
     def _scored(self) -> None:
@@ -484,7 +480,9 @@ class Trainer:
             group = self._expire_partial(p)
             if group is not None:
                 self._plan(group)
-        for g in [*self.groups.expire(), *self.feedback.expire(now, self.consumer)]:
+        prompts, steps = self.intake.assembler.in_flight()  # long tails are waited for
+        self.planner.alive(steps, now)
+        for g in [*self.groups.expire(now, prompts), *self.feedback.expire(now, self.consumer)]:
             self._plan(g)
         self._steps()  # a step whose groups stopped arriving completes by expiry
         self.durable.collect()  # an upload that finished: its metrics, pruning, or a refusal

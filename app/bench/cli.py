@@ -250,6 +250,47 @@ def trainer(
         )
 
 
+@bench.command("intake")
+@click.option("--trajectories", type=click.IntRange(8, 100_000), default=512, show_default=True)
+@click.option("--tokens", type=click.IntRange(1, 1 << 20), default=1024, show_default=True)
+@click.option("--chunk-tokens", type=click.IntRange(1, 1 << 16), default=32, show_default=True)
+@click.option(
+    "--reward-ms",
+    type=click.FloatRange(0, 10_000),
+    default=2.0,
+    show_default=True,
+    help="CPU a reward call burns.",
+)
+@click.option("--reward-workers", type=click.IntRange(1, 64), default=2, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def intake_bench(
+    trajectories: int,
+    tokens: int,
+    chunk_tokens: int,
+    reward_ms: float,
+    reward_workers: int,
+    as_json: bool,
+) -> None:
+    """Rank 0's consume loop: records/s of the intake; its time per trajectory with the reward
+    in the loop and in reward processes."""
+    from app.bench import intake
+
+    r = intake.run(trajectories, tokens, chunk_tokens, reward_ms, reward_workers)
+    if as_json:
+        echo_json(r)
+        return
+    i = r["intake"]
+    click.echo(
+        f"intake: {i['records_per_s']:,.0f} records/s, {i['tokens_per_s']:,.0f} tokens/s "
+        f"({i['us_per_record']:.1f} us a record)"
+    )
+    for mode, m in r["rewards"].items():
+        click.echo(
+            f"{mode}: the loop {m['loop_ms_per_trajectory']:.3f} ms a trajectory, "
+            f"{m['rewards_per_s']:,.0f} rewards/s"
+        )
+
+
 @bench.command("pipeline")
 @click.option(
     "--lengths",

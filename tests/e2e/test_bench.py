@@ -107,6 +107,20 @@ def test_bench_trainer_json_at_the_test_models_size() -> None:
     assert "Traceback" not in bad.stderr
 
 
+def test_bench_intake_json() -> None:
+    args = ["--trajectories", "16", "--tokens", "64", "--chunk-tokens", "16", "--reward-ms", "1"]
+    out = run("srl", "bench", "intake", *args, "--json", timeout=120)
+    assert out.returncode == 0, out.stderr
+    r = orjson.loads(out.stdout)
+    assert r["settings"]["records"] == 16 * 4
+    i = r["intake"]
+    assert i["records_per_s"] > 0 and abs(i["tokens_per_s"] / i["records_per_s"] - 16) < 1e-6
+    assert set(r["rewards"]) == {"workers_0", "workers_2"}
+    assert all(
+        m["loop_ms_per_trajectory"] > 0 and m["rewards_per_s"] > 0 for m in r["rewards"].values()
+    )
+
+
 def test_bench_weights_rejects_unknown_size() -> None:
     out = run("srl", "bench", "weights", "--sizes", "7B")
     assert out.returncode != 0 and "unknown 7B" in out.stderr and "Traceback" not in out.stderr

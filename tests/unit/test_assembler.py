@@ -126,6 +126,17 @@ def test_idle_incomplete_trajectories_expire() -> None:
     assert asm.add(b[1], now=13.0) is not None
 
 
+def test_in_flight_names_the_prompts_and_steps_still_streaming() -> None:
+    a = traj_chunks("p", 0, 2, [1], list(range(8)), chunk_tokens=4, step=3, step_groups=1)
+    b = traj_chunks("q", 0, 1, [1], list(range(8)), chunk_tokens=4)
+    asm = Assembler(set(), expire_s=10)
+    asm.add(a[0], now=0.0)
+    asm.add(b[0], now=0.0)
+    assert asm.in_flight() == ({"p", "q"}, {3, None})
+    asm.add(a[1], now=1.0)  # p's sample 0 is complete: no longer in flight
+    assert asm.in_flight() == ({"q"}, {None})
+
+
 def test_a_fenced_writers_chunks_never_mix_into_the_trajectory() -> None:
     # worker A (epoch 1) publishes seq 0..1 and is SIGSTOPped with seq 2..3 queued; B (epoch 2)
     # resumes from seq 2; A's queued chunks land between B's: they are the zombie's, dropped

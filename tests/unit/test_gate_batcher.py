@@ -55,6 +55,13 @@ def test_idle_groups_expire() -> None:
     assert len(buf.expire(now=6.0)) == 1 and buf.waiting() == 0
 
 
+def test_a_group_whose_trajectory_still_streams_does_not_expire() -> None:
+    buf = GroupBuffer(expire_s=5)
+    buf.add(Sample(traj("p", 0, 2), 1.0), now=0.0)
+    assert buf.expire(now=60.0, alive={"p"}) == []  # its sample 1 is still receiving chunks
+    assert len(buf.expire(now=60.0, alive={"q"})) == 1
+
+
 def test_gate_is_v_minus_b_at_most_k() -> None:
     assert admissible(5, 4, 1) and admissible(5, 5, 0) and not admissible(5, 3, 1)
     assert admissible(2, 7, 0)  # another lineage's versions: negative staleness passes

@@ -166,6 +166,18 @@ def test_a_step_whose_groups_stop_arriving_completes_by_expiry() -> None:
     assert not pl.complete(now=109) and pl.complete(now=110) and pl.size == 0
 
 
+def test_a_step_whose_long_tail_still_streams_is_waited_for() -> None:
+    """A trajectory of the open step still receiving chunks (a 7B long tail generates for many
+    minutes) keeps the step from expiring; one of another step does not."""
+    pl = StepPlanner(groups_per_step=2, expire_s=10, step=1)
+    pl.add(group(1, of=2), now=0)
+    for t in range(1, 30):
+        pl.alive({1, 2}, now=t)  # chunks of step 1's last group arrive every second
+    assert not pl.complete(now=35)
+    pl.alive({2, None}, now=36)  # only later or unscheduled ones: the step is idle again
+    assert not pl.complete(now=38) and pl.complete(now=39) and pl.missing == 1
+
+
 @pytest.mark.parametrize(
     ("group_size", "tasks", "parts"),
     [
