@@ -7,6 +7,7 @@ from consumers.distributed import Dist
 from consumers.engine import Engine
 from consumers.engine_deepspeed import DeepSpeedEngine
 from consumers.engine_fsdp import FSDPEngine
+from consumers.engine_zero3 import ZeRO3Engine
 from consumers.train_engine import TrainEngine
 
 
@@ -22,7 +23,7 @@ def make_engine(cfg: TrainConfig, dist: Dist | None = None) -> TrainEngine:
     name = backend_name(cfg, dist.world if dist is not None else 1)
     engine: TrainEngine
     if name == "deepspeed":
-        engine = DeepSpeedEngine(cfg, dist)
+        engine = (ZeRO3Engine if cfg.zero_stage == 3 else DeepSpeedEngine)(cfg, dist)
     elif name == "fsdp":
         engine = FSDPEngine(cfg, dist)
     else:

@@ -7,8 +7,9 @@ Owns what a restart resumes from. Layout: ``checkpoints/{run}/c{n:08d}/`` with
   ``model/{name}`` (the master weights), ``exp_avg/{name}`` and ``exp_avg_sq/{name}`` (AdamW's
   moments) as rows ``[start, start + rows)`` of dim 0 of the full tensor. Its safetensors metadata
   ``srl`` (JSON) names each tensor's full first dimension and start row, the optimizer's param
-  groups and each parameter's AdamW step. A backend that replicates its state (torch, DeepSpeed
-  ZeRO 0-2) has rank 0 write one shard of world 1 holding every row;
+  groups and each parameter's AdamW step. A backend that replicates its state (torch) or
+  gathers it (DeepSpeed, every ZeRO stage) has rank 0 write one shard of world 1 holding every
+  row;
 * ``state.json``: step, policy version, the dedupe ledger (trajectory id → outcome, step), and
   the sample events of the window this checkpoint closes (a restart re-emits those of every kept
   checkpoint, ``window_events``; idempotent by trajectory id and step);

@@ -13,9 +13,9 @@ How:
   step holds any number of micro-batches and ``engine.step()`` is the boundary;
 * the normaliser (and DeepSpeed's mean over data-parallel ranks, where we want a sum)
   is applied at the boundary: stage 0 scales ``p.grad`` before DeepSpeed all-reduces it;
-  stages 1 and 2 set the ZeRO optimizer's loss scale to ``normalizer / world`` for the
+  stages 1 to 3 set the ZeRO optimizer's loss scale to ``normalizer / world`` for the
   step, so its unscale divides the reduced gradient partitions and its clipping sees the
-  true norm (stage 2 reduces during backward, before the normaliser is known);
+  true norm (stages 2 and 3 reduce during backward, before the normaliser is known);
 * the client optimizer is ``torch.optim.AdamW`` (DeepSpeed's own FusedAdam JIT-compiles a
   CUDA/C++ op; on CPU that build hung here, docs/trainer.md);
 * checkpoints keep torch's AdamW ``state_dict`` format: ZeRO's flat partitions are gathered
@@ -27,8 +27,9 @@ join together, while rank 0 scatters micro-batches one rank at a time as they fi
 that collective would wait for one that waits for rank 0): there, micro-batches are held and
 run at the step, every rank as many as the busiest, padded with zero-weight ones. That loses
 backward-while-the-step-fills for this one configuration; ZeRO-0/1 and one-rank ZeRO-2
-stream. Refused with one line: stage 3 (parameters partitioned) and 16-bit dtypes. Called by
-``consumers.engine.make_engine``.
+stream. Stage 3 (parameters partitioned too) is ``consumers.engine_zero3.ZeRO3Engine``, a
+subclass. Refused with one line: 16-bit master weights. Called by
+``consumers.backends.make_engine``.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def skip_shm_comm_build() -> None:
 
 
 class DeepSpeedEngine(Engine):
-    """ZeRO stage 0/1/2 around the same model, loss and AdamW as the torch backend."""
+    """ZeRO stage 0/1/2 around the same model, loss and AdamW as the torch backend (stage 3:
+    ``ZeRO3Engine``)."""
 
     def __init__(self, cfg: TrainConfig, dist: Dist | None = None) -> None:
         check_supported(cfg)
@@ -111,7 +113,7 @@ class DeepSpeedEngine(Engine):
             "managed_gradient_accumulation": False,
             # stage 0 clips in our pre-step hook, which also keeps the norm DeepSpeed drops
             "gradient_clipping": cfg.max_grad_norm if self.stage > 0 else 0.0,
-            "zero_optimization": {"stage": self.stage},
+            "zero_optimization": self._zero_config(),
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 1 << 30,
         }
@@ -125,21 +127,26 @@ class DeepSpeedEngine(Engine):
         self.index = {id(p): i for i, p in enumerate(self.params)}
         # ZeRO-2 reduce-scatters inside every backward: a collective every rank must join, so
         # with several ranks a step's micro-batches wait and run in lockstep at the step
-        self.lockstep = self.stage == 2 and self.world > 1
+        self.defer = self.stage == 2 and self.world > 1
+        self.lockstep = self.defer
         self.deferred: list[MicroBatch] = []
+
+    def _zero_config(self) -> dict[str, Any]:
+        """The ``zero_optimization`` section of DeepSpeed's config."""
+        return {"stage": self.stage}
 
     # -- micro-batches and the step -------------------------------------------------------
     def _backprop(self, loss: torch.Tensor) -> None:
         self.ds.backward(loss, scale_wrt_gas=False)
 
     def backward(self, mb: MicroBatch) -> None:
-        if self.lockstep:
+        if self.defer:
             self.deferred.append(mb)
         else:
             super().backward(mb)
 
     def step(self, normalizer: float) -> StepStats:
-        if self.lockstep:
+        if self.defer:
             self._run_in_lockstep()
         return super().step(normalizer)
 

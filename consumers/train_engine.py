@@ -3,10 +3,11 @@ micro-batch and step-statistics types that cross it.
 
 The trainer (``consumers.trainer``), the other ranks (``consumers.distributed``) and the
 benchmarks talk to a backend only through this protocol, never through its model:
-``consumers.engine.Engine`` (plain torch, replicated), ``consumers.engine_fsdp.FSDPEngine`` (FSDP2,
-sharded) and ``consumers.engine_deepspeed.DeepSpeedEngine`` (ZeRO 0-2)
-implement it; ``consumers.backends.make_engine`` picks one; the pipeline benchmark's simulated
-trainer implements it too. torch is imported only when a micro-batch is built.
+``consumers.engine.Engine`` (plain torch, replicated), ``consumers.engine_fsdp.FSDPEngine``
+(FSDP2, sharded), ``consumers.engine_deepspeed.DeepSpeedEngine`` (ZeRO 0-2) and
+``consumers.engine_zero3.ZeRO3Engine`` (ZeRO-3) implement it; ``consumers.backends.make_engine``
+picks one; the pipeline benchmark's simulated trainer implements it too. torch is imported
+only when a micro-batch is built.
 """
 
 from __future__ import annotations

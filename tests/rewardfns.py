@@ -11,7 +11,8 @@ from typing import Any
 
 def by_metadata(prompt: str, completion: str, metadata: dict[str, Any]) -> float:
     """What ``metadata`` asks for: sleep ``sleep`` s, wait for the file ``wait_for``, print to
-    stdout, exit the process with ``exit``; then the reward ``reward`` (default: len(completion))."""
+    stdout, exit the process with ``exit``; then the reward ``reward`` (default: the
+    completion's length)."""
     if "exit" in metadata:
         os._exit(int(metadata["exit"]))
     if "print" in metadata:

@@ -143,10 +143,11 @@ needs_deepspeed = pytest.mark.skipif(
 )
 
 
-# ZeRO-2 runs its micro-batches in lockstep at the step; 24-token micro-batches give the two
-# ranks 2 and 1 of them per step, so rank 1 pads with a zero-weight backward. ZeRO-1 is
-# test_zero_1_on_two_ranks_resumes_from_its_checkpoint_to_the_same_weights: its first run is
-# the straight-through one, compared at its last step.
+# ZeRO-2 runs its micro-batches in lockstep at the step, ZeRO-3 in rounds as they fill (every
+# forward all-gathers parameters); 24-token micro-batches give the two ranks 2 and 1 of them
+# per step, so rank 1 pads with a zero-weight backward. ZeRO-1 and ZeRO-3 also run in
+# test_zero_on_two_ranks_resumes_from_its_checkpoint_to_the_same_weights: its first run is the
+# straight-through one, compared at its last step.
 BACKENDS = [
     pytest.param([], id="fsdp"),  # the multi-rank default: sharded, FSDP2
     pytest.param(["--backend", "torch"], id="torch"),
@@ -157,12 +158,12 @@ BACKENDS = [
                 "deepspeed",
                 "--zero-stage",
                 str(s),
-                *(["--micro-batch-tokens", "24"] if s == 2 else []),
+                *(["--micro-batch-tokens", "24"] if s >= 2 else []),
             ],
             id=f"zero{s}",
             marks=needs_deepspeed,
         )
-        for s in (0, 2)
+        for s in (0, 2, 3)
     ),
 ]
 
@@ -173,13 +174,17 @@ def test_two_gloo_ranks_match_one_rank(
     one_rank: Env, tiny_model: Path, backend: list[str], request: pytest.FixtureRequest
 ) -> None:
     """One torch rank against two ranks of ``backend`` (FSDP shards parameters, gradients and
-    AdamW state over them; ZeRO its optimizer state and, at stage 2, gradients)."""
+    AdamW state over them; ZeRO its optimizer state, from stage 2 gradients, at stage 3
+    parameters)."""
     run = f"two-{request.node.callspec.id}"
     check_against_one(one_rank, run, two_ranks(one_rank, tiny_model, run, *backend), steps=3)
 
 
 @needs_deepspeed
-def test_zero_3_is_refused_in_one_line(cli_env: dict[str, str], tiny_model: Path) -> None:
+def test_zero_3_with_16_bit_masters_is_refused_in_one_line(
+    cli_env: dict[str, str], tiny_model: Path
+) -> None:
+    """What the deepspeed backend cannot do is refused before any model loads (ZeRO-3 runs)."""
     r = subprocess.run(
         [
             bin_path("srl-consumer"),
@@ -190,6 +195,8 @@ def test_zero_3_is_refused_in_one_line(cli_env: dict[str, str], tiny_model: Path
             "deepspeed",
             "--zero-stage",
             "3",
+            "--master-dtype",
+            "bfloat16",
         ],
         env=cli_env,
         capture_output=True,
@@ -197,25 +204,27 @@ def test_zero_3_is_refused_in_one_line(cli_env: dict[str, str], tiny_model: Path
         timeout=120,
     )
     assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert "zero_stage: 3 partitions the parameters" in r.stderr
+    assert "master_dtype: the deepspeed backend keeps float32 master weights" in r.stderr
 
 
 @pytest.mark.slow
 @needs_deepspeed
-def test_zero_1_on_two_ranks_resumes_from_its_checkpoint_to_the_same_weights(
-    one_rank: Env, tiny_model: Path
+@pytest.mark.parametrize("stage", [1, 3], ids=["zero1", "zero3"])
+def test_zero_on_two_ranks_resumes_from_its_checkpoint_to_the_same_weights(
+    one_rank: Env, tiny_model: Path, stage: int
 ) -> None:
-    """Two ZeRO-1 ranks straight through 2 steps land where one torch rank's do; stopped there
+    """Two ZeRO ranks straight through 2 steps land where one torch rank's do; stopped there
     and restarted, the ZeRO partitions saved (gathered) and loaded (sliced per rank) carry
-    AdamW's state, so step 3 lands where one torch rank's does too."""
-    zero1 = ("--backend", "deepspeed", "--zero-stage", "1")
-    out = two_ranks(one_rank, tiny_model, "zero1", *zero1, "--max-steps", "2")
-    check_against_one(one_rank, "zero1", out, steps=2)
-    out = two_ranks(one_rank, tiny_model, "zero1", *zero1, "--max-steps", "3")
+    AdamW's state (and, at stage 3, the weights), so step 3 lands where one torch rank's does
+    too."""
+    run, zero = f"zero{stage}", ("--backend", "deepspeed", "--zero-stage", str(stage))
+    out = two_ranks(one_rank, tiny_model, run, *zero, "--max-steps", "2")
+    check_against_one(one_rank, run, out, steps=2)
+    out = two_ranks(one_rank, tiny_model, run, *zero, "--max-steps", "3")
     assert "trained 3 steps; policy version 3" in out, out[-2000:]
-    a, b = weights(one_rank["SRL_STORE"], "one", 3), weights(one_rank["SRL_STORE"], "zero1", 3)
+    a, b = weights(one_rank["SRL_STORE"], "one", 3), weights(one_rank["SRL_STORE"], run, 3)
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
-    print(f"ZeRO-1 on 2 ranks, restarted after step 2, vs 1 torch rank: differ by {diff:.2e}")
+    print(f"ZeRO-{stage} on 2 ranks, restarted after step 2, vs 1 torch rank: differ by {diff:.2e}")
     assert diff < 1e-5
 
 

@@ -64,6 +64,14 @@ OWN: dict[str, set[str]] = {
         "--json",
     },
     "srl bench idle": {"--partitions", "--records", "--bursts", "--seconds", "--broker", "--json"},
+    "srl bench intake": {
+        "--trajectories",
+        "--tokens",
+        "--chunk-tokens",
+        "--reward-ms",
+        "--reward-workers",  # the bench's own processes, not the trainer's setting
+        "--json",
+    },
     "srl bench pipeline": {
         "--lengths",
         "--scale",
