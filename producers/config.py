@@ -177,7 +177,9 @@ class EngineSettings(Settings):
         le=65_536,
         description="Tokens per published chunk (the last chunk may be shorter).",
     )
-    seed: int | None = Field(None, description="Sampling seed; null: random.")
+    seed: int | None = Field(
+        None, description="Sampling seed; null: a random one per worker (hf, sim, vllm)."
+    )
     lengths: str | None = Field(
         None, description="sim engine: length histogram file for tasks without metadata.sim_length."
     )
@@ -212,7 +214,39 @@ class EngineSettings(Settings):
     )
 
 
-class GenerateConfig(CommonConfig, EngineSettings):
+class VLLMSettings(Settings):
+    """What only the vllm engine reads (``producers.engines.vllm``; docs/generator.md, "vLLM")."""
+
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="vllm engine: devices one engine shards the model over (vLLM's "
+        "tensor_parallel_size).",
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=2,
+        description="vllm engine: context positions (prompt + max_new_tokens); a task that does "
+        "not fit goes to the DLQ with the reason. null: the model's.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.85,
+        gt=0,
+        le=1,
+        description="vllm engine: share of GPU memory for the weights and the KV cache (on CPU: "
+        "of the machine's memory, unless kv_cache_gib is set).",
+    )
+    kv_cache_gib: float | None = Field(
+        None,
+        gt=0,
+        description="vllm engine: KV cache size in GiB, instead of sizing it by "
+        "gpu_memory_utilization (on CPU: vLLM's KV cache space, VLLM_CPU_KVCACHE_SPACE). null: "
+        "by gpu_memory_utilization.",
+    )
+
+
+class GenerateConfig(CommonConfig, EngineSettings, VLLMSettings):
     """``srl-producer generate``: one generator worker of one pool."""
 
     section = "generate"

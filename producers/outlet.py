@@ -106,13 +106,12 @@ class Outlet:
             st = self.by_tid.get(e.key)
             if st is None:
                 continue
-            for chunk in self.chunker.add(
-                e.key, e.tokens, e.logprobs, self.engine.version, e.finish_reason
-            ):
+            version = self.engine.version if e.version is None else e.version
+            for chunk in self.chunker.add(e.key, e.tokens, e.logprobs, version, e.finish_reason):
                 self.produce(chunk, st)
             self.counts.tokens += len(e.tokens)
             if self.stragglers is not None:
-                self.stragglers.add(e.key, e.tokens, self.engine.version)
+                self.stragglers.add(e.key, e.tokens, version)
             if e.finish_reason is not None:
                 if self.stragglers is not None:
                     self.stragglers.forget(e.key)

@@ -5,8 +5,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from producers.config import EngineSettings, VLLMSettings
 from producers.engines.base import (
     Completion,
     Emitted,
@@ -20,9 +19,6 @@ from producers.engines.hf import HFEngine
 from producers.engines.sim import SimEngine
 from producers.engines.vllm import VLLMEngine
 from srl.workload import LengthHistogram
-
-if TYPE_CHECKING:
-    from producers.config import EngineSettings
 
 __all__ = [
     "Completion",
@@ -46,7 +42,17 @@ def make_engine(cfg: EngineSettings) -> Engine:
         return HFEngine(cfg.model, cfg.max_batch, cfg.device, cfg.dtype or "float32", cfg.seed)
     if cfg.engine == "vllm":
         assert cfg.model is not None
-        return VLLMEngine(cfg.model, cfg.max_batch, cfg.dtype or "auto", cfg.seed)
+        v = cfg if isinstance(cfg, VLLMSettings) else VLLMSettings.model_validate({})  # defaults
+        return VLLMEngine(
+            cfg.model,
+            cfg.max_batch,
+            cfg.dtype or "auto",
+            cfg.seed,
+            v.gpu_memory_utilization,
+            tensor_parallel_size=v.tensor_parallel_size,
+            max_model_len=v.max_model_len,
+            kv_cache_gib=v.kv_cache_gib,
+        )
 
     lengths = LengthHistogram.from_file(cfg.lengths, cfg.length_scale) if cfg.lengths else None
     return SimEngine(

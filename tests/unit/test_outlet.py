@@ -167,3 +167,16 @@ def test_a_failed_hand_off_chunk_sends_no_resume_task_and_is_fatal() -> None:
 class FailedDelivery:
     def str(self) -> str:
         return "broker gone"
+
+
+def test_tokens_keep_the_version_that_sampled_them_when_published_after_a_swap() -> None:
+    """An engine that says which version sampled its tokens (``Emitted.version``: vllm):
+    tokens sampled before a swap but published after it keep that version, in a chunk of their
+    own; tokens without one carry the engine's version."""
+    outlet, engine, producer, _counts, _st = setup("a")
+    outlet.publish([Emitted("a", [7, 7], [-0.5, -0.5], version=3)])
+    engine.version = 4  # swapped (the open chunk holds the 2 tokens of version 3)
+    outlet.publish([Emitted("a", [7], [-0.5], version=3)])  # sampled before the swap
+    outlet.publish([Emitted("a", [7], [-0.5], "stop")])
+    got = [(c.policy_version, c.n_tokens, c.is_last) for c in chunks_of(producer, "a")]
+    assert got == [(3, 3, False), (4, 1, True)]

@@ -1,37 +1,98 @@
-"""The vLLM engine on the tiny model: runs only where vLLM and a CUDA device exist."""
+"""The vLLM engine's checks that need no vLLM, so they run in every environment: a request that
+cannot fit and tensors that do not fit are refused before anything reaches vLLM, the options
+pass through ``make_engine``, and without vLLM the engine is a one-line error. The engine
+itself runs in tests/vllm (``make test-vllm``)."""
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
-vllm = pytest.importorskip(
-    "vllm", reason="vLLM is not installed (optional extra: pip install '.[vllm]')"
-)
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("vLLM needs a CUDA device; none here", allow_module_level=True)
-
-from producers.engines.base import Request, complete  # noqa: E402
-from producers.engines.vllm import VLLMEngine  # noqa: E402
+from producers.config import GenerateConfig
+from producers.engines import make_engine
+from producers.engines.base import Engine, Request, RequestError
+from producers.engines.vllm import VLLMEngine, _ExpectedReloadWarnings, checkpoint_shapes
+from srl.errors import ConfigError, WeightsError
+from srl.tinymodel import load_model
 
 
-def test_vllm_streams_tokens_with_logprobs_and_reloads_weights(tiny_model: Path) -> None:
-    engine = VLLMEngine(str(tiny_model), 4, "float32", 0)
-    reqs = [Request(f"r{i}", engine.tokenize(f"up abc{i}="), 16, temperature=1.0) for i in range(4)]
-    out = complete(engine, reqs)
-    assert set(out) == {r.key for r in reqs}
-    for c in out.values():
-        assert len(c.tokens) == len(c.logprobs) > 0 and all(lp <= 0 for lp in c.logprobs)
-    state = {k: v.clone() for k, v in engine_state(tiny_model).items()}
-    engine.load_weights(state, 1)
-    assert engine.version == 1
-    again = complete(engine, [Request("after", engine.tokenize("up xyz="), 8, temperature=0.0)])
-    assert again["after"].tokens
+def unstarted(model_dir: Path, max_model_len: int = 64) -> VLLMEngine:
+    """The engine's own state without a vLLM behind it (its checks only)."""
+    engine = VLLMEngine.__new__(VLLMEngine)
+    Engine.__init__(engine, 4)
+    engine.max_model_len, engine.vocab_size = max_model_len, 260
+    engine.checkpoint, engine.tied = checkpoint_shapes(model_dir), True
+    return engine
 
 
-def engine_state(model_dir: Path) -> dict[str, torch.Tensor]:
-    from srl.tinymodel import load_model
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_without_vllm_the_engine_is_a_one_line_config_error(tiny_model: Path) -> None:
+    with pytest.raises(ConfigError, match="vLLM is not installed here"):
+        VLLMEngine(tiny_model)
 
-    return load_model(model_dir).state_dict()
+
+def test_a_request_that_cannot_fit_the_context_is_refused(tiny_model: Path) -> None:
+    engine = unstarted(tiny_model, max_model_len=64)
+    engine.validate(Request("fits", [5] * 48, 16))  # 48 + 16 = 64 positions
+    with pytest.raises(RequestError, match="max_new_tokens 16 does not fit .* max_model_len 64"):
+        engine.validate(Request("long", [5] * 49, 16))
+    with pytest.raises(RequestError, match="vocabulary of 260"):
+        engine.validate(Request("oov", [5, 260], 4))
+    with pytest.raises(RequestError, match="vocabulary"):
+        engine.add(Request("resumed", [5], 8, prefix=[-1]))
+    assert not engine.waiting
+
+
+def test_tensors_that_do_not_fit_the_checkpoint_are_refused(tiny_model: Path) -> None:
+    engine = unstarted(tiny_model)
+    state = {k: v for k, v in load_model(tiny_model).state_dict().items()}
+    engine._fits(state, 1)  # the tied head may come along
+    engine._fits({k: v for k, v in state.items() if k != "lm_head.weight"}, 1)  # or not
+    name = "model.layers.0.mlp.down_proj.weight"
+    cases = [
+        ({**state, name: torch.zeros(2, 2)}, "1 shape mismatches"),
+        ({**state, "model.extra.weight": torch.zeros(1)}, "1 unknown tensors"),
+        ({k: v for k, v in state.items() if k != name}, f"1 missing tensors \\(e.g. {name}\\)"),
+    ]
+    for tensors, why in cases:
+        with pytest.raises(WeightsError, match=f"v1 does not fit the model: {why}"):
+            engine._fits(tensors, 1)
+
+
+def test_make_engine_passes_the_vllm_options(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, Any] = {}
+
+    def fake(*args: Any, **kwargs: Any) -> str:
+        seen.update(args=args, kwargs=kwargs)
+        return "engine"
+
+    monkeypatch.setattr("producers.engines.VLLMEngine", fake)
+    cfg = GenerateConfig(
+        engine="vllm",
+        model=str(tiny_model),
+        tensor_parallel_size=2,
+        max_model_len=512,
+        gpu_memory_utilization=0.5,
+        kv_cache_gib=1.5,
+    )
+    assert make_engine(cfg) == "engine"
+    assert seen["args"] == (str(tiny_model), 8, "auto", None, 0.5)
+    assert seen["kwargs"] == {"tensor_parallel_size": 2, "max_model_len": 512, "kv_cache_gib": 1.5}
+
+
+def test_the_reload_warnings_about_modules_without_weights_are_dropped() -> None:
+    def record(name: str) -> logging.LogRecord:
+        return logging.LogRecord(
+            "x", logging.WARNING, "f", 1, "%s: Failed to load weights", (name,), None
+        )
+
+    f = _ExpectedReloadWarnings()
+    assert not f.filter(record("RotaryEmbedding")) and not f.filter(record("ParallelLMHead"))
+    assert f.filter(record("Qwen2MLP"))
