@@ -11,7 +11,9 @@ Built-ins (generic, for tasks whose metadata carries ``answer``):
 
 * ``exact_match``: 1.0 when the completion, stripped, equals ``metadata["answer"]``;
 * ``contains_answer``: 1.0 when ``metadata["answer"]`` occurs in the completion;
-* ``first_line_match``: exact match on the completion's first line (answers ended by a newline).
+* ``first_line_match``: exact match on the completion's first line (answers ended by a newline);
+* ``math_answer``: the completion's final answer (``\\boxed{}``, GSM8K's ``####``, else the last
+  number) equivalent to the reference (``consumers.mathreward``).
 
 Called by the trainer for every assembled trajectory on rank 0: in reward processes
 (``consumers.rewardpool``, ``consumers.rewardworker``, through ``call_reward``) or, with
@@ -26,12 +28,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from consumers.mathreward import math_answer
 from srl.errors import ConfigError
 
 if TYPE_CHECKING:
     from consumers.assembler import Trajectory
 
 RewardFn = Callable[[str, str, dict[str, Any]], float]
+__all__ = ["contains_answer", "exact_match", "first_line_match", "math_answer", "load_reward"]
 
 
 def _answer(metadata: dict[str, Any]) -> str:
