@@ -237,7 +237,12 @@ class TrainConfig(RewardSettings):
     )
     max_steps: int = Field(0, ge=0, description="Stop after this many optimizer steps; 0: never.")
     idle_exit_s: float = Field(
-        0.0, ge=0, description="Exit after this long with no new record; 0: never."
+        0.0,
+        ge=0,
+        description=(
+            "Exit after this long with no new record (counted from the last record, step or "
+            "checkpoint); 0: never."
+        ),
     )
     # -- backend --------------------------------------------------------------------------
     device: str = Field("auto", description="torch device: auto, cpu, cuda, cuda:N.")

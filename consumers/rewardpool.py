@@ -47,6 +47,7 @@ from srl.metrics import Metrics
 
 log = logging.getLogger("srl.trainer")
 READ_BYTES = 1 << 16
+START_S = 120.0  # a reward process's start (Python, the reward's imports): not a call's timeout
 
 
 @dataclass
@@ -74,10 +75,19 @@ class RewardProcess:
         )
         self.buf, self.started = b"", self.started + 1
         os.set_blocking(self.proc.stdout.fileno(), False)  # type: ignore[union-attr]
+        self._read_line(self.proc, time.monotonic() + START_S)  # {"ready": true}
         return self.proc
 
     def call(self, request: bytes) -> Scored:
-        proc = self.proc if self.proc is not None and self.proc.poll() is None else self._start()
+        try:
+            alive = self.proc is not None and self.proc.poll() is None
+            proc = self.proc if alive else self._start()
+        except TimeoutError:
+            self.stop()
+            return Scored(None, f"reward process did not start within {START_S:g}s")
+        except EOFError:
+            return Scored(None, f"reward process died at start (exit code {self.stop()})")
+        assert proc is not None
         deadline = time.monotonic() + self.timeout_s
         try:
             self._write(proc, request, deadline)

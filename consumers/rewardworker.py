@@ -1,7 +1,9 @@
 """One reward process: ``python -m consumers.rewardworker module:function``.
 
-Reads one JSON request a line on stdin (``{"prompt", "completion", "metadata"}``), writes one
-JSON answer a line (``{"reward": x}`` or ``{"error": why}``) to the stdout it was started with.
+Writes ``{"ready": true}`` once the reward is imported (its start is not part of any call's
+timeout), then reads one JSON request a line on stdin (``{"prompt", "completion",
+"metadata"}``) and writes one JSON answer a line (``{"reward": x}`` or ``{"error": why}``) to the
+stdout it was started with.
 What must hold:
 
 * the reward's own prints cannot corrupt the answers: the answer stream is a private copy of
@@ -61,6 +63,8 @@ def serve(spec: str, requests: IO[bytes], answers: IO[bytes]) -> None:
         fn = load_reward(spec)
     except ConfigError as e:
         broken = f"reward process: {e}"
+    answers.write(b'{"ready": true}\n')
+    answers.flush()
     for line in requests:
         answers.write(orjson.dumps(answer(fn, broken, line)) + b"\n")
         answers.flush()

@@ -222,6 +222,12 @@ def reward_pool(cfg: TrainConfig) -> RewardPool:
     return RewardPool(cfg.reward, scorer, cfg.reward_workers, cfg.reward_timeout_s)
 
 
+def count(metrics: Metrics, *events: Event) -> None:
+    """The ``samples_{outcome}`` counters of decided samples."""
+    for e in events:
+        metrics.incr(f"samples_{e['labels']['outcome']}")
+
+
 def log_step(step: int, values: dict[str, float], loss: float) -> None:
     log.info(
         "step %d v%d loss %.4f reward %.3f samples %d tokens/s %.0f idle %.2fs",
@@ -289,7 +295,9 @@ class Trainer:
         self.feedback = FeedbackPath(cfg, *args)
         self.rewards = RewardPath(pool, self.feedback, self.metrics)
         self.stopping, self.next_tick = False, 0.0
-        self.last_record: float | None = None  # None until the group assigns us partitions
+        # when it last read records or ended a step or a checkpoint: idle counts from there (a
+        # checkpoint over a slow link outlasted --idle-exit-s with records already queued)
+        self.active: float | None = None  # None until the group assigns it partitions
         self.step_started, self.idle_s, self.stale_in_step = time.monotonic(), 0.0, 0
 
     @property
@@ -323,7 +331,7 @@ class Trainer:
                         break
                 self._scored()
                 if msgs:
-                    self.last_record = time.monotonic()  # idle counts from the end of the work
+                    self.active = time.monotonic()  # idle counts from the end of the work
                 if now >= self.next_tick:
                     self._tick(now)
             self._shutdown()
@@ -342,7 +350,7 @@ class Trainer:
     def _on_assign(self, consumer: Consumer, partitions: list[Any]) -> None:
         # a restarted trainer waits for the group to drop its dead predecessor: idle time
         # counts from the assignment, not from the start
-        self.last_record = time.monotonic()
+        self.active = time.monotonic()
         self.intake.assign(consumer, partitions, self.layout.trajectories)
         log.info("assigned %d partitions", len(partitions))
 
@@ -356,7 +364,7 @@ class Trainer:
     def _done(self) -> bool:
         if self._stop_now():
             return True
-        last, limit = self.last_record, self.cfg.idle_exit_s
+        last, limit = self.active, self.cfg.idle_exit_s
         idle = limit and last is not None and time.monotonic() - last >= limit
         return bool(idle) and not self.rewards.pending  # a reward in flight: not idle
 
@@ -375,8 +383,9 @@ class Trainer:
             return self.groups.add(traj)
         c = traj.chunk
         step = self.step + 1
-        self._count(
-            self.outcomes.invalid(c.trajectory_id, c.prompt_id, c.bucket, step, traj.reason)
+        count(
+            self.metrics,
+            self.outcomes.invalid(c.trajectory_id, c.prompt_id, c.bucket, step, traj.reason),
         )
         return self.groups.add_missing(
             c.prompt_id, c.sample_index, c.group_size, c.trajectory_id, step=(c.step, c.step_groups)
@@ -403,14 +412,14 @@ class Trainer:
     def _admit(self, group: Group) -> None:
         if not group.complete:  # expired before all its samples arrived: nothing of it trains
             self.planner.credit(group, signal=False)
-            self._count(*self.outcomes.expired_group(group, self.step + 1, self.version))
+            count(self.metrics, *self.outcomes.expired_group(group, self.step + 1, self.version))
             return
         d = self.durable
         adm = gated(self.cfg, group, d)
         self.stale_in_step += len(adm.stale)
         self.planner.credit(group, adm.signal)
         if not adm.trains:  # nothing of it will train: finalize the whole group now
-            self._count(*self.outcomes.gated(adm, self.step + 1, d.lineage))
+            count(self.metrics, *self.outcomes.gated(adm, self.step + 1, d.lineage))
             return
         for rows in self.batcher.add(adm):
             self._run(rows)
@@ -441,7 +450,7 @@ class Trainer:
         self.step += 1
         self.dirty = True
         for adm in b.groups:  # outcomes at the version the step trained from
-            self._count(*self.outcomes.gated(adm, self.step, adm.version))
+            count(self.metrics, *self.outcomes.gated(adm, self.step, adm.version))
         elapsed = time.monotonic() - self.step_started
         values = step_values(
             b.groups, b.loss_tokens, stats, self.version, elapsed, self.idle_s, self.stale_in_step
@@ -455,16 +464,13 @@ class Trainer:
             self._checkpoint()
         self.metrics.flush_counters(self.step)
         self.batcher.reset()
-        self.step_started, self.idle_s, self.stale_in_step = time.monotonic(), 0.0, 0
+        self.step_started = self.active = time.monotonic()
+        self.idle_s, self.stale_in_step = 0.0, 0
 
     # -- outcomes and expiry ----------------------------------------------------------------------
-    def _count(self, *events: Event) -> None:
-        for e in events:
-            self.metrics.incr(f"samples_{e['labels']['outcome']}")
-
     def _expire_partial(self, p: Partial) -> Group | None:
         """An expired trajectory, decided; it fills its slot in the group (which may complete)."""
-        self._count(self.outcomes.expired_partial(p, self.step + 1, self.version))
+        count(self.metrics, self.outcomes.expired_partial(p, self.step + 1, self.version))
         return self.groups.add_missing(
             p.prompt_id, p.sample_index, p.group_size, p.trajectory_id, step=p.step
         )
@@ -491,8 +497,8 @@ class Trainer:
         self.metrics.incr("duplicates", new)
         if (
             self.outcomes.undurable
-            and self.last_record is not None
-            and now - self.last_record >= IDLE_CHECKPOINT_S
+            and self.active is not None
+            and now - self.active >= IDLE_CHECKPOINT_S
             and self.durable.due("checkpoint")
         ):
             # decisions no step will follow soon (e.g. stale drops): make them durable and
@@ -513,7 +519,7 @@ class Trainer:
         commit(self.consumer, self.feedback.tracker)
         pruned = self.intake.checkpointed(self.outcomes.undurable, self.step)
         self.outcomes.checkpointed()
-        self.dirty = False
+        self.dirty, self.active = False, time.monotonic()
         self.metrics.incr("checkpoints")
         log.info(
             "checkpoint %d at step %d (%.2fs); ledger %d (%d pruned)",

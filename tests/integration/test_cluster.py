@@ -48,8 +48,10 @@ def replicas(cfg: Any, topic: str) -> dict[int, tuple[int, list[int], list[int]]
 def wait_fully_replicated(cfg: Any, topic: str, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
+        # a node whose metadata does not know the topic yet answers with no partitions: wait
+        # for them too (all() of nothing held at once, then replicas()[0] failed: KeyError 0)
         parts = replicas(cfg, topic)
-        if all(len(isr) == 3 and leader >= 0 for leader, _r, isr in parts.values()):
+        if parts and all(len(isr) == 3 and leader >= 0 for leader, _r, isr in parts.values()):
             return
         assert time.monotonic() < deadline, parts
         time.sleep(0.5)

@@ -66,14 +66,14 @@ def test_results_come_back_in_submission_order_whatever_finishes_first() -> None
 
 
 def test_a_reward_past_its_timeout_fails_its_sample_and_the_next_one_scores() -> None:
-    p = pool(workers=1, timeout_s=0.5)
+    p = pool(workers=1, timeout_s=2.0)
     try:
         t0 = time.monotonic()
         p.submit("stuck", Traj("x", {"sleep": 60}))  # type: ignore[arg-type]
         p.submit("next", Traj("yy"))  # type: ignore[arg-type]
         (_, stuck), (_, after) = drain(p, 2)
         assert stuck is not None and stuck.reward is None
-        assert stuck.error is not None and "timed out after 0.5s" in stuck.error
+        assert stuck.error is not None and "timed out after 2s" in stuck.error
         assert after == Scored(2.0)
         assert time.monotonic() - t0 < 20, "the stuck call was cut short"
         assert p.procs[0].started == 2, "the stuck process was replaced"
