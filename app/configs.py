@@ -17,7 +17,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from producers.config import EngineSettings
+from producers.config import EngineSettings, VLLMSettings
 from srl.config import (
     NAME_PATTERN,
     CommonConfig,
@@ -39,9 +39,12 @@ class StreamConfig(ProducerSettings, TopicsConfig, RegistrySettings):
     a layout's topics (no run, no store)."""
 
 
-class EngineBenchConfig(ProducerSettings, TopicsConfig, RegistrySettings, EngineSettings):
-    """``srl-producer bench``: an engine's tokens/s, alone and publishing chunks. Reads the
-    ``[generate]`` table, so a generator's engine settings apply."""
+class EngineBenchConfig(
+    ProducerSettings, TopicsConfig, RegistrySettings, EngineSettings, VLLMSettings
+):
+    """``srl-producer bench``: an engine's tokens/s, alone and publishing chunks, and its
+    weight-swap pause. Reads the ``[generate]`` table, so a generator's engine settings
+    apply."""
 
     section: ClassVar[str] = "generate"
 
@@ -51,9 +54,14 @@ class EngineBenchConfig(ProducerSettings, TopicsConfig, RegistrySettings, Engine
         le=65_536,
         description="The large batch: most sequences decoded together (continuous batching).",
     )
+    engines: tuple[Literal["hf", "sim", "vllm"], ...] = Field(
+        (),
+        description="Engines to measure side by side, one after the other in this run on the "
+        "same requests, model and broker (e.g. hf,vllm); empty: engine.",
+    )
 
 
-class ServeConfig(CommonConfig, EngineSettings):
+class ServeConfig(CommonConfig, EngineSettings, VLLMSettings):
     """``srl serve``: one engine (the generator's: hf, sim, vllm, built by
     ``producers.engines.make_engine`` from these same engine settings) behind an
     OpenAI-compatible HTTP API. docs/serving.md explains each setting."""

@@ -51,6 +51,7 @@ from app.demoplan import (
     Fleet,
     Plan,
     Role,
+    require_engine,
 )
 from app.task import demo_pairs
 from ranker.config import RankerConfig
@@ -164,6 +165,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
     """Run the demo end to end; returns the report (also written to OUT/report.json)."""
 
     t_total = time.monotonic()
+    require_engine(cfg)  # before anything is built or removed
     warmstart.quiet_transformers()
     out = Path(cfg.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -314,7 +316,8 @@ def summary(report: dict[str, Any]) -> str:
     r = report
     return "\n".join(
         [
-            f"mode {r['mode']}, seed {r['seed']}: {r['steps']} steps in {r['wall_s']:.0f} s "
+            f"mode {r['mode']}, engine {r.get('engine', 'hf')}, seed {r['seed']}: "
+            f"{r['steps']} steps in {r['wall_s']:.0f} s "
             f"({r['total_wall_s']:.0f} s in all), policy v{r['policy_versions']}",
             f"held-out accuracy {r['eval_accuracy_before']:.3f} -> {r['eval_accuracy_after']:.3f} "
             f"(greedy, {r['eval_prompts']} prompts); reward {r['reward_first']} -> "

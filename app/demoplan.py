@@ -9,6 +9,7 @@ subprocesses of the installed ``srl-producer`` / ``srl-consumer`` scripts). Used
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import re
@@ -77,6 +78,12 @@ class DemoConfig(KafkaSettings):
     seed: int = Field(0, description="Seed of the prompts, sampling and training.")
     model: str | None = Field(
         None, description="HF model directory (policy v0); null: the cached `srl init-model` model."
+    )
+    engine: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="Generation backend of the generator pools (and of srl serve with --serve). "
+        "Every role runs in the environment srl demo runs in, so vllm needs vLLM there: "
+        '.venv-vllm/bin/srl demo --engine vllm (docs/generator.md, "vLLM").',
     )
     group_size: int = Field(8, ge=2, le=256, description="Samples per prompt (GRPO group).")
     groups_per_step: int = Field(8, ge=1, le=4096, description="Groups per optimizer step.")
@@ -255,6 +262,31 @@ def toml_text(
     return "\n".join(lines) + "\n"
 
 
+# vllm engine: the KV cache of each generator on CPU (the demo's sequences are under 128
+# positions: 2 KiB a position on the tiny model, so a batch of 32 needs ~8 MiB); fp32 as the
+# trainer and the hf engine compute
+VLLM_KV_CACHE_GIB = 0.25
+
+
+def engine_table(c: DemoConfig) -> dict[str, Any]:
+    """The engine keys of a generator's (or srl serve's) table for ``c.engine``."""
+    if c.engine == "vllm":
+        return {"engine": "vllm", "dtype": "float32", "kv_cache_gib": VLLM_KV_CACHE_GIB}
+    return {"engine": "hf"}
+
+
+def require_engine(c: DemoConfig) -> None:
+    """DemoError (one line) unless the roles can run ``c.engine`` here: every role is started
+    from this interpreter's environment."""
+    if c.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise DemoError(
+            f"--engine vllm: vLLM is not installed in this environment ({sys.prefix}), and every "
+            "role of the demo runs in the environment srl demo runs in; run it from .venv-vllm: "
+            "make .venv-vllm/.installed, then .venv-vllm/bin/srl demo --engine vllm "
+            '(docs/generator.md, "vLLM")'
+        )
+
+
 # Demo answers are at most 64 tokens (+ EOS): buckets le16, le32 (regular pool), gt32 (long tail).
 DEMO_BUCKET_BOUNDS = (16, 32)
 REGULAR_BUCKETS = ("le16", "le32")
@@ -293,7 +325,7 @@ class Plan:
                 "longtail_bucket": LONGTAIL_BUCKETS[0],
             },
             "generate": {
-                "engine": "hf",
+                **engine_table(c),
                 "model": str(self.model_dir),
                 "chunk_tokens": c.chunk_tokens,
                 "max_staleness": k,

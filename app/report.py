@@ -234,6 +234,7 @@ def build(
     report: dict[str, Any] = {
         "status": status,
         "mode": c.mode,
+        "engine": c.engine,
         "seed": c.seed,
         "max_staleness": 0 if c.mode != "async" else c.max_staleness,
         "steps": len(steps),

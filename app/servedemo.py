@@ -44,6 +44,8 @@ from app.demoplan import (
     Fleet,
     Role,
     console_script,
+    engine_table,
+    require_engine,
     toml_text,
     toml_top,
 )
@@ -147,7 +149,7 @@ class ServePlan:
         train |= {"groups_per_step": d.groups_per_step}
         train |= {"batching": "groups", "max_staleness": d.max_staleness, "max_steps": d.steps}
         train |= {"temperature": d.temperature, "seed": d.seed, "device": "cpu"}
-        serve: dict[str, Any] = {"engine": "hf", "model": str(self.model_dir)}
+        serve: dict[str, Any] = {**engine_table(d), "model": str(self.model_dir)}
         serve |= {"model_name": MODEL_NAME}
         serve |= {"port": self.port, "max_batch": d.regular_max_batch, "threads": 1}
         serve |= {"chunk_tokens": d.chunk_tokens, "seed": d.seed, "max_n": d.group_size}
@@ -169,6 +171,7 @@ class ServePlan:
 def run_serve_demo(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
     """The serving demo end to end; returns the report (also OUT/report.json)."""
     t_total = time.monotonic()
+    require_engine(cfg)
     warmstart.quiet_transformers()
     out = Path(cfg.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -304,6 +307,7 @@ def _report(
     return {
         "status": status,
         "mode": "serve",
+        "engine": plan.cfg.engine,
         "seed": plan.cfg.seed,
         "steps": len(rep.step_events(events)),
         "steps_requested": plan.cfg.steps,

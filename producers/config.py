@@ -230,19 +230,20 @@ class VLLMSettings(Settings):
         description="vllm engine: context positions (prompt + max_new_tokens); a task that does "
         "not fit goes to the DLQ with the reason. null: the model's.",
     )
-    gpu_memory_utilization: float = Field(
-        0.85,
+    gpu_memory_utilization: float | None = Field(
+        None,
         gt=0,
         le=1,
-        description="vllm engine: share of GPU memory for the weights and the KV cache (on CPU: "
-        "of the machine's memory, unless kv_cache_gib is set).",
+        description="vllm engine: share of GPU memory for the weights and the KV cache; null: "
+        "0.85. On CPU it is that share of the machine's memory, so it is used there only when "
+        "set (and kv_cache_gib is not).",
     )
     kv_cache_gib: float | None = Field(
         None,
         gt=0,
         description="vllm engine: KV cache size in GiB, instead of sizing it by "
-        "gpu_memory_utilization (on CPU: vLLM's KV cache space, VLLM_CPU_KVCACHE_SPACE). null: "
-        "by gpu_memory_utilization.",
+        "gpu_memory_utilization (on CPU: vLLM's KV cache space). null: by "
+        "gpu_memory_utilization on GPU; on CPU 1 GiB unless gpu_memory_utilization is set.",
     )
 
 

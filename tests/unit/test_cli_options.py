@@ -161,7 +161,7 @@ OWN: dict[str, set[str]] = {
         "--json",
     },
     "srl-consumer train": {"--json"},
-    "srl-producer bench": {"--requests", "--max-new-tokens", "--repeats", "--json"},
+    "srl-producer bench": {"--requests", "--max-new-tokens", "--repeats", "--swaps", "--json"},
     "srl-producer dispatch": {"--unpaced", "--json"},
     "srl-producer generate": {"--json"},
 }

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 
 from app.demo import demo_prefix, role_env
-from app.demoplan import DemoConfig, Plan
+from app.demoplan import VLLM_KV_CACHE_GIB, DemoConfig, DemoError, Plan, require_engine
 from app.smoke import smoke_result, synthetic_chunks
+from producers.config import GenerateConfig
 from srl.topics import Layout
 
 
@@ -55,6 +57,26 @@ def test_two_trainer_ranks_run_under_torchrun_and_the_dtype_reaches_the_trainer(
     assert argv[-5:] == ["-m", "app.cli.consumer", "train", "--config", "srl.toml"]
     one = Plan(DemoConfig(), *[tmp_path, tmp_path / "model", "127.0.0.1:9092", "p", "r", "x"])
     assert Path(one.trainer_argv([])[0]).name == "srl-consumer"
+
+
+def test_the_vllm_demo_sizes_each_generators_kv_cache_or_says_how_to_run_it(
+    tmp_path: Path,
+) -> None:
+    plan = Plan(
+        DemoConfig(engine="vllm"), tmp_path, tmp_path / "m", "127.0.0.1:9092", "p", "r", "x"
+    )
+    gen = plan.role_tables()["generate"]
+    assert gen | {"engine": "vllm", "dtype": "float32", "kv_cache_gib": VLLM_KV_CACHE_GIB} == gen
+    GenerateConfig.model_validate(gen)  # keys every generator reads
+    hf = Plan(DemoConfig(), tmp_path, tmp_path / "m", "127.0.0.1:9092", "p", "r", "x")
+    assert hf.role_tables()["generate"]["engine"] == "hf"
+    assert "kv_cache_gib" not in hf.role_tables()["generate"]
+    require_engine(DemoConfig())  # hf: anywhere
+    if importlib.util.find_spec("vllm") is None:  # .venv: one line saying how to run it
+        with pytest.raises(DemoError, match=r"run it from \.venv-vllm: .*srl demo --engine vllm"):
+            require_engine(DemoConfig(engine="vllm"))
+    else:
+        require_engine(DemoConfig(engine="vllm"))
 
 
 def test_smoke_result() -> None:

@@ -1,6 +1,7 @@
 """The vLLM engine's checks that need no vLLM, so they run in every environment: a request that
 cannot fit and tensors that do not fit are refused before anything reaches vLLM, the options
-pass through ``make_engine``, and without vLLM the engine is a one-line error. The engine
+pass through ``make_engine`` (on CPU the KV cache is a size, never a share of the host), and
+without vLLM the engine is a one-line error. The engine
 itself runs in tests/vllm (``make test-vllm``)."""
 
 from __future__ import annotations
@@ -13,10 +14,16 @@ from typing import Any
 import pytest
 import torch
 
-from producers.config import GenerateConfig
+from producers.config import GenerateConfig, VLLMSettings
 from producers.engines import make_engine
 from producers.engines.base import Engine, Request, RequestError
-from producers.engines.vllm import VLLMEngine, _ExpectedReloadWarnings, checkpoint_shapes
+from producers.engines.vllm import (
+    CPU_KV_CACHE_GIB,
+    VLLMEngine,
+    _ExpectedReloadWarnings,
+    checkpoint_shapes,
+    kv_cache_size,
+)
 from srl.errors import ConfigError, WeightsError
 from srl.tinymodel import load_model
 
@@ -85,6 +92,14 @@ def test_make_engine_passes_the_vllm_options(
     assert make_engine(cfg) == "engine"
     assert seen["args"] == (str(tiny_model), 8, "auto", None, 0.5)
     assert seen["kwargs"] == {"tensor_parallel_size": 2, "max_model_len": 512, "kv_cache_gib": 1.5}
+
+
+def test_on_cpu_the_kv_cache_is_a_size_never_a_share_of_the_host_by_default() -> None:
+    assert kv_cache_size(cpu=True, kv_cache_gib=None, share=None) == CPU_KV_CACHE_GIB == 1.0
+    assert kv_cache_size(cpu=True, kv_cache_gib=0.25, share=None) == 0.25
+    assert kv_cache_size(cpu=True, kv_cache_gib=None, share=0.3) is None  # asked for: vLLM's
+    assert kv_cache_size(cpu=False, kv_cache_gib=None, share=None) is None  # by 0.85 of the GPU
+    assert VLLMSettings().gpu_memory_utilization is None and VLLMSettings().kv_cache_gib is None
 
 
 def test_the_reload_warnings_about_modules_without_weights_are_dropped() -> None:
