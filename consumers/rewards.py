@@ -13,7 +13,9 @@ Built-ins (generic, for tasks whose metadata carries ``answer``):
 * ``contains_answer``: 1.0 when ``metadata["answer"]`` occurs in the completion;
 * ``first_line_match``: exact match on the completion's first line (answers ended by a newline);
 * ``math_answer``: the completion's final answer (``\\boxed{}``, GSM8K's ``####``, else the last
-  number) equivalent to the reference (``consumers.mathreward``).
+  number) equivalent to the reference (``consumers.mathreward``);
+* ``code_tests``: the fraction of ``metadata["tests"]`` the completion's program passes, run in
+  a sandbox (``consumers.coderewards``, ``consumers.sandbox``).
 
 Called by the trainer for every assembled trajectory on rank 0: in reward processes
 (``consumers.rewardpool``, ``consumers.rewardworker``, through ``call_reward``) or, with
@@ -28,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from consumers.coderewards import code_tests
 from consumers.mathreward import math_answer
 from srl.errors import ConfigError
 
@@ -35,7 +38,14 @@ if TYPE_CHECKING:
     from consumers.assembler import Trajectory
 
 RewardFn = Callable[[str, str, dict[str, Any]], float]
-__all__ = ["contains_answer", "exact_match", "first_line_match", "math_answer", "load_reward"]
+__all__ = [
+    "code_tests",
+    "contains_answer",
+    "exact_match",
+    "first_line_match",
+    "load_reward",
+    "math_answer",
+]
 
 
 def _answer(metadata: dict[str, Any]) -> str:

@@ -4,6 +4,7 @@ the processes the trainer starts, light to import."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,10 @@ from typing import Any
 
 def by_metadata(prompt: str, completion: str, metadata: dict[str, Any]) -> float:
     """What ``metadata`` asks for: sleep ``sleep`` s, wait for the file ``wait_for``, print to
-    stdout, exit the process with ``exit``; then the reward ``reward`` (default: the
-    completion's length)."""
+    stdout, exit the process with ``exit``, crash it with ``segfault``; then the reward
+    ``reward`` (default: the completion's length)."""
+    if metadata.get("segfault"):
+        os.kill(os.getpid(), signal.SIGSEGV)
     if "exit" in metadata:
         os._exit(int(metadata["exit"]))
     if "print" in metadata:

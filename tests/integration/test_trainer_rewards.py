@@ -8,12 +8,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from consumers.trainer import run_trainer
 from schemas.records import TrajectoryChunk
 from srl.kafka import committed_offsets, create_topics, position_group, watermarks
 from srl.topics import Layout
-from tests.chunks import metric_events, produce
+from tests.chunks import group_chunks, metric_events, produce, text_ids
 from tests.integration.test_trainer import make_groups, train_cfg
+from tests.unit.test_sandbox import WHY
 
 REWARD = "tests.rewardfns:by_metadata"
 
@@ -83,3 +86,56 @@ def test_a_reward_past_its_timeout_fails_its_sample_and_the_group_trains(
     assert len(failed) == 1 and "timed out after 3s" in failed[0].labels["reason"]
     counters = metric_events(cfg, "counter")[-1].values
     assert counters["reward_failures"] == 1 and counters["reward_timeouts"] == 1
+
+
+def with_metadatas(chunks: list[TrajectoryChunk], metas: dict[int, str]) -> list[TrajectoryChunk]:
+    for sample, meta in metas.items():
+        chunks = with_metadata(chunks, sample, meta)
+    return chunks
+
+
+def test_rewards_that_hang_raise_or_segfault_are_counted_and_the_trainer_steps_on(
+    make_cfg: Any, tiny_model: Path
+) -> None:
+    cfg = train_cfg(
+        make_cfg, tiny_model, max_steps=2, groups_per_step=1, reward=REWARD, reward_timeout_s=3.0
+    )
+    create_topics(cfg)
+    bad = {0: '{"sleep": 600}', 1: '{"reward": "x"}', 2: '{"segfault": true}'}
+    produce(cfg, with_metadatas(make_groups(2), bad))
+    result = run_trainer(cfg)
+    assert result.steps == 2 and result.outcomes["failed_reward"] == 3, result.outcomes
+    reasons = sorted(
+        e.labels["reason"]
+        for e in metric_events(cfg, "sample")
+        if e.labels["outcome"] == "failed_reward"
+    )
+    assert "timed out after 3s" in reasons[2] and "ValueError" in reasons[0], reasons
+    assert reasons[1] == "reward process died (exit code -11)", reasons
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"no sandbox here: {WHY}")
+def test_the_code_reward_scores_model_programs_in_the_sandbox_and_training_goes_on(
+    make_cfg: Any, tiny_model: Path
+) -> None:
+    """A fork bomb, an infinite loop, a right and a wrong program, one group."""
+    cfg = train_cfg(
+        make_cfg, tiny_model, max_steps=1, groups_per_step=1, reward="consumers.rewards:code_tests"
+    )
+    create_topics(cfg)
+    programs = [
+        "import os\nwhile True:\n    os.fork()\n",
+        "while True:\n    pass\n",
+        "def f(x):\n    return 2 * x\n",
+        "def f(x):\n    return x\n",
+    ]
+    meta = {"tests": ["assert f(2) == 4", "assert f(0) == 0"], "time_limit_s": 3}
+    trajs = group_chunks(
+        "p0", [text_ids(p) for p in programs], prompt=text_ids("f="), metadata=meta, chunk_tokens=8
+    )
+    produce(cfg, [c for t in trajs for c in t])
+    t0 = time.monotonic()
+    result = run_trainer(cfg)
+    assert time.monotonic() - t0 < 120 and result.outcomes == {"trained": 4}, result.outcomes
+    rewards = sorted(e.values["reward"] for e in metric_events(cfg, "sample"))
+    assert rewards == [0.0, 0.0, 0.5, 1.0], rewards  # the identity passes f(0) == 0
