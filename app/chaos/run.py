@@ -55,6 +55,7 @@ WARMUP_TIMEOUT_S = 300.0  # six processes starting on a busy 2-core machine
 STORE_MB = 1024  # the tmpfs store of a run with store-disk-full
 JOIN_WAIT_S = 30.0  # how long a generator may take to report before the next one starts
 MIX_WINDOW_S = 15.0  # faults injected together start within this long of each other
+DRAIN_CAP_S = 600.0  # the longest a run waits for its trainer to finish after the faults
 
 
 @dataclass
@@ -215,14 +216,22 @@ class Suite:
             time.sleep(0.25)
 
     def drain(self, run: str, sc: Scene, steps: int) -> None:
-        """Until the trainer has done its steps; bounded by the trainer's expiry and a few
-        seconds a step."""
+        """Until the trainer has done its steps and exited: while it makes progress (a step,
+        including one a restarted trainer redoes after its checkpoint, or a restart), up to
+        the trainer's expiry and 30 s after the last (a fixed budget counted from the steps
+        the watch had seen: a trainer restarted from an older checkpoint late in the run
+        redoes steps it had already reported, and ran out of it: ``srl chaos --trainer-ranks
+        2`` in a clean-clone run), never past ``DRAIN_CAP_S``."""
         trainer = sc.cast.procs["trainer"]
-        left = steps - sc.watch.last_step()
-        deadline = time.monotonic() + self.cfg.expire_s + 30 + 5 * max(0, left)
-        while not trainer.finished and time.monotonic() < deadline:
+        grace = self.cfg.expire_s + 30
+        start = time.monotonic()
+        deadline, seen = start + grace, (len(sc.watch.seen.steps), trainer.starts)
+        while not trainer.finished and time.monotonic() < min(deadline, start + DRAIN_CAP_S):
             self.progress.phase(run, f"training on: step {sc.watch.last_step()}/{steps}")
             time.sleep(0.5)
+            now_seen = (len(sc.watch.seen.steps), trainer.starts)
+            if now_seen != seen:
+                deadline, seen = time.monotonic() + grace, now_seen
 
 
 def make_row(
@@ -241,7 +250,8 @@ def make_row(
     if p.name == "poison" and (missing := missing_letters(sc, inj)):
         note += f"; not dead-lettered: {', '.join(missing)}"
     if not finished:
-        note += f"; the trainer did {audit.steps} of {steps} steps"
+        note += f"; the trainer did {audit.steps} of {steps} steps and had not exited"
+        note += f" (its log's end: {sc.cast.procs['trainer'].tail(6)!r})"
     if sc.watch.error:
         note += f"; the topic watch failed: {sc.watch.error}"
     rec = None if p.recovered is None else max(0.0, p.recovered - inj.end)
