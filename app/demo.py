@@ -51,6 +51,7 @@ from app.demoplan import (
     Fleet,
     Plan,
     Role,
+    kafka_secrets,
     require_engine,
 )
 from app.task import demo_pairs
@@ -209,10 +210,14 @@ def demo_prefix(cfg: DemoConfig) -> str:
     return cfg.topic_prefix
 
 
-def role_env(environ: Mapping[str, str]) -> dict[str, str]:
+def role_env(
+    environ: Mapping[str, str], secrets: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """The roles' environment: no SRL_* variable but SRL_VERBOSE (they read OUT/srl.toml only,
-    and SRL_* would override it), one thread per math library, trainer ranks on loopback."""
+    and SRL_* would override it) and the Kafka secrets (``secrets``: ``SRL_KAFKA_<NAME>``, kept
+    out of OUT/srl.toml), one thread per math library, trainer ranks on loopback."""
     env = {k: v for k, v in environ.items() if not k.startswith("SRL_") or k == "SRL_VERBOSE"}
+    env |= dict(secrets or {})
     one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     return env | one | {"GLOO_SOCKET_IFNAME": "lo"}
 
@@ -226,7 +231,7 @@ def _run_roles(plan: Plan, before: Any, eval_set: list[Any], progress: bool) -> 
     wait_for_broker(live)
     create_topics(live)
     _bootstrap_ranker(plan)
-    fleet = Fleet(env=role_env(os.environ), cwd=plan.out)
+    fleet = Fleet(env=role_env(os.environ, kafka_secrets(live)), cwd=plan.out)
     watcher = Watcher(live, run, trainer_group(live.topic_prefix, run))
     watcher.start()
     t_run = time.monotonic()

@@ -27,6 +27,7 @@ from pydantic import Field, model_validator
 from srl.config import CommonConfig, KafkaSettings
 from srl.errors import SrlError
 from srl.ports import free_port
+from srl.secrets import is_file_ref, is_secret, secret_environment
 
 log = logging.getLogger("app.demo")
 
@@ -245,7 +246,20 @@ def toml_top(c: CommonConfig) -> dict[str, Any]:
         "store": c.store,
         "bucket_bounds": list(c.bucket_bounds),
         "linger_ms": c.linger_ms,
+        "kafka_oauth_cb": c.kafka_oauth_cb,
     }
+
+
+def kafka_table(c: KafkaSettings) -> dict[str, str]:
+    """The ``[kafka]`` table of a generated config file: every librdkafka setting but the
+    secrets (an ``@FILE`` reference stays: it is a path); those reach the roles as
+    ``SRL_KAFKA_<NAME>`` variables (:func:`kafka_secrets`), never a file srl writes."""
+    return {k: v for k, v in c.kafka.items() if not is_secret(k) or is_file_ref(v)}
+
+
+def kafka_secrets(c: KafkaSettings) -> dict[str, str]:
+    """The secrets :func:`kafka_table` leaves out, as the roles' environment variables."""
+    return secret_environment({k: v for k, v in c.kafka.items() if k not in kafka_table(c)})
 
 
 def toml_text(
@@ -362,6 +376,7 @@ class Plan:
                 "bucket_bounds": DEMO_BUCKET_BOUNDS,
                 "linger_ms": 2.0,
                 "kafka": self.cfg.kafka,
+                "kafka_oauth_cb": self.cfg.kafka_oauth_cb,
                 "connect_timeout_s": self.cfg.connect_timeout_s,
             }
         )
@@ -370,8 +385,8 @@ class Plan:
         c = self.common()
         top = toml_top(c)
         tables = self.role_tables()
-        if c.kafka:  # librdkafka settings (security …) reach every role
-            tables = {"kafka": dict(c.kafka)} | tables
+        if kafka_table(c):  # librdkafka settings (security …) reach every role; secrets by env
+            tables = {"kafka": kafka_table(c)} | tables
         path = self.out / "srl.toml"
         path.write_text(toml_text(top, tables))
         return path

@@ -45,6 +45,8 @@ from app.demoplan import (
     Role,
     console_script,
     engine_table,
+    kafka_secrets,
+    kafka_table,
     require_engine,
     toml_text,
     toml_top,
@@ -138,6 +140,7 @@ class ServePlan:
                 "bucket_bounds": DEMO_BUCKET_BOUNDS,
                 "linger_ms": 2.0,
                 "kafka": self.cfg.kafka,
+                "kafka_oauth_cb": self.cfg.kafka_oauth_cb,
                 "connect_timeout_s": self.cfg.connect_timeout_s,
             }
         )
@@ -154,8 +157,8 @@ class ServePlan:
         serve |= {"port": self.port, "max_batch": d.regular_max_batch, "threads": 1}
         serve |= {"chunk_tokens": d.chunk_tokens, "seed": d.seed, "max_n": d.group_size}
         tables: dict[str, dict[str, Any]] = {"train": train, "serve": serve}
-        if c.kafka:
-            tables = {"kafka": dict(c.kafka)} | tables
+        if kafka_table(c):  # the secrets reach the roles by environment (kafka_secrets)
+            tables = {"kafka": kafka_table(c)} | tables
         path = self.out / "srl.toml"
         path.write_text(toml_text(top, tables))
         return path
@@ -199,7 +202,7 @@ def _serve_and_learn(
     wait_for_broker(live)
     create_topics(live)
     conf = plan.write()
-    fleet = Fleet(env=role_env(os.environ), cwd=plan.out)
+    fleet = Fleet(env=role_env(os.environ, kafka_secrets(live)), cwd=plan.out)
     watcher = Watcher(live, plan.run, trainer_group(live.topic_prefix, plan.run))
     watcher.start()
     c = plan.cfg

@@ -107,7 +107,7 @@ def _produce(cfg: StreamConfig, layout: Layout, chunks: list[TrajectoryChunk]) -
 def _consume(cfg: StreamConfig, layout: Layout, expected: dict[str, int]) -> tuple[int, int]:
     """Read the trajectories topic in a fresh group until every expected trajectory has all
     its chunks (at most 60 s), then commit: (trajectories complete, duplicate chunks)."""
-    consumer = make_consumer(cfg, f"srl-smoke-{uuid.uuid4().hex[:8]}", "smoke")
+    consumer = make_consumer(cfg, f"{cfg.topic_prefix}.smoke-{uuid.uuid4().hex[:8]}", "smoke")
     seen: dict[str, set[int]] = defaultdict(set)
     done: set[str] = set()
     duplicates = 0

@@ -68,7 +68,7 @@ from srl.kafka import (
     KafkaException,
     Producer,
     TopicPartition,
-    create_topics,
+    ensure_topics,
     make_consumer,
     position_group,
     share_positions,
@@ -307,10 +307,10 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        specs = self.layout.specs()
-        create_topics(self.cfg, [s for s in specs if not self.layout.is_task_topic(s.name)])
-        self._recover()
         topics = [self.layout.trajectories] + [self.layout.feedback] * self.feedback.enabled
+        writes = [self.layout.weights, self.layout.metrics, self.layout.dlq]
+        ensure_topics(self.cfg, topics + writes, "trainer")
+        self._recover()
         self.consumer, self.sharer = open_consumers(self.cfg, topics)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:

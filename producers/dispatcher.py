@@ -71,7 +71,7 @@ from srl.kafka import (
     Producer,
     QuietTail,
     TopicPartition,
-    create_topics,
+    ensure_topics,
     reader,
 )
 from srl.metrics import Metrics, dead_letter, origin
@@ -284,7 +284,9 @@ def run_dispatcher(
     use_schema_registry(cfg)
     stop = stop or threading.Event()
     layout = Layout.from_config(cfg)
-    create_topics(cfg)
+    prompts = [layout.prompts(b) for b in layout.buckets]
+    others = [layout.trajectories, layout.weights, layout.metrics, layout.dlq]
+    ensure_topics(cfg, prompts + others, "dispatcher")
     published = read_published(cfg, layout, cfg.run)  # a restart resumes after them
     with contextlib.ExitStack() as stack:
         producer = stack.enter_context(Producer(cfg, "dispatcher"))

@@ -146,7 +146,7 @@ class Intake:
             consumer = make_consumer(cfg, cfg.consumer_group, "generator")
             # a finished task is committable at once on a broker that keeps what it
             # acknowledged (Apache Kafka), UNSURE_S later on the embedded one (producers.ackguard)
-            if not forgets_acknowledged(cfg.bootstrap_servers):
+            if not forgets_acknowledged(cfg):
                 self.guard.unsure_s = 0.0
         self._consumer = consumer
         if cfg.pool_liveness:  # assigned by the pool's epochs, never a group member

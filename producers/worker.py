@@ -91,8 +91,8 @@ from srl.kafka import (
     KafkaException,
     Message,
     Producer,
-    create_topics,
     describe,
+    ensure_topics,
     position_group,
     produced_ms,
     start_over,
@@ -150,8 +150,17 @@ class GeneratorWorker:
         self._stats_base = (0, 0)
 
     # -- lifecycle -----------------------------------------------------------------------
+    def topics(self) -> list[str]:
+        """Every topic this worker reads or writes (``ensure_topics`` checks them at start)."""
+        lay, cfg = self.layout, self.cfg
+        out = [t for b in self.buckets for t in (lay.prompts(b), lay.resumes(b))]
+        out += [lay.resumes(cfg.migrate_to)] if cfg.migrate_to else []
+        out += [lay.trajectories, lay.weights, lay.metrics, lay.dlq]
+        out += [lay.pool_epochs, lay.pool_beats] if cfg.pool_liveness else []
+        return list(dict.fromkeys(out))
+
     def run(self, stop: threading.Event) -> GenSummary:
-        create_topics(self.cfg)
+        ensure_topics(self.cfg, self.topics(), "generator")
         with contextlib.ExitStack() as stack:
             self._open(stack)
             idle_since = time.monotonic()

@@ -56,10 +56,10 @@ from srl.kafka import (
     Producer,
     TopicPartition,
     describe,
+    ensure_topics,
     make_consumer,
     produced_ms,
     start_over,
-    wait_for_broker,
 )
 from srl.metrics import Metrics, dead_letter, origin, read_record
 from srl.stores import store_from_config
@@ -239,8 +239,8 @@ def run_online(
     without a new pair; returns the number of versions published. A version is trained the
     moment the ``retrain_every``-th new pair arrives, so versions hold exactly those pairs."""
     use_schema_registry(cfg)
-    wait_for_broker(cfg)
     layout = Layout.from_config(cfg)
+    ensure_topics(cfg, [layout.trajectories, layout.metrics, layout.dlq], "ranker")
     # static membership: a restarted ranker takes its predecessor's place at once (a broker
     # that never evicts a SIGKILLed member, as the embedded one, would otherwise keep the
     # partitions with the dead one for good); a second ranker in the group fences the first

@@ -37,9 +37,17 @@ import typing
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from srl.errors import ConfigError
+from srl.kafkaenv import kafka_from_environment, settings_as_strings, split_settings
 
 S = TypeVar("S", bound="Settings")
 
@@ -85,8 +93,8 @@ class ConnectSettings(Settings):
     )
 
 
-class KafkaSettings(ConnectSettings):
-    """Which Kafka cluster and topics, and any librdkafka setting: every Kafka client."""
+class ClusterSettings(Settings):
+    """Which Kafka cluster, and the prefix of every srl topic, consumer group and client id."""
 
     bootstrap_servers: str = Field(
         "127.0.0.1:9092",
@@ -96,15 +104,39 @@ class KafkaSettings(ConnectSettings):
     topic_prefix: str = Field(
         "srl",
         pattern=NAME_PATTERN,
-        description="Prefix of every topic name: {prefix}.trajectories …",
+        description=(
+            "Prefix of every topic name ({prefix}.trajectories …), consumer group and client id."
+        ),
     )
+
+
+class KafkaSettings(ConnectSettings, ClusterSettings):
+    """The librdkafka settings of every Kafka client srl makes: security, tuning, a token
+    callback (docs/security.md)."""
+
     kafka: dict[str, str] = Field(
         default_factory=dict,
         description=(
-            "librdkafka settings passed through verbatim (-X key=value), e.g. security.protocol."
+            "librdkafka settings passed through verbatim (-X key=value), e.g. security.protocol; "
+            "a value @FILE is read from FILE; SRL_KAFKA_<NAME> sets one (docs/security.md)."
         ),
         json_schema_extra=cli("-X", metavar="KEY=VALUE"),
     )
+    kafka_oauth_cb: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description=(
+            "OAUTHBEARER token callback as module:function, given to every Kafka client: "
+            "fn(sasl.oauthbearer.config) -> (token, expiry in seconds since the epoch"
+            "[, principal, extensions]); null: none (docs/security.md)."
+        ),
+        json_schema_extra=cli(metavar="MODULE:FUNCTION"),
+    )
+
+    @field_validator("kafka", mode="before")
+    @classmethod
+    def _scalars_as_strings(cls, v: Any) -> Any:
+        return settings_as_strings(v)
 
 
 class ProducerSettings(KafkaSettings):
@@ -148,8 +180,67 @@ class LayoutSettings(Settings):
         return v
 
 
+class TopicSettings(Settings):
+    """How srl creates its topics, and what it checks pre-created ones against (``srl topics
+    create|check|plan``; a role that creates what it finds missing)."""
+
+    replication_factor: int | None = Field(
+        None,
+        ge=1,
+        le=32,
+        description=(
+            "Replicas of each topic srl creates; null: the broker's default.replication.factor "
+            "(warned about when that is 1 on a cluster of several nodes)."
+        ),
+    )
+    min_insync_replicas: int | None = Field(
+        None,
+        ge=1,
+        le=32,
+        description=(
+            "min.insync.replicas of each topic srl creates (acks=all waits for that many); "
+            "null: the broker's default."
+        ),
+    )
+    topic_configs: Literal["srl", "minimal"] = Field(
+        "srl",
+        description=(
+            "srl: every topic config of the layout (pool epochs kept forever, pool beats kept "
+            "10 minutes, retention_ms); minimal: only what correctness needs (the compacted "
+            "weights topic, max.message.bytes), for a managed cluster that refuses the rest."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _insync_within_replicas(self) -> TopicSettings:
+        rf, isr = self.replication_factor, self.min_insync_replicas
+        if rf is not None and isr is not None and isr > rf:
+            raise ConfigError(
+                f"config: min_insync_replicas {isr} is more than replication_factor {rf}"
+            )
+        return self
+
+
+class CreationSettings(TopicSettings):
+    """Whether a role creates the topics it finds missing; ``srl topics create`` is the admin
+    step (docs/security.md)."""
+
+    create_topics: Literal["auto", "yes", "no"] = Field(
+        "auto",
+        description=(
+            "A role that finds one of its topics missing: yes: creates it (needs Create); no: "
+            "stops with one line naming it; auto: creates it only on a broker srl started "
+            "(srl broker start, embedded or Apache Kafka), else as no."
+        ),
+    )
+
+
 class TopicsConfig(KafkaSettings, LayoutSettings):
-    """A deployment's topics: the cluster and the layout (``srl topics create|describe``)."""
+    """A deployment's topics: the cluster and the layout (``srl topics describe``, ``srl top``)."""
+
+
+class TopicsAdminConfig(TopicsConfig, TopicSettings):
+    """``srl topics create|check``: the layout, and how its topics are created and checked."""
 
 
 class RunSettings(Settings):
@@ -198,6 +289,10 @@ class StoreSettings(ConnectSettings):
     )
 
 
+class PlanConfig(ClusterSettings, LayoutSettings, TopicSettings, RunSettings):
+    """``srl topics plan``: the layout on paper, and each role's ACLs (no broker is asked)."""
+
+
 class RunStoreConfig(RunSettings, StoreSettings):
     """A run's objects in the store (published ranker versions, weights, checkpoints)."""
 
@@ -210,7 +305,9 @@ class RegistrySettings(Settings):
     )
 
 
-class CommonConfig(ProducerSettings, TopicsConfig, RunStoreConfig, RegistrySettings):
+class CommonConfig(
+    ProducerSettings, TopicsConfig, CreationSettings, RunStoreConfig, RegistrySettings
+):
     """Every shared setting: what a role that produces, consumes, stores and names a run reads
     (the dispatcher, the generator, the trainer); the role configs subclass it."""
 
@@ -236,14 +333,18 @@ def field_kind(annotation: Any) -> str:
 
 
 def parse_kv(items: str | list[str] | tuple[str, ...], what: str = "-X") -> dict[str, str]:
-    """``["a=1", "b=2"]`` or ``"a=1,b=2"`` → ``{"a": "1", "b": "2"}``; a missing '=' is an error."""
+    """``["a=1", "b=2"]`` or ``"a=1,b=2"`` (:func:`split_settings`) → ``{"a": "1", "b": "2"}``;
+    a missing '=' is an error (naming the key only: the item may be a secret)."""
     if isinstance(items, str):
-        items = [s for s in items.split(",") if s.strip()]
+        items = split_settings(items)
     out: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"{what}: expected key=value, got {item!r}")
+            # shown only if it looks like a setting's name: a bare value may be a secret
+            name = re.fullmatch(r"[a-z][a-z0-9_.-]{0,80}", item.strip())
+            shown = repr(item.strip()) if name else "a value without a name"
+            raise ConfigError(f"{what}: expected key=value, got {shown}")
         out[key.strip()] = value.strip()
     return out
 
@@ -326,6 +427,9 @@ def load_config(
             if key == "kafka":  # SRL_KAFKA adds to the file's [kafka] table (e.g. a secret)
                 value = {**values.get("kafka", {}), **value}
             values[key], source[key] = value, f"SRL_{key.upper()}"
+    if "kafka" in fields and (one := kafka_from_environment(environ, fields)):
+        values["kafka"] = {**values.get("kafka", {}), **one}  # over SRL_KAFKA, under -X
+        source["kafka"] = "SRL_KAFKA_<NAME>"
     for key, value in (cli or {}).items():
         if value is None or (key == "kafka" and not value):
             continue
@@ -346,7 +450,10 @@ def _one_line(e: ValidationError, source: dict[str, str]) -> str:
     top = str(err["loc"][0]) if err["loc"] else ""
     where = source.get(top, "default")
     got = err.get("input")
-    shown = "" if isinstance(got, dict) else f" (got {got!r}, from {where})"
+    # a librdkafka setting's value may be a secret: its key and where it came from only
+    hidden = isinstance(got, dict) or top == "kafka"
+    shown = f" (from {where})" if hidden and top == "kafka" else ""
+    shown = shown if hidden else f" (got {got!r}, from {where})"
     msg = re.sub(r"\s+", " ", err["msg"])
     return f"config: {key}: {msg}{shown}"
 
@@ -367,9 +474,12 @@ def describe(cls: type[Settings]) -> list[tuple[str, str, str]]:
 
 # The groups in the order commands list their options and docs/configuration.md its tables.
 GROUPS: tuple[type[Settings], ...] = (
+    ClusterSettings,
     KafkaSettings,
     ProducerSettings,
     LayoutSettings,
+    TopicSettings,
+    CreationSettings,
     RunSettings,
     StoreSettings,
     ConnectSettings,

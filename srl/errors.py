@@ -7,6 +7,7 @@ from __future__ import annotations
 from schemas.errors import SchemaError
 
 __all__ = [
+    "AccessDenied",
     "BrokerUnavailable",
     "ConfigError",
     "ProducerFailed",
@@ -33,6 +34,11 @@ class ConfigError(SrlError):
 
 class BrokerUnavailable(SrlError):
     """No Kafka broker answered in time."""
+
+
+class AccessDenied(SrlError):
+    """The cluster refused this client something an ACL would allow: reading or writing a
+    topic, joining or reading a consumer group (docs/security.md lists each role's ACLs)."""
 
 
 class StartOver(SrlError):

@@ -29,10 +29,22 @@ from __future__ import annotations
 import bisect
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from srl.config import TopicsConfig
+
+class LayoutConfig(Protocol):
+    """What a layout is made from: any config with the prefix and the layout settings."""
+
+    @property
+    def topic_prefix(self) -> str: ...
+    @property
+    def bucket_bounds(self) -> tuple[int, ...]: ...
+    @property
+    def partitions_per_bucket(self) -> int: ...
+    @property
+    def prompt_partitions(self) -> int: ...
+    @property
+    def retention_ms(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -51,7 +63,7 @@ class Layout:
     retention_ms: int | None = None  # of the data topics; None: the broker's default
 
     @classmethod
-    def from_config(cls, cfg: TopicsConfig) -> Layout:
+    def from_config(cls, cfg: LayoutConfig) -> Layout:
         return cls(
             cfg.topic_prefix,
             tuple(cfg.bucket_bounds),
@@ -132,11 +144,14 @@ class Layout:
         base = self.bucket_index(bucket) * self.partitions_per_bucket
         return base + zlib.crc32(trajectory_id.encode()) % self.partitions_per_bucket
 
-    def bucket_of_partition(self, partition: int) -> str:
-        return self.buckets[partition // self.partitions_per_bucket]
+    def bucket_of_partition(self, partition: int) -> str | None:
+        """The bucket a trajectories partition belongs to; None for one beyond the layout (a
+        topic someone created with more partitions: ``srl topics check`` names it)."""
+        i = partition // self.partitions_per_bucket
+        return self.buckets[i] if 0 <= i < len(self.buckets) else None
 
     # -- all topics --------------------------------------------------------------------
-    def specs(self) -> list[TopicSpec]:
+    def specs(self, configs: str = "srl") -> list[TopicSpec]:
         """Every topic of a deployment with its partition count and topic config.
 
         ``retention_ms`` bounds the data topics (trajectories, resume tasks, metrics, feedback,
@@ -144,8 +159,34 @@ class Layout:
         segments only, so data is kept for at most 1.25x the retention). The prompt topics
         keep the broker's default: they are the dispatcher's log (``producers.dispatch_log``),
         and a task deleted from them would be dispatched again by a restarted dispatcher.
-        Pool beats are read back 2 session timeouts at most: kept 10 minutes, in 1-minute
-        segments (with the default segment of 7 days nothing would ever be deleted)."""
+        Pool epochs are kept forever (a pool's epoch numbers only grow); pool beats are read
+        back 2 session timeouts at most: kept 10 minutes, in 10-minute segments (the smallest
+        some managed clusters allow; with the default segment of 7 days nothing would ever be
+        deleted). ``configs="minimal"`` leaves out all of that but what correctness needs
+        (:data:`REQUIRED_CONFIGS`) and the retention the user asked for, for a cluster that
+        refuses the rest."""
+        specs = self._specs()
+        if configs == "srl":
+            return specs
+        keep = {"retention.ms", "segment.ms"} if self.retention_ms is not None else set()
+        return [
+            TopicSpec(
+                s.name,
+                s.partitions,
+                {
+                    k: v
+                    for k, v in s.config.items()
+                    if k in REQUIRED_CONFIGS or (k in keep and not s.name.startswith(self._pool))
+                },
+            )
+            for s in specs
+        ]
+
+    @property
+    def _pool(self) -> str:
+        return f"{self.prefix}.pool."
+
+    def _specs(self) -> list[TopicSpec]:
         data: dict[str, str] = {}
         if self.retention_ms is not None:
             roll = max(self.retention_ms // 4, 1000)
@@ -165,9 +206,14 @@ class Layout:
             TopicSpec(self.metrics, 1, dict(data)),
             TopicSpec(self.dlq, 1, dict(data)),
             TopicSpec(self.pool_epochs, 1, {"retention.ms": "-1"}),
-            TopicSpec(self.pool_beats, 1, {"retention.ms": "600000", "segment.ms": "60000"}),
+            TopicSpec(self.pool_beats, 1, {"retention.ms": "600000", "segment.ms": "600000"}),
         ]
         return specs
+
+
+# What a topic's correctness needs, kept by ``configs="minimal"``: followers take the newest
+# version per run from the compacted weights topic; a chunk is at most 1 MB.
+REQUIRED_CONFIGS = frozenset({"cleanup.policy", "max.message.bytes"})
 
 
 # -- consumer groups ---------------------------------------------------------------------

@@ -273,6 +273,12 @@ def prefix(request: pytest.FixtureRequest) -> Iterator[str]:
         delete_topics(request.getfixturevalue("bootstrap"), name)
 
 
+def roles_create_topics() -> bool:
+    """Whether the tests tell roles to create their topics: on a broker srl did not start (an
+    external one, a container), where ``create_topics = "auto"`` would not (docs/security.md)."""
+    return test_broker() in ("external", "container")
+
+
 @pytest.fixture
 def make_cfg(bootstrap: str, prefix: str, tmp_path: Path):  # type: ignore[no-untyped-def]
     """Factory: a config of ``cls`` on the session broker with this test's prefix and store."""
@@ -285,6 +291,8 @@ def make_cfg(bootstrap: str, prefix: str, tmp_path: Path):  # type: ignore[no-un
             "store": f"file://{tmp_path / 'store'}",
             "connect_timeout_s": 10.0,
         }
+        if roles_create_topics() and "create_topics" in cls.model_fields:
+            base["create_topics"] = "yes"
         return load_config(cls, cli={**base, **values}, env={})
 
     return make
@@ -307,6 +315,8 @@ def cli_environment(bootstrap: str, prefix: str, tmp_path: Path) -> dict[str, st
             "PYTHONUNBUFFERED": "1",
         }
     )
+    if roles_create_topics():
+        env["SRL_CREATE_TOPICS"] = "yes"
     return env
 
 

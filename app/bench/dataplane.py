@@ -147,7 +147,9 @@ def run_phase(cfg: StreamConfig, spec: dict[str, Any]) -> dict[str, Any]:
     layout = Layout.from_config(cfg)
     create_topics(cfg, [*layout.specs(), TopicSpec(warmup_topic(cfg), 1, {})])
     size = phase_size(spec, layout)
-    consumer = make_consumer(cfg, f"bench-{uuid.uuid4().hex[:8]}", "bench-dataplane")
+    consumer = make_consumer(
+        cfg, f"{cfg.topic_prefix}.bench-{uuid.uuid4().hex[:8]}", "bench-dataplane"
+    )
     ctx = mp.get_context("spawn")
     go, ready, start_ns, q = ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Queue()
     child = ctx.Process(target=_produce, args=(cfg, spec, go, ready, start_ns, q), daemon=True)

@@ -70,6 +70,7 @@ from app.configs import ServeBenchConfig
 from srl.broker import free_port
 from srl.errors import SrlError
 from srl.kafka import create_topics
+from srl.secrets import env_name
 
 MODES = ("publish_off", "publish_on")
 SIM_LABEL = (
@@ -121,16 +122,20 @@ def engine_args(cfg: ServeBenchConfig) -> list[str]:
 
 
 def kafka_args(cfg: ServeBenchConfig) -> list[str]:
-    """The broker, topics and producer settings as ``srl serve`` options."""
+    """The broker, topics and producer settings as ``srl serve`` options; the librdkafka
+    settings go by environment (:func:`kafka_env`): a command line is everyone's to read."""
     args = ["--bootstrap", cfg.bootstrap_servers, "--topic-prefix", cfg.topic_prefix]
     args += ["--compression", cfg.compression, "--linger-ms", str(cfg.linger_ms)]
     args += ["--bucket-bounds", ",".join(str(b) for b in cfg.bucket_bounds)]
     args += ["--partitions-per-bucket", str(cfg.partitions_per_bucket)]
     args += ["--prompt-partitions", str(cfg.prompt_partitions)]
     args += ["--connect-timeout-s", str(cfg.connect_timeout_s)]
-    for k, v in cfg.kafka.items():
-        args += ["-X", f"{k}={v}"]
-    return args
+    return args + (["--kafka-oauth-cb", cfg.kafka_oauth_cb] if cfg.kafka_oauth_cb else [])
+
+
+def kafka_env(cfg: ServeBenchConfig) -> dict[str, str]:
+    """This environment with the librdkafka settings as ``SRL_KAFKA_<NAME>`` variables."""
+    return os.environ | {env_name(k): v for k, v in cfg.kafka.items()}
 
 
 def _serve_args(cfg: ServeBenchConfig, store: str, port: int, publish: bool) -> list[str]:
@@ -197,7 +202,9 @@ def serve_process(
     with tempfile.TemporaryFile("w+") as log:
         args = _serve_args(cfg, store, port, publish)
         pin = None if not cpus else functools.partial(os.sched_setaffinity, 0, cpus)
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin)
+        proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin, env=kafka_env(cfg)
+        )
         try:
             deadline = time.monotonic() + timeout_s
             while _health(port) is None:

@@ -32,6 +32,11 @@ def setup_logging(verbose: int = 0) -> None:
         level=level, format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
     logging.getLogger("srl").setLevel(min(level, logging.INFO))
+    from srl.secrets import Scrubber  # light: no Kafka client
+
+    for handler in logging.getLogger().handlers:  # no secret srl has seen reaches a log line
+        if not any(isinstance(f, Scrubber) for f in handler.filters):
+            handler.addFilter(Scrubber())
 
 
 # every command group: -h as well as --help, help text up to 100 columns
@@ -68,9 +73,10 @@ def user_error(prog: str, e: Exception) -> int:
     bug, with its traceback. Imported here, not at start-up, so ``--help`` stays light."""
     from srl.errors import SchemaError, SrlError
     from srl.kafka import KafkaException, describe
+    from srl.secrets import scrub
 
     if isinstance(e, SrlError | SchemaError):
-        click.echo(f"{prog}: error: {e}", err=True)
+        click.echo(f"{prog}: error: {scrub(str(e))}", err=True)
         return e.exit_code
     if isinstance(e, KafkaException):
         click.echo(f"{prog}: error: kafka: {describe(e)}", err=True)

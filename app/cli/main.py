@@ -13,12 +13,13 @@ import click
 
 from app.cli.common import GROUP_SETTINGS, echo_json, run_main, setup_logging
 from app.cli.options import ConfigGroup, with_config
+from app.cli.topics import topics
 
 if TYPE_CHECKING:
     from app.chaos.config import ChaosConfig
     from app.configs import StreamConfig, TopConfig
     from app.demoplan import DemoConfig
-    from srl.config import StoreSettings, TopicsConfig
+    from srl.config import StoreSettings
 
 
 @click.group(
@@ -34,6 +35,9 @@ def cli(verbose: int) -> None:
     store. Start here: `srl broker start`, then `srl demo`; see README.md.
     """
     setup_logging(verbose)
+
+
+cli.add_command(topics)
 
 
 # -- broker -------------------------------------------------------------------------------
@@ -179,74 +183,6 @@ def broker_tool(name: str, args: tuple[str, ...], kafka_home: Path | None) -> No
     sys.stdout.write(out.stdout)
     sys.stderr.write(out.stderr)
     raise click.exceptions.Exit(out.returncode)
-
-
-# -- topics -------------------------------------------------------------------------------
-@cli.group()
-def topics() -> None:
-    """Create and inspect the srl topics ({prefix}.prompts.{bucket}, .trajectories, …)."""
-
-
-@topics.command("create")
-@with_config("srl.config:TopicsConfig")
-def topics_create(cfg: TopicsConfig) -> None:
-    """Create every missing srl topic for the configured prefix and buckets."""
-    from srl.kafka import create_topics
-    from srl.topics import Layout
-
-    created = set(create_topics(cfg))
-    for spec in Layout.from_config(cfg).specs():
-        state = "created" if spec.name in created else "exists"
-        click.echo(f"{spec.name:40s} {spec.partitions:3d} partitions  {state}")
-
-
-@topics.command("describe")
-@with_config("srl.config:TopicsConfig")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def topics_describe(cfg: TopicsConfig, as_json: bool) -> None:
-    """Partitions with their low and high watermarks (and bucket, for trajectories)."""
-    from srl.kafka import wait_for_broker, watermarks
-    from srl.topics import Layout
-
-    layout = Layout.from_config(cfg)
-    md = wait_for_broker(cfg)
-    names = sorted(t for t in md.topics if t.startswith(f"{layout.prefix}."))
-    rows: list[dict[str, Any]] = []
-    for (topic, part), (low, high) in sorted(watermarks(cfg, names).items()):
-        bucket = layout.bucket_of_partition(part) if topic == layout.trajectories else None
-        rows.append(
-            {
-                "topic": topic,
-                "partition": part,
-                "bucket": bucket,
-                "low": low,
-                "high": high,
-                "messages": high - low,
-            }
-        )
-    if as_json:
-        echo_json({"bootstrap": cfg.bootstrap_servers, "partitions": rows})
-        return
-    if not rows:
-        click.echo(
-            f"no topics with prefix {layout.prefix!r} at {cfg.bootstrap_servers}; run `srl topics "
-            f"create`"
-        )
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table("TOPIC", "PARTITION", "BUCKET", "LOW", "HIGH", "MESSAGES", box=None)
-    for r in rows:
-        table.add_row(
-            r["topic"],
-            str(r["partition"]),
-            r["bucket"] or "-",
-            str(r["low"]),
-            str(r["high"]),
-            str(r["messages"]),
-        )
-    Console().print(table)
 
 
 # -- store --------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from app.serve.text import codec_for
 from producers.engines import make_engine
 from producers.follower import WeightFollower
 from srl.errors import SrlError
-from srl.kafka import Producer, create_topics
+from srl.kafka import Producer, ensure_topics
 from srl.metrics import Metrics
 from srl.stores import store_from_config
 from srl.topics import Layout
@@ -153,7 +153,8 @@ def _kafka(
 ) -> tuple[Producer, WeightFollower, Metrics]:
     """Publishing's Kafka side, closed by ``stack``: topics created, the producer (flushed on
     exit), the weight follower and the metric events."""
-    create_topics(cfg)
+    names = [layout.trajectories, layout.feedback, layout.weights, layout.metrics, layout.dlq]
+    ensure_topics(cfg, names, "serve")
     producer = stack.enter_context(Producer(cfg, "serve"))
     producer.warm([layout.trajectories])
     follower = WeightFollower(cfg, layout, store_from_config(cfg), run=cfg.weights_run).start()

@@ -314,12 +314,12 @@ class Layout:
 
 
 def new_cluster_id() -> str:
-    """A KRaft cluster id: 16 random bytes, URL-safe base64 without padding, never starting
-    with ``-`` (Kafka's ``Uuid.randomUuid`` rule: a leading dash reads as a CLI option)."""
-    while True:
-        s = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-        if not s.startswith("-"):
-            return s
+    """A KRaft cluster id: 16 bytes, URL-safe base64 without padding (Kafka's ``Uuid``), whose
+    first three are ``b"srl"`` and the rest random: it begins with ``c3Js``
+    (``srl.kafka.probe.SRL_MARK``), so a client knows that srl started this cluster (where a
+    role's ``create_topics = "auto"`` creates what it finds missing) and never with ``-``
+    (Kafka's rule: a leading dash reads as a CLI option)."""
+    return base64.urlsafe_b64encode(b"srl" + uuid.uuid4().bytes[:13]).decode().rstrip("=")
 
 
 def node_properties(node: Node, layout: Layout, data_dir: Path) -> dict[str, str]:

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -25,49 +24,61 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
-from srl.config import KafkaSettings, TopicsConfig
+from srl.config import KafkaSettings, TopicsConfig, TopicSettings
 from srl.errors import SrlError
 from srl.kafka.consumer import Consumer, reader
+from srl.kafka.probe import wait_for_broker
 from srl.kafka.ranges import watermarks_of
 from srl.kafka.settings import (
     SESSION_TIMEOUT_MS,
     base_settings,
     describe,
     for_group_protocol,
-    wait_for_broker,
+    user_settings,
 )
+from srl.topicplan import topic_config as created_config
 from srl.topics import Layout, TopicSpec
-
-log = logging.getLogger("srl.kafka")
 
 
 def admin(cfg: KafkaSettings) -> AdminClient:
-    return AdminClient(base_settings(cfg, "admin") | cfg.kafka)
+    return AdminClient(base_settings(cfg, "admin") | user_settings(cfg))
 
 
 def create_topics(cfg: TopicsConfig, specs: Iterable[TopicSpec] | None = None) -> list[str]:
-    """Create missing topics (all of the layout's by default); returns the names created."""
+    """Create missing topics (all of the layout's by default); returns the names created.
+    Where ``cfg`` has them (``TopicSettings``), its replication factor, ``min.insync.replicas``
+    and ``topic_configs``; else the broker's. A topic that exists is left as it is
+    (``srl topics check`` and the roles compare it with the layout)."""
     wait_for_broker(cfg)
-    specs = list(specs) if specs is not None else Layout.from_config(cfg).specs()
+    rf, isr, configs = None, None, "srl"
+    if isinstance(cfg, TopicSettings):
+        rf, isr, configs = cfg.replication_factor, cfg.min_insync_replicas, cfg.topic_configs
+    specs = list(specs) if specs is not None else Layout.from_config(cfg).specs(configs)
     client = admin(cfg)
     existing = client.list_topics(timeout=cfg.connect_timeout_s).topics
     todo = [s for s in specs if s.name not in existing]
-    created = _create(client, todo, cfg.connect_timeout_s)
-    for s in specs:
-        have = len(existing[s.name].partitions) if s.name in existing else s.partitions
-        if have < s.partitions:
-            log.warning("topic %s has %d partitions, layout wants %d", s.name, have, s.partitions)
+    created = _create(client, todo, cfg.connect_timeout_s, rf, isr)
     if created:
         _wait_for_leaders(client, created, cfg.connect_timeout_s)
     return created
 
 
-def _create(client: AdminClient, todo: list[TopicSpec], timeout_s: float) -> list[str]:
+def _create(
+    client: AdminClient,
+    todo: list[TopicSpec],
+    timeout_s: float,
+    replication: int | None = None,
+    min_insync: int | None = None,
+) -> list[str]:
     if not todo:
         return []
     # replication_factor -1: the broker's default.replication.factor (1 on one node, 3 on the
     # three-node cluster srl starts; KIP-464), so the same layout fits any cluster
-    new = [NewTopic(s.name, s.partitions, replication_factor=-1, config=s.config) for s in todo]
+    rf = -1 if replication is None else replication
+    new = [
+        NewTopic(s.name, s.partitions, replication_factor=rf, config=created_config(s, min_insync))
+        for s in todo
+    ]
     futures = client.create_topics(new, operation_timeout=timeout_s, request_timeout=timeout_s)
     created = []
     for name, fut in futures.items():
@@ -130,10 +141,11 @@ def committed_offsets(
     timeout_s: float = 10.0,
 ) -> dict[tuple[str, int], int | None]:
     """Committed offset of ``group_id`` per partition; None where nothing is committed."""
-    settings = base_settings(cfg, "offsets") | {"group.id": group_id}
-    with Consumer(
-        for_group_protocol(settings | {"session.timeout.ms": SESSION_TIMEOUT_MS} | cfg.kafka)
-    ) as c:
+    settings = base_settings(cfg, "offsets") | {
+        "group.id": group_id,
+        "session.timeout.ms": SESSION_TIMEOUT_MS,
+    }
+    with Consumer(for_group_protocol(settings | user_settings(cfg))) as c:
         tps = c.committed([TopicPartition(t, p) for t, p in partitions], timeout=timeout_s)
         return {(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None) for tp in tps}
 
@@ -149,7 +161,7 @@ def start_group_at(
     if start == "earliest":
         return {}
     timeout_s = cfg.connect_timeout_s
-    with Consumer(base_settings(cfg, "start") | {"group.id": group_id} | cfg.kafka) as c:
+    with Consumer(base_settings(cfg, "start") | {"group.id": group_id} | user_settings(cfg)) as c:
         parts = c.partitions_of(list(topics), timeout_s)
         mine = c.committed(parts, timeout=timeout_s)
         todo = [TopicPartition(tp.topic, tp.partition) for tp in mine if tp.offset < 0]
@@ -193,7 +205,7 @@ class Lag:
                 "group.id": group,
                 "session.timeout.ms": SESSION_TIMEOUT_MS,
             }
-            self._groups[group] = Consumer(for_group_protocol(settings | self.cfg.kafka))
+            self._groups[group] = Consumer(for_group_protocol(settings | user_settings(self.cfg)))
         return self._groups[group]
 
     def partitions(self, groups: Sequence[str], topics: Sequence[str]) -> list[PartitionLag]:

@@ -26,15 +26,17 @@ from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from srl.config import KafkaSettings
-from srl.errors import ConsumerFailed, SrlError
+from srl.errors import AccessDenied, ConsumerFailed, SrlError
 from srl.kafka.callbacks import callback
+from srl.kafka.probe import idle_fetches_spin
 from srl.kafka.quiet import Quiet, key
 from srl.kafka.settings import (
     SESSION_TIMEOUT_MS,
     base_settings,
     consumer_settings,
     for_group_protocol,
-    idle_fetches_spin,
+    reader_group,
+    user_settings,
 )
 
 log = logging.getLogger("srl.kafka")
@@ -56,13 +58,43 @@ MOVING_LEADER = (
 LEADER_ASK_S = 2.0  # one offsets request waits this long before the leader is looked up again
 
 
-def _alive(msg: Any) -> Any:
+def _alive(msg: Any, group: str = "") -> Any:
     """``msg``, unless it is a fatal error event: then this member is fenced for good (a
-    static member whose coordinator moved, docs/broker.md) and its owner starts over."""
+    static member whose coordinator moved, docs/broker.md) and its owner starts over; or an
+    authorization error (an ACL missing): ``AccessDenied``, one line, at once, instead of a
+    role that sits idle."""
     err = msg.error() if msg is not None else None
-    if err is not None and (err.fatal() or err.code() == KafkaError._FATAL):
+    if err is None:
+        return msg
+    if err.fatal() or err.code() == KafkaError._FATAL:
         raise ConsumerFailed(f"the Kafka consumer failed for good: {err.str()}")
+    if err.code() in DENIED:
+        raise AccessDenied(denied_line(err, msg.topic(), group))
     return msg
+
+
+# What an ACL missing looks like to a consumer (a poll's error event)
+DENIED = (
+    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.GROUP_AUTHORIZATION_FAILED,
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+)
+
+
+def denied_line(err: KafkaError, topic: str | None, group: str) -> str:
+    """One line for an authorization error: what the principal lacks, with the ACL to add."""
+    if err.code() == KafkaError.GROUP_AUTHORIZATION_FAILED:
+        return (
+            f"kafka: not authorized for consumer group {group} ({err.str()}): the principal "
+            f"needs Read on Group {group} to join and commit, Describe to look it up "
+            "(docs/security.md)"
+        )
+    if err.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED and topic:
+        return (
+            f"kafka: not authorized to read topic {topic}: the principal needs Read on Topic "
+            f"{topic} (docs/security.md)"
+        )
+    return f"kafka: not authorized: {err.str()} (docs/security.md)"
 
 
 def leader_moving(e: KafkaException) -> bool:
@@ -81,6 +113,7 @@ class Consumer:
 
     def __init__(self, settings: dict[str, Any], quiet_s: float | None = None) -> None:
         self._c = confluent_kafka.Consumer(settings)
+        self.settings = settings  # what it was made with (the broker-kind probe asks with them)
         self.bootstrap = str(settings.get("bootstrap.servers", ""))
         # stop fetching partitions read to their end, probe them every quiet_s (srl.kafka.quiet)
         self._quiet = Quiet(self._c, quiet_s) if quiet_s else None
@@ -89,6 +122,7 @@ class Consumer:
         protocol = settings.get("group.protocol")
         self._incremental = "cooperative" in strategy or protocol == "consumer"
         self._closing = False
+        self.group = str(settings.get("group.id", ""))
 
     # -- membership and assignment ------------------------------------------------------------
     def subscribe(
@@ -180,18 +214,21 @@ class Consumer:
         """The next record or error event, or None after ``timeout``; a fatal error (this
         member is fenced for good) raises ``ConsumerFailed``."""
         if self._quiet is None:
-            return _alive(self._c.poll(timeout))
+            return _alive(self._c.poll(timeout), self.group)
         out = self._quietly(lambda t: [m] if (m := self._c.poll(t)) is not None else [], timeout)
-        return _alive(out[0]) if out else None
+        return _alive(out[0], self.group) if out else None
 
     def consume(self, num_messages: int = 1, timeout: float = -1) -> list[Message]:
         """Up to ``num_messages`` records within ``timeout`` (quiet: returns with the first
         probe interval that brought any); a fatal error raises ``ConsumerFailed``."""
         if self._quiet is None:
-            return [_alive(m) for m in self._c.consume(num_messages=num_messages, timeout=timeout)]
+            return [
+                _alive(m, self.group)
+                for m in self._c.consume(num_messages=num_messages, timeout=timeout)
+            ]
         n = num_messages
         out = self._quietly(lambda t: self._c.consume(num_messages=n, timeout=t), timeout)
-        return [_alive(m) for m in out]
+        return [_alive(m, self.group) for m in out]
 
     def _quietly(self, get: Callable[[float], list[Message]], timeout: float) -> list[Message]:
         """``get(t)`` in slices of the probe interval, probing between them (``Quiet``)."""
@@ -219,7 +256,7 @@ class Consumer:
             return []
         if max_messages <= 1:
             return [first]
-        rest = [_alive(m) for m in self._c.consume(max_messages - 1, 0)]
+        rest = [_alive(m, self.group) for m in self._c.consume(max_messages - 1, 0)]
         if self._quiet is not None:
             self._quiet.saw(rest)
         return [first, *rest]
@@ -325,7 +362,7 @@ def make_consumer(
     every ``quiet_s`` (``srl.kafka.quiet``); on Apache Kafka, which holds such a fetch, it
     fetches continuously. An explicit ``quiet_s`` (None: never quiet) decides instead."""
     if quiet_s == AUTO:
-        quiet_s = QUIET_PROBE_S if idle_fetches_spin(cfg.bootstrap_servers) else None
+        quiet_s = QUIET_PROBE_S if idle_fetches_spin(cfg) else None
     if quiet_s:
         # librdkafka fetches a resumed partition it has read nothing from only after its next
         # metadata refresh (measured: ~0.9 s at the default 5 min, ~0 at 100 ms): an empty
@@ -349,7 +386,7 @@ def wait_instance_released(
     for librdkafka's consumer), where a classic group hands the place to the newcomer: a
     trainer restarted after a SIGKILL waits here for the broker to evict its predecessor
     (``group.consumer.session.timeout.ms``); a second live trainer of the run is refused."""
-    client = AdminClient(base_settings(cfg, "admin") | cfg.kafka)
+    client = AdminClient(base_settings(cfg, "admin") | user_settings(cfg))
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -370,14 +407,15 @@ def wait_instance_released(
 
 def reader(cfg: KafkaSettings, role: str) -> Consumer:
     """A client that is only assigned partitions (reads, watermarks, offsets of other groups);
-    it never joins a group and never commits."""
+    it never joins a group and never commits. Every reader of a prefix has the same group id,
+    ``{prefix}.reader`` (``reader_group``): one literal ACL (Describe) covers them all."""
     settings = base_settings(cfg, role) | {
-        "group.id": f"srl-{role}",
+        "group.id": reader_group(cfg.topic_prefix),
         "enable.auto.commit": False,
         "enable.auto.offset.store": False,
         "session.timeout.ms": SESSION_TIMEOUT_MS,  # else -X max.poll.interval.ms<45000 fails
     }
-    return Consumer(for_group_protocol(settings | cfg.kafka))
+    return Consumer(for_group_protocol(settings | user_settings(cfg)))
 
 
 def commit_sync(consumer: Consumer, offsets: list[TopicPartition]) -> None:
@@ -412,7 +450,7 @@ class QuietTail:
         self.consumer, self.tp, self.probe_s = consumer, tp, probe_s
         self.start = start  # the concrete offset ``tp`` was assigned at, if it was
         # Apache Kafka holds an idle fetch itself: nothing to do there but poll
-        self.enabled = idle_fetches_spin(consumer.bootstrap)
+        self.enabled = idle_fetches_spin(consumer.settings)
         self.paused = False
         self.end = -1  # the highest high watermark seen (probed or fetched)
         self._at_end = False  # not enabled: the last poll found nothing past the end

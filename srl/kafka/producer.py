@@ -25,9 +25,10 @@ import confluent_kafka
 from confluent_kafka import KafkaError, KafkaException
 
 from srl.config import ProducerSettings
-from srl.errors import ProducerFailed, SrlError, StartOver
+from srl.errors import AccessDenied, ProducerFailed, SrlError, StartOver
 from srl.kafka.callbacks import callback
-from srl.kafka.settings import describe, producer_settings, wait_for_broker
+from srl.kafka.probe import known, wait_for_broker
+from srl.kafka.settings import describe, producer_settings
 
 log = logging.getLogger("srl.kafka")
 
@@ -66,7 +67,7 @@ class Producer:
     def __init__(
         self, cfg: ProducerSettings, role: str = "producer", check: bool = True, **overrides: Any
     ) -> None:
-        if check:
+        if check and not known(cfg.bootstrap_servers):  # not when a client reached it already
             wait_for_broker(cfg)
         self.cfg = cfg
         self.errors: list[str] = []
@@ -77,6 +78,7 @@ class Producer:
         self.outages = 0  # times every broker went away (librdkafka's _ALL_BROKERS_DOWN)
         self.fatal = False  # librdkafka declared this producer failed for good
         self.purged = 0  # records dropped from the local queue by ``purge_queued``
+        self.denied: str | None = None  # a topic the broker refused us to write (an ACL)
         self._failed_reported = 0
         settings = producer_settings(cfg, role, **overrides)
         settings["error_cb"] = callback(self._on_error)
@@ -90,13 +92,16 @@ class Producer:
             self.outages += 1  # what the brokers acknowledged last may be gone (ackguard)
         log.debug("producer error: %s", err.str())
 
-    def _counted(self, err: KafkaError | None, _msg: Any, handled: bool = False) -> None:
+    def _counted(self, err: KafkaError | None, msg: Any, handled: bool = False) -> None:
         self._take_lock()
         try:
             if err is None:
                 self.delivered += 1
             elif err.code() == KafkaError._PURGE_QUEUE:  # dropped on purpose: purge_queued
                 self.purged += 1
+            elif err.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:  # raised by the next call
+                self.denied = str(msg.topic()) if msg is not None else "?"
+                self.failed += 1
             elif handled:  # its producer's callback accounts for it
                 self.failed_handled += 1
             else:
@@ -136,6 +141,15 @@ class Producer:
         err = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
         return err is not None and (err.fatal() or err.code() == KafkaError._FATAL)
 
+    def _refused(self) -> None:
+        """``AccessDenied`` once the broker refused a record for want of an ACL: a role that
+        may not write one of its topics stops with one line, not a crash loop of failures."""
+        if self.denied is not None:
+            raise AccessDenied(
+                f"kafka: not authorized to write topic {self.denied}: the principal needs "
+                f"Write on Topic {self.denied} (docs/security.md)"
+            )
+
     def produce(
         self,
         topic: str,
@@ -160,6 +174,7 @@ class Producer:
                 self._counted(err, msg, handled=True)
                 on_delivery(err, msg)
 
+        self._refused()
         p = self._p
         part = -1 if partition is None else partition
         try:
@@ -179,11 +194,13 @@ class Producer:
 
     def poll(self, timeout: float = 0) -> int:
         try:
-            return int(self._p.poll(timeout))
+            served = int(self._p.poll(timeout))
         except SystemError as e:
             raise self._failed_for_good(e) from None
         except KafkaException as e:
             raise self._surfaced(e) from None
+        self._refused()
+        return served
 
     def warm(self, topics: Iterable[str], timeout_s: float = 10.0) -> None:
         """Fetch ``topics``' metadata now, not at the first record (a fresh producer holds its
@@ -219,6 +236,7 @@ class Producer:
             raise self._failed_for_good(e) from None
         except KafkaException as e:
             raise self._surfaced(e) from None
+        self._refused()
         last = f": {self.errors[-1]}" if self.errors else ""
         if self.fatal:  # its undelivered records failed with it
             raise self._failed_for_good(self.errors[0])

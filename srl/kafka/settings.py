@@ -4,32 +4,39 @@
   configurable linger, and bounded delivery timeouts so a dead broker is an error, not a hang;
 * consumers store offsets manually (``enable.auto.offset.store=false``), never auto-commit,
   and use the cooperative-sticky assignor so pools can grow and shrink without stop-the-world;
-* ``cfg.kafka`` (``-X key=value``) is applied last and can override anything; every command
-  checks it (``check_settings``) before it does any work.
+* the user's settings (``cfg.kafka``: ``-X key=value``, the ``[kafka]`` table, ``SRL_KAFKA``
+  and ``SRL_KAFKA_<NAME>``) are applied last and can override anything: :func:`user_settings`
+  gives them to every client with their ``@FILE`` values read and the ``kafka_oauth_cb``
+  token callback (OAUTHBEARER) attached; every command checks them (``check_settings``)
+  before it does any work, and a bad one is named with its secrets redacted (``srl.secrets``);
+* client ids carry the topic prefix and the role (``{prefix}.{role}-{host}-{pid}``), so a
+  shared cluster's quotas and logs can tell deployments apart.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 import os
 import socket
-import time
+from collections.abc import Callable
 from typing import Any
 
 import confluent_kafka
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient
 
 from srl.config import KafkaSettings, ProducerSettings
-from srl.errors import BrokerUnavailable, ConfigError
+from srl.errors import ConfigError
+from srl.secrets import remember, resolve, scrub
 
 # librdkafka's own log lines (connection refused, retries) go here, not to stderr.
-_rdkafka_log = logging.getLogger("srl.librdkafka")
-_rdkafka_log.setLevel(logging.DEBUG if os.environ.get("SRL_KAFKA_DEBUG") else logging.CRITICAL)
+rdkafka_log = logging.getLogger("srl.librdkafka")
+rdkafka_log.setLevel(logging.DEBUG if os.environ.get("SRL_KAFKA_DEBUG") else logging.CRITICAL)
 
 
-def client_id(role: str) -> str:
-    return f"srl-{role}-{socket.gethostname()}-{os.getpid()}"
+def client_id(role: str, prefix: str = "srl") -> str:
+    return f"{prefix}.{role}-{socket.gethostname()}-{os.getpid()}"
 
 
 SOCKET_TIMEOUT_MS = 10_000
@@ -38,8 +45,8 @@ SOCKET_TIMEOUT_MS = 10_000
 def base_settings(cfg: KafkaSettings, role: str = "client") -> dict[str, Any]:
     return {
         "bootstrap.servers": cfg.bootstrap_servers,
-        "client.id": client_id(role),
-        "logger": _rdkafka_log,
+        "client.id": client_id(role, cfg.topic_prefix),
+        "logger": rdkafka_log,
         "socket.connection.setup.timeout.ms": int(cfg.connect_timeout_s * 1000),
         # A request unanswered this long closes its connection and is sent again on a new one
         # (librdkafka's default is 60 s). Across a silent partition a connection is not
@@ -47,6 +54,39 @@ def base_settings(cfg: KafkaSettings, role: str = "client") -> dict[str, Any]:
         # old connection may stay mute for tens of seconds (srl chaos, generator-partition).
         "socket.timeout.ms": SOCKET_TIMEOUT_MS,
     }
+
+
+def user_settings(cfg: KafkaSettings) -> dict[str, Any]:
+    """The user's librdkafka settings as a client takes them: ``@FILE`` values read
+    (``srl.secrets.resolve``), and the ``kafka_oauth_cb`` callback as librdkafka's
+    ``oauth_cb``. Applied last by every client srl makes."""
+    out: dict[str, Any] = resolve(cfg.kafka)
+    if cfg.kafka_oauth_cb:
+        out["oauth_cb"] = oauth_callback(cfg.kafka_oauth_cb)
+    return out
+
+
+@functools.cache
+def oauth_callback(spec: str) -> Callable[[str], Any]:
+    """The function ``module:function`` names; ConfigError with one line if it cannot be used.
+    librdkafka calls it with ``sasl.oauthbearer.config`` whenever a token is due (at start,
+    then at 80 % of each token's lifetime) and expects ``(token, expiry in seconds since the
+    epoch)``, optionally with the principal and a dict of SASL extensions."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"kafka_oauth_cb: cannot import {module_name!r} ({e})") from None
+    fn: Any = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"kafka_oauth_cb: {module_name!r} has no function {attr!r}")
+
+    def token(config: str) -> Any:
+        got = fn(config)
+        remember(str(got[0]))  # a token is a secret too: scrubbed from every line
+        return got
+
+    return token
 
 
 def producer_settings(
@@ -65,7 +105,7 @@ def producer_settings(
         }
     )
     settings.update(overrides)
-    settings.update(cfg.kafka)
+    settings.update(user_settings(cfg))
     return settings
 
 
@@ -91,7 +131,7 @@ def consumer_settings(
         }
     )
     settings.update(overrides)
-    settings.update(cfg.kafka)
+    settings.update(user_settings(cfg))
     return for_group_protocol(settings)
 
 
@@ -110,111 +150,42 @@ def for_group_protocol(settings: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if k not in CLASSIC_ONLY}
 
 
+def reader_group(prefix: str) -> str:
+    """The group id of every srl client that only reads assigned partitions (it never joins
+    or commits; librdkafka still looks up its coordinator, which needs Describe on it)."""
+    return f"{prefix}.reader"
+
+
 def check_settings(cfg: KafkaSettings) -> None:
     """ConfigError if librdkafka refuses the settings srl would give it with ``cfg.kafka``
-    (``-X``): an unknown name, a bad value, a combination it rejects. Checked by making a
-    producer and a consumer with srl's settings and closing them at once (librdkafka checks
-    its configuration when a client is made, and connects in the background afterwards), so a
-    command fails on a bad ``-X`` before it does any work."""
+    (``-X``): an unknown name, a bad value, a combination it rejects, a file it cannot read.
+    Checked by making a producer and a consumer with srl's settings and closing them at once
+    (librdkafka checks its configuration when a client is made, and connects in the
+    background afterwards), so a command fails on a bad ``-X`` before it does any work. The
+    message names the settings given but shows no value (a secret under a misspelt name is
+    still a secret); librdkafka's own words name the one it refused."""
     producer = (
         producer_settings(cfg, "check")
         if isinstance(cfg, ProducerSettings)
-        else base_settings(cfg, "check") | {"enable.idempotence": True, "acks": "all"} | cfg.kafka
+        else base_settings(cfg, "check")
+        | {"enable.idempotence": True, "acks": "all"}
+        | user_settings(cfg)
     )
-    consumer = consumer_settings(cfg, "srl-settings-check", "check")
+    consumer = consumer_settings(cfg, reader_group(cfg.topic_prefix), "check")
+    # the token callback is checked by importing it (user_settings): a client made with it
+    # waits ~1 s for its first token, and this one connects nowhere
+    producer.pop("oauth_cb", None)
+    consumer.pop("oauth_cb", None)
     try:
         confluent_kafka.Producer(producer).flush(0)
         confluent_kafka.Consumer(consumer).close()
     except KafkaException as e:
-        given = " ".join(f"{k}={v}" for k, v in cfg.kafka.items())
+        given = ", ".join(cfg.kafka)
         raise ConfigError(f"kafka settings ({given or 'defaults'}): {describe(e)}") from None
 
 
-def wait_for_broker(cfg: KafkaSettings, timeout_s: float | None = None) -> Any:
-    """Cluster metadata once a broker answers; BrokerUnavailable after ``timeout_s``."""
-    timeout_s = cfg.connect_timeout_s if timeout_s is None else timeout_s
-    admin = AdminClient({k: v for k, v in base_settings(cfg, "admin").items()} | cfg.kafka)
-    deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        try:
-            md = admin.list_topics(timeout=min(remaining, 2.0))
-            if md.brokers:
-                return md
-        except KafkaException as e:
-            last = e
-        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-    why = f" ({describe(last)})" if last else ""
-    raise BrokerUnavailable(
-        f"no Kafka broker answered at {cfg.bootstrap_servers} within {timeout_s:g}s{why}; "
-        "start one with `srl broker start` or point --bootstrap at a running broker"
-    )
-
-
 def describe(e: BaseException | None) -> str:
-    """A Kafka error (or any exception) as one short line."""
+    """A Kafka error (or any exception) as one short line, remembered secrets scrubbed."""
     if isinstance(e, KafkaException) and e.args and isinstance(e.args[0], KafkaError):
-        return " ".join(e.args[0].str().split())
-    return " ".join(str(e).split())[:200]
-
-
-# noida-db 0.2.3, the embedded broker, reports this fixed cluster id (it is in its binary);
-# Apache Kafka makes a random one per cluster (``kafka-storage random-uuid``)
-EMBEDDED_CLUSTER_ID = "MkU3OEVBNTctOEUyRi00"
-_embedded: dict[str, bool] = {}
-
-
-def embedded_broker(bootstrap: str, timeout_s: float = 5.0) -> bool | None:
-    """Whether the broker at ``bootstrap`` is the embedded one (noida-db), known by its cluster
-    id, asked once per process and bootstrap; None when no broker answers. Its gaps
-    (docs/broker.md) are what srl's broker-specific workarounds answer, so they are on only
-    where it runs (``idle_fetches_spin``, ``forgets_acknowledged``)."""
-    if bootstrap not in _embedded:
-        settings: dict[str, Any] = {"bootstrap.servers": bootstrap, "logger": _rdkafka_log}
-        client = AdminClient(settings)
-        try:
-            md = client.list_topics(timeout=timeout_s)
-        except KafkaException:
-            return None
-        if not md.brokers:
-            return None
-        _embedded[bootstrap] = md.cluster_id == EMBEDDED_CLUSTER_ID
-    return _embedded[bootstrap]
-
-
-def idle_fetches_spin(bootstrap: str) -> bool:
-    """Whether a consumer that has read to the end of its partitions fetches again at once,
-    busily: the embedded broker answers such a fetch empty and at once, Apache Kafka holds it
-    for ``fetch.wait.max.ms`` (docs/broker.md). True when no broker answers (the workaround,
-    ``srl.kafka.quiet``, is correct on every broker, only needless on Kafka).
-    ``SRL_KAFKA_QUIET=on|off`` decides instead (benchmarks)."""
-    forced = os.environ.get("SRL_KAFKA_QUIET", "").lower()
-    if forced in ("on", "off"):
-        return forced == "on"
-    return embedded_broker(bootstrap) is not False
-
-
-def forgets_acknowledged(bootstrap: str) -> bool:
-    """Whether a broker killed at once can lose records it acknowledged with ``acks=all``: the
-    embedded one writes its state down 0.3-0.5 s after a change; Apache Kafka keeps what it
-    acknowledged (in the page cache of one node, on min.insync.replicas nodes of a cluster).
-    True when no broker answers."""
-    return embedded_broker(bootstrap) is not False
-
-
-def broker_answers(bootstrap: str, timeout_s: float = 1.0) -> bool:
-    """Whether a broker at ``bootstrap`` answers a metadata request within ``timeout_s``."""
-    return broker_count(bootstrap, timeout_s) > 0
-
-
-def broker_count(bootstrap: str, timeout_s: float = 1.0) -> int:
-    """How many brokers the metadata from ``bootstrap`` lists (0: none answered in time)."""
-    settings: dict[str, Any] = {"bootstrap.servers": bootstrap, "logger": _rdkafka_log}
-    client = AdminClient(settings)
-    try:
-        return len(client.list_topics(timeout=timeout_s).brokers)
-    except KafkaException:
-        return 0
+        return scrub(" ".join(e.args[0].str().split()))
+    return scrub(" ".join(str(e).split())[:200])

@@ -136,7 +136,10 @@ def test_members_and_the_text_view(cfg, cli_env) -> None:  # type: ignore[no-unt
         snap = top_json(cli_env)
         rows = [r for r in snap["groups"] if r["group"] == group]
         assert len(rows) == layout.trajectory_partition_count
-        assert all(r["consumer_id"] and r["client_id"].startswith("srl-trainer-") for r in rows)
+        assert all(
+            r["consumer_id"] and r["client_id"].startswith(f"{cfg.topic_prefix}.trainer-")
+            for r in rows
+        )
         assert all(r["host"] and r["state"] == "STABLE" for r in rows)
         assert snap["group_info"][group] == {"state": "STABLE", "members": 1}
         assert not [s for s in snap["stalled"] if s["group"] == group]  # consumed, just started

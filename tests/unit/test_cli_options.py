@@ -146,8 +146,10 @@ OWN: dict[str, set[str]] = {
         "--window",
         "--stall-after",
     },
+    "srl topics check": {"--json"},
     "srl topics create": set(),
     "srl topics describe": {"--json"},
+    "srl topics plan": {"--format", "--strimzi-cluster", "--principal", "--pools"},
     # what-ifs of a memory plan, not settings of a running trainer
     "srl-consumer plan": {
         "--model",

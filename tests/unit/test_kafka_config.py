@@ -4,6 +4,7 @@ container runs and what docker-compose.yml runs."""
 
 from __future__ import annotations
 
+import base64
 import re
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import yaml
 from srl.broker import apache
 from srl.broker.apache import KafkaCluster, Layout, Node
 from srl.errors import SrlError
+from srl.kafka.probe import SRL_MARK
 from tests.conftest import ROOT
 
 # what the compose file's node sets because of where it runs (ids, listeners, quorum)
@@ -69,10 +71,12 @@ def test_the_pom_pins_kafka_and_a_logging_binding_for_its_slf4j() -> None:
     assert not [c for c in re.findall(r"<!--(.*?)-->", pom, re.S) if "--" in c]
 
 
-def test_cluster_ids_are_kafka_uuids() -> None:
+def test_cluster_ids_are_kafka_uuids_that_say_srl_made_them() -> None:
     for _ in range(200):
         cid = apache.new_cluster_id()
         assert re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_\-]{21}", cid)
+        assert cid.startswith(SRL_MARK) and base64.urlsafe_b64decode(cid + "==")[:3] == b"srl"
+    assert len({apache.new_cluster_id() for _ in range(200)}) == 200
 
 
 def test_a_data_folder_keeps_its_layout_and_refuses_another(tmp_path: Path) -> None:

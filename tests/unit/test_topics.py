@@ -75,4 +75,4 @@ def test_retention_bounds_the_data_topics_and_never_the_dispatchers_log() -> Non
     assert specs["p.trajectories"]["max.message.bytes"] == "1048576"
     for topic in ("p.prompts.le256", "p.prompts.gt4096", "p.weights", "p.pool.epochs"):
         assert specs[topic].get("retention.ms") in (None, "-1")
-    assert specs["p.pool.beats"] == {"retention.ms": "600000", "segment.ms": "60000"}
+    assert specs["p.pool.beats"] == {"retention.ms": "600000", "segment.ms": "600000"}
