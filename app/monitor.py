@@ -99,7 +99,7 @@ class Monitor:
 
     def group_rows(self, parts: Parts) -> list[dict[str, Any]]:
         rows, self.group_info = group_rows(
-            self.layout, describe_groups(self.admin, self._timeout), parts
+            self.layout, describe_groups(self.admin, self._timeout, self.layout.prefix), parts
         )
         return rows
 

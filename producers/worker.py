@@ -91,6 +91,7 @@ from srl.kafka import (
     KafkaException,
     Message,
     Producer,
+    Throttle,
     describe,
     ensure_topics,
     position_group,
@@ -122,9 +123,16 @@ class GenSummary:
     weights_loaded: int = 0
     weights_refused: int = 0
     policy_version: int = 0
+    throttled_s: float = 0.0  # the brokers' quota throttle times, summed
+    held_s: float = 0.0  # time the producer held the engine back under a quota
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def quota(self, throttle: Throttle) -> None:
+        """The quota figures, from the producer's ``Throttle``."""
+        self.throttled_s = round(throttle.throttled_s, 3)
+        self.held_s = round(throttle.waited_s, 3)
 
 
 class GeneratorWorker:
@@ -141,9 +149,9 @@ class GeneratorWorker:
         topics = [t for b in self.buckets for t in (self.layout.prompts(b), self.layout.resumes(b))]
         self.intake = Intake(cfg, topics, self._release, self._drop)
         self.pending: list[TaskState] = []  # tasks with samples not yet in the engine
-        # measured every second while bounded; unbounded, only for the stats
-        every = 1.0 if cfg.max_backlog_chunks is not None else cfg.stats_interval_s
-        self.backlog = TrainerBacklog(cfg.max_backlog_chunks, cfg.backlog_stall_s, every)
+        # measured every second while bounded; unbounded, never (a shared cluster is not
+        # asked for the trainer's offsets when no bound needs them)
+        self.backlog = TrainerBacklog(cfg.max_backlog_chunks, cfg.backlog_stall_s, 1.0)
         self.stopping = False
         self._unsynced = False  # tasks accepted since the last weights sync: admit none yet
         self._last_stats = time.monotonic()
@@ -172,6 +180,7 @@ class GeneratorWorker:
                     log.info("idle for %.0fs: exiting", self.cfg.idle_exit_s)
                     break
             self._drain()
+            self.summary.quota(self.producer.throttle)
         return self.summary
 
     def _open(self, stack: contextlib.ExitStack) -> None:
@@ -189,9 +198,10 @@ class GeneratorWorker:
         stack.callback(self.follower.stop)
         # the furthest of the trainer's read position (shared by the trainer) and its
         # committed offsets (a trainer that shares no position still bounds us)
-        group = self.cfg.trainer_group
-        lag = GroupLag(self.cfg, [group, position_group(group)], [self.layout.trajectories])
-        stack.callback(self.backlog.start(lag).stop)  # measured off the decode thread
+        if self.cfg.max_backlog_chunks is not None:
+            group = self.cfg.trainer_group
+            lag = GroupLag(self.cfg, [group, position_group(group)], [self.layout.trajectories])
+            stack.callback(self.backlog.start(lag).stop)  # measured off the decode thread
         stack.callback(self.intake.close)
         self.intake.join()
 
@@ -410,8 +420,10 @@ class GeneratorWorker:
             "running": self.engine.running,
             "policy_version": self.engine.version,
             "paused": float(self.intake.paused != "none"),
-            "backlog": float(self.backlog.value or 0),
+            "quota_held_s": self.producer.throttle.waited_s,  # held back under a quota, in all
         }
+        if self.backlog.bound is not None:  # measured only where a bound needs it
+            values["backlog"] = float(self.backlog.value or 0)
         labels = {
             "pool": self.cfg.pool,
             "engine": self.engine.name,

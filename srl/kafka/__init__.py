@@ -64,7 +64,7 @@ from srl.kafka.probe import (
     srl_started,
     wait_for_broker,
 )
-from srl.kafka.producer import DeliveryCallback, Producer, start_over
+from srl.kafka.producer import DeliveryCallback, Producer, Throttle, start_over
 from srl.kafka.ranges import read_range
 from srl.kafka.settings import (
     SESSION_TIMEOUT_MS,
@@ -99,6 +99,7 @@ __all__ = [
     "PartitionReplicas",
     "Producer",
     "QuietTail",
+    "Throttle",
     "TopicPartition",
     "admin",
     "base_settings",

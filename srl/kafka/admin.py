@@ -288,11 +288,16 @@ class GroupState:
     owners: dict[tuple[str, int], Member]  # partitions assigned to a member
 
 
-def describe_groups(client: AdminClient, timeout_s: float = 10.0) -> list[GroupState]:
-    """Every consumer group the broker knows, with its committed offsets and assignment
-    (groups that vanish between the calls are left out)."""
+def describe_groups(
+    client: AdminClient, timeout_s: float = 10.0, prefix: str | None = None
+) -> list[GroupState]:
+    """Every consumer group the broker lists (with ``prefix``: only those named
+    ``{prefix}.…``, a deployment's own on a shared cluster), with its committed offsets and
+    assignment (groups that vanish between the calls are left out)."""
     listed = client.list_consumer_groups(request_timeout=timeout_s).result()
-    ids = sorted(g.group_id for g in listed.valid)
+    ids = sorted(
+        g.group_id for g in listed.valid if prefix is None or g.group_id.startswith(f"{prefix}.")
+    )
     if not ids:
         return []
     described = client.describe_consumer_groups(ids, request_timeout=timeout_s)

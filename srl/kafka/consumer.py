@@ -319,14 +319,15 @@ class Consumer:
         return self._c.list_topics(topic, timeout=timeout)
 
     def partitions_of(self, topics: Sequence[str], timeout: float = 10.0) -> list[TopicPartition]:
-        """Every partition of ``topics`` that exists, in order."""
-        md = self._c.list_topics(timeout=timeout)
-        return [
-            TopicPartition(t, p)
-            for t in topics
-            if t in md.topics
-            for p in sorted(md.topics[t].partitions)
-        ]
+        """Every partition of ``topics`` that exists, in order. Metadata of the named topics
+        only, one request each: on a shared cluster of thousands of topics a full-cluster
+        request per measurement is the cost, and the principal may not Describe the rest."""
+        out: list[TopicPartition] = []
+        for t in dict.fromkeys(topics):
+            tm = self._c.list_topics(t, timeout=timeout).topics.get(t)
+            if tm is not None and tm.error is None:  # a missing topic: UNKNOWN_TOPIC_OR_PART
+                out += [TopicPartition(t, p) for p in sorted(tm.partitions)]
+        return out
 
     def close(self) -> None:
         self._closing = True

@@ -14,6 +14,7 @@ process (``start_over``: the trainer, the dispatcher, a generator) or exits and 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -56,6 +57,68 @@ def start_over(
         last = time.monotonic()
 
 
+HOLD_POLL_S = 0.05  # a held-back produce serves callbacks in slices this long
+
+
+class Throttle:
+    """A producer's view of the broker's quota throttling (KIP-219: the broker answers at once
+    with a throttle time and librdkafka sends that broker nothing until it has passed).
+
+    Unthrottled, a producer queues up to ``queue.buffering.max.kbytes`` locally; under a
+    produce quota below the caller's rate that queue drains at the quota's rate, and its tail
+    outlives ``message.timeout.ms``: chunks fail, and a generator stops on a failed chunk.
+    While a throttle was seen in the last ``HOLD_S``, a produce waits (``full``) while the
+    oldest record still queued has waited more than ``SHARE`` of the delivery timeout, or more
+    records are queued than were delivered in that long at the rate measured since the
+    throttling began (at least ``MIN_QUEUED``): no record then waits much longer than that
+    share, whatever the quota and the record size. The oldest record's age is that of the
+    first enqueue time not yet matched by a delivery report (reports come about in the order
+    records were queued)."""
+
+    HOLD_S = 10.0
+    SHARE = 0.25
+    MIN_QUEUED = 2
+    RATE_AFTER_S = 2.0  # the delivery rate of an episode counts once measured this long
+
+    def __init__(self, delivery_timeout_s: float) -> None:
+        self.budget_s = max(0.2, delivery_timeout_s * self.SHARE)
+        self.last = -1e9  # monotonic time of the last throttle seen
+        self.events = 0
+        self.throttled_s = 0.0  # the brokers' throttle times, summed
+        self.waited_s = 0.0  # time produce() held the caller back
+        self.queued: collections.deque[float] = collections.deque()  # enqueue times
+        self.delivered = 0  # delivery reports, every outcome
+        self._since = (0.0, 0)  # (time, delivered) the episode began at
+
+    def saw(self, throttle_s: float) -> None:
+        now = time.monotonic()
+        if not self.active():  # a new episode: its rate is measured afresh
+            self._since = (now, self.delivered)
+        self.last, self.events = now, self.events + 1
+        self.throttled_s += throttle_s
+
+    def active(self) -> bool:
+        return time.monotonic() - self.last < self.HOLD_S
+
+    def reported(self) -> None:
+        """One delivery report (served by ``poll``, whatever its outcome)."""
+        self.delivered += 1
+        if self.queued:
+            self.queued.popleft()
+
+    def full(self, queued: int) -> bool:
+        """Whether a produce waits now, with ``queued`` records in the local queue."""
+        if queued <= self.MIN_QUEUED or not self.queued or not self.active():
+            return False
+        now = time.monotonic()
+        if now - self.queued[0] > self.budget_s:
+            return True
+        t0, d0 = self._since
+        if now - t0 < self.RATE_AFTER_S:
+            return False
+        return queued > (self.delivered - d0) / (now - t0) * self.budget_s
+
+
 class Producer:
     """An idempotent producer with counted deliveries; use it in a ``with`` block.
 
@@ -82,6 +145,8 @@ class Producer:
         self._failed_reported = 0
         settings = producer_settings(cfg, role, **overrides)
         settings["error_cb"] = callback(self._on_error)
+        settings["throttle_cb"] = callback(self._on_throttle)
+        self.throttle = Throttle(float(settings["message.timeout.ms"]) / 1000)
         self._p = confluent_kafka.Producer(settings)
 
     def _on_error(self, err: KafkaError) -> None:
@@ -92,9 +157,16 @@ class Producer:
             self.outages += 1  # what the brokers acknowledged last may be gone (ackguard)
         log.debug("producer error: %s", err.str())
 
+    def _on_throttle(self, event: Any) -> None:
+        """A broker delayed us for a quota (``ThrottleEvent.throttle_time``, seconds; 0: the
+        throttle is over)."""
+        if event.throttle_time > 0:
+            self.throttle.saw(event.throttle_time)
+
     def _counted(self, err: KafkaError | None, msg: Any, handled: bool = False) -> None:
         self._take_lock()
         try:
+            self.throttle.reported()
             if err is None:
                 self.delivered += 1
             elif err.code() == KafkaError._PURGE_QUEUE:  # dropped on purpose: purge_queued
@@ -178,9 +250,12 @@ class Producer:
         p = self._p
         part = -1 if partition is None else partition
         try:
+            if block and self.throttle.active():
+                self._hold_back()
             while True:
                 try:
                     p.produce(topic, value, key, partition=part, on_delivery=cb, headers=headers)
+                    self.throttle.queued.append(time.monotonic())
                     break
                 except BufferError:
                     if not block:
@@ -191,6 +266,14 @@ class Producer:
             raise self._failed_for_good(e) from None
         except KafkaException as e:
             raise self._surfaced(e) from None
+
+    def _hold_back(self) -> None:
+        """Under a quota, wait (serving callbacks) while more records are queued than the
+        broker lets through in a share of the delivery timeout: the caller slows to the
+        quota's rate instead of queueing records that would time out (``Throttle``)."""
+        while self.throttle.full(len(self._p)):
+            self.throttle.waited_s += HOLD_POLL_S
+            self._p.poll(HOLD_POLL_S)
 
     def poll(self, timeout: float = 0) -> int:
         try:

@@ -9,8 +9,8 @@
   gives them to every client with their ``@FILE`` values read and the ``kafka_oauth_cb``
   token callback (OAUTHBEARER) attached; every command checks them (``check_settings``)
   before it does any work, and a bad one is named with its secrets redacted (``srl.secrets``);
-* client ids carry the topic prefix and the role (``{prefix}.{role}-{host}-{pid}``), so a
-  shared cluster's quotas and logs can tell deployments apart.
+* client ids carry the topic prefix and the role (``{prefix}.{role}-{host}``, stable across
+  restarts), so a shared cluster's quotas and logs can tell deployments apart.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ rdkafka_log.setLevel(logging.DEBUG if os.environ.get("SRL_KAFKA_DEBUG") else log
 
 
 def client_id(role: str, prefix: str = "srl") -> str:
-    return f"{prefix}.{role}-{socket.gethostname()}-{os.getpid()}"
+    """``{prefix}.{role}-{host}``: the same across restarts (a broker's per-client metrics and
+    quotas keep one series per role and host, not one per process id)."""
+    return f"{prefix}.{role}-{socket.gethostname()}"
 
 
 SOCKET_TIMEOUT_MS = 10_000

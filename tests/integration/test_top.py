@@ -69,7 +69,7 @@ def test_once_json_reports_exact_lag_for_known_committed_offsets(cfg, cli_env) -
     # Known commits: the first used partition fully consumed, the second half-way, the others
     # nothing at all (current_offset and lag must be null there).
     commits = {used[0]: len(tokens[used[0]]), used[1]: len(tokens[used[1]]) // 2}
-    group = f"{cfg.topic_prefix}-trainer"
+    group = f"{cfg.topic_prefix}.trainer"
     with make_consumer(cfg, group, "test") as member:
         member.commit_sync([TopicPartition(layout.trajectories, p, o) for p, o in commits.items()])
 
@@ -120,7 +120,7 @@ def test_members_and_the_text_view(cfg, cli_env) -> None:  # type: ignore[no-unt
     create_topics(cfg)
     layout = Layout.from_config(cfg)
     produce(cfg, chunks_in_buckets(layout))
-    group = f"{cfg.topic_prefix}-live"
+    group = f"{cfg.topic_prefix}.live"
     consumer = make_consumer(cfg, group, "trainer")
     try:
         consumer.subscribe([layout.trajectories])
@@ -276,7 +276,7 @@ def test_prometheus_endpoint_uses_kafka_exporter_names(cfg, cli_env) -> None:  #
     produce(cfg, chunks)
     tokens = layout_offsets(layout, chunks)
     p0 = min(tokens)
-    group = f"{cfg.topic_prefix}-prom"
+    group = f"{cfg.topic_prefix}.prom"
     with make_consumer(cfg, group, "test") as c:
         c.commit_sync([TopicPartition(layout.trajectories, p0, 1)])
     port = free_port()
