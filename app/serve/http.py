@@ -65,6 +65,7 @@ from app.serve.protocol import (
     FeedbackRequest,
     Kind,
     Logprobs,
+    NotEncodable,
     Reply,
     chat_messages,
     check_feedback,
@@ -250,6 +251,8 @@ def _install_errors(app: FastAPI, info: ServeInfo) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, exc: RequestValidationError) -> Response:
         err = exc.errors()[0]
+        if isinstance(bad := err.get("ctx", {}).get("error"), NotEncodable):
+            return _json(error_body(str(bad), "invalid_request_error", bad.param), 400)
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         msg = f"{'.'.join(loc) or 'request body'}: {err.get('msg')}"
         return _json(error_body(msg, "invalid_request_error", loc[0] if loc else None), 400)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Kind = Literal["completion", "chat"]
 
@@ -86,13 +86,53 @@ def error_body(
 
 
 # -- requests ------------------------------------------------------------------------------
+class NotEncodable(ValueError):
+    """A string of a request that cannot be encoded; ``param``: the top-level field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_encodable(value: Any, where: str = "") -> None:
+    """ValueError naming the first string in ``value`` (a request body, walked) that is not
+    valid Unicode: JSON lets ``"\\ud800"`` through as a lone surrogate, which no tokenizer, no
+    Kafka record and no response can encode (it would be a 500 further on)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise NotEncodable(
+                f"{where or 'text'}: not valid Unicode text (a lone surrogate at character "
+                f"{e.start})",
+                re.split(r"[.\[]", where or "text")[0],
+            ) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_encodable(k, where or "key")
+            check_encodable(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_encodable(v, f"{where}[{i}]")
+
+
+class Encodable(BaseModel):
+    """A request body whose every string can be encoded (``check_encodable``): else a 400."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable(cls, data: Any) -> Any:
+        check_encodable(data)
+        return data
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = False
 
 
-class _Request(BaseModel):
+class _Request(Encodable):
     """What both endpoints take (OpenAI's names and bounds). The fields after ``metadata`` are
     the ones this server refuses unless they ask for nothing (:func:`refuse_unsupported`)."""
 
@@ -289,7 +329,7 @@ def request_record(req: CompletionRequest | ChatRequest, kind: Kind, s: Sampling
     }
 
 
-class FeedbackRequest(BaseModel):
+class FeedbackRequest(Encodable):
     """``POST /v1/feedback``: an application's reward for one served choice."""
 
     model_config = ConfigDict(extra="ignore")

@@ -137,6 +137,33 @@ def test_oversized_fields_are_a_400_and_the_server_goes_on(
         assert complete(client, max_tokens=2).status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", b'{"model": "sim", "prompt": "\\ud800abc"}', "prompt"),
+        ("/v1/completions", b'{"model": "sim", "prompt": ["ok", "x\\udfff"]}', "prompt"),
+        (
+            "/v1/chat/completions",
+            b'{"model": "sim", "messages": [{"role": "user", "content": "a\\ud800"}]}',
+            "messages",
+        ),
+        ("/v1/completions", b'{"model": "sim", "prompt": "a", "stop": ["\\ud800"]}', "stop"),
+        ("/v1/completions", b'{"model": "sim", "prompt": "a", "user": "\\udc80"}', "user"),
+    ],
+)
+def test_text_that_cannot_be_encoded_is_a_400_with_its_reason(
+    producer: FakeProducer, path: str, body: bytes, param: str
+) -> None:
+    """JSON lets a lone surrogate through (``"\\ud800abc"``): it answered 500, raised where
+    the prompt was tokenized or the request record encoded."""
+    with app_client(make_core(producer)) as client:
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and "lone surrogate" in err["message"], err
+        assert complete(client, max_tokens=2).status_code == 200
+
+
 def test_a_body_over_the_limit_is_a_413_json_error(producer: FakeProducer) -> None:
     with app_client(make_core(producer), max_body_bytes=2048) as client:
         r = complete(client, prompt="x" * 4096)
