@@ -149,13 +149,21 @@ def broker_status(data_dir: Path, as_json: bool) -> None:
 
 
 @broker.command("fetch")
-def broker_fetch() -> None:
-    """Fetch Apache Kafka's jars from Maven Central now (once per machine; `start --engine
-    kafka` does it on first use) and print where they are."""
+@click.option(
+    "--version",
+    "version",
+    default=None,
+    metavar="X.Y.Z",
+    help="Another Apache Kafka release than the pinned one (e.g. 3.9.2, for `-cp DIR/*`), "
+    "cached beside it; the pinned one is what `start` runs.",
+)
+def broker_fetch(version: str | None) -> None:
+    """Fetch Apache Kafka's jars from Maven Central now (once per machine and version; `start
+    --engine kafka` does it on first use) and print where they are."""
     from srl.broker import apache
 
     apache.check_java()
-    click.echo(apache.fetch(log=lambda line: click.echo(line, err=True)))
+    click.echo(apache.fetch(log=lambda line: click.echo(line, err=True), version=version))
 
 
 @broker.command(

@@ -181,18 +181,29 @@ def check_java() -> str:
     return java
 
 
-def libs_dir() -> Path:
-    return cache_root() / kafka_version() / "libs"
+def libs_dir(version: str | None = None) -> Path:
+    """Where ``version``'s jars are cached (the pinned version's by default)."""
+    return cache_root() / (version or kafka_version()) / "libs"
 
 
 def _complete(libs: Path) -> bool:
     return (libs / ".complete").is_file()
 
 
-def fetch(log: Any = None) -> Path:
+def check_version(version: str) -> str:
+    """``version`` if it reads as a Kafka release (``3.9.2``, ``4.0.0-rc1``), else SrlError."""
+    if not re.fullmatch(r"\d+\.\d+\.\d+(-[A-Za-z0-9.]+)?", version):
+        raise SrlError(f"{version!r} is not a Kafka version (like {kafka_version()})")
+    return version
+
+
+def fetch(log: Any = None, version: str | None = None) -> Path:
     """The folder of Apache Kafka's jars, fetched from Maven Central first if need be (once
-    per machine and version; concurrent callers wait for one another)."""
-    libs = libs_dir()
+    per machine and version; concurrent callers wait for one another). ``version``: another
+    release than the pinned one, by the same recipe (``mvn -Dkafka.version=VERSION``), cached
+    beside it; the project's version stays the pom's."""
+    version = check_version(version) if version else kafka_version()
+    libs = libs_dir(version)
     if _complete(libs):
         return libs
     libs.parent.mkdir(parents=True, exist_ok=True)
@@ -203,37 +214,44 @@ def fetch(log: Any = None) -> Path:
         mvn = shutil.which("mvn")
         if mvn is None:
             raise SrlError(
-                f"fetching Apache Kafka {kafka_version()}'s jars needs Maven: no `mvn` on PATH "
+                f"fetching Apache Kafka {version}'s jars needs Maven: no `mvn` on PATH "
                 "(install Maven 3.8+, or use an existing Kafka with --kafka-home DIR)"
             )
         if log is not None:
-            log(f"fetching Apache Kafka {kafka_version()} from Maven Central into {libs} (once)")
+            log(f"fetching Apache Kafka {version} from Maven Central into {libs} (once)")
         tmp = libs.parent / f"libs.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        pom = libs.parent / "pom.xml"
-        shutil.copyfile(dist_file("pom.xml"), pom)
-        cmd = [
-            mvn,
-            "-q",
-            "-B",
-            "-f",
-            str(pom),
-            "dependency:copy-dependencies",
-            "-DincludeScope=runtime",
-            f"-DoutputDirectory={tmp}",
-        ]
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        except subprocess.TimeoutExpired:
-            raise SrlError("fetching Apache Kafka's jars took over 30 minutes; gave up") from None
-        if out.returncode != 0 or not any(tmp.glob("kafka_2.13-*.jar")):
-            shutil.rmtree(tmp, ignore_errors=True)
-            why = _maven_error(out.stdout + out.stderr)
-            raise SrlError(f"mvn could not fetch Apache Kafka {kafka_version()}: {why}")
+        _copy_dependencies(mvn, version, tmp)
         shutil.rmtree(libs, ignore_errors=True)
         tmp.rename(libs)
-        (libs / ".complete").write_text(kafka_version() + "\n")
+        (libs / ".complete").write_text(version + "\n")
     return libs
+
+
+def _copy_dependencies(mvn: str, version: str, into: Path) -> None:
+    """``mvn dependency:copy-dependencies`` of the recipe with ``kafka.version`` = ``version``
+    into ``into``; SrlError with Maven's own error line if it fails."""
+    pom = into.parent / "pom.xml"
+    shutil.copyfile(dist_file("pom.xml"), pom)
+    cmd = [
+        mvn,
+        "-q",
+        "-B",
+        "-f",
+        str(pom),
+        "dependency:copy-dependencies",
+        f"-Dkafka.version={version}",
+        "-DincludeScope=runtime",
+        f"-DoutputDirectory={into}",
+    ]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    except subprocess.TimeoutExpired:
+        raise SrlError("fetching Apache Kafka's jars took over 30 minutes; gave up") from None
+    if out.returncode != 0 or not any(into.glob("kafka_2.13-*.jar")):
+        shutil.rmtree(into, ignore_errors=True)
+        why = _maven_error(out.stdout + out.stderr)
+        raise SrlError(f"mvn could not fetch Apache Kafka {version}: {why}")
 
 
 def _maven_error(output: str) -> str:
@@ -249,14 +267,15 @@ def _maven_error(output: str) -> str:
     return (tagged[0] if tagged else (lines[-1] if lines else "no output"))[:300]
 
 
-def classpath(kafka_home: Path | None = None, log: Any = None) -> str:
-    """``-cp`` for Kafka's main classes: ``kafka_home/libs`` or the fetched jars."""
+def classpath(kafka_home: Path | None = None, log: Any = None, version: str | None = None) -> str:
+    """``-cp`` for Kafka's main classes: ``kafka_home/libs`` or the fetched jars (of
+    ``version``, the pinned one by default)."""
     if kafka_home is not None:
         libs = Path(kafka_home).expanduser().resolve() / "libs"
         if not any(libs.glob("kafka_2.13-*.jar")):
             raise SrlError(f"{kafka_home} is not a Kafka install: no libs/kafka_2.13-*.jar")
     else:
-        libs = fetch(log)
+        libs = fetch(log, version)
     return f"{libs}/*"
 
 

@@ -13,6 +13,7 @@
 * ``srl_started``: whether srl started the broker (the embedded one, or Apache Kafka from
   ``srl broker start`` / ``srl.broker.apache``, whose cluster ids begin with :data:`SRL_MARK`):
   where ``create_topics = "auto"`` lets a role create a topic it finds missing;
+* whether the broker takes KIP-848 groups: ``srl.kafka.groupprotocol``;
 * ``broker_answers`` / ``broker_count``: how ``srl broker`` knows a node is up.
 """
 
@@ -29,6 +30,7 @@ from confluent_kafka.admin import AdminClient
 
 from srl.config import KafkaSettings
 from srl.errors import BrokerUnavailable, SrlError
+from srl.kafka.groupprotocol import connection_settings
 from srl.kafka.settings import base_settings, describe, rdkafka_log, user_settings
 from srl.secrets import scrub
 
@@ -50,9 +52,7 @@ def client_config(where: Where, role: str = "probe") -> dict[str, Any]:
     client (its settings dict), without what only a producer or a consumer takes."""
     if isinstance(where, KafkaSettings):
         return base_settings(where, role) | user_settings(where)
-    keep = ("security.", "sasl.", "ssl.", "socket.", "enable.ssl", "client.", "broker.")
-    exact = {"bootstrap.servers", "logger", "oauth_cb", "debug", "reconnect.backoff.ms"}
-    return {k: v for k, v in where.items() if k in exact or k.startswith(keep)}
+    return connection_settings(where)
 
 
 def secured(settings: Mapping[str, Any]) -> bool:

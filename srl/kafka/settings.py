@@ -28,6 +28,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from srl.config import KafkaSettings, ProducerSettings
 from srl.errors import ConfigError
+from srl.kafka.groupprotocol import classic_instead
 from srl.secrets import remember, resolve, scrub
 
 # librdkafka's own log lines (connection refused, retries) go here, not to stderr.
@@ -146,9 +147,13 @@ CLASSIC_ONLY = ("session.timeout.ms", "heartbeat.interval.ms", "partition.assign
 def for_group_protocol(settings: dict[str, Any]) -> dict[str, Any]:
     """``settings`` without the classic-only ones when they ask for ``group.protocol=consumer``
     (KIP-848: the broker's ``group.consumer.*`` settings decide them, srl's
-    apache_kafka/server.properties sets the same 10 s and 1 s)."""
+    apache_kafka/server.properties sets the same 10 s and 1 s); with ``group.protocol=classic``
+    instead, the classic ones kept, where the broker answered that it takes no KIP-848 groups
+    (Kafka 3.x: ``srl.kafka.groupprotocol``, asked once per process, only here)."""
     if str(settings.get("group.protocol", "classic")).lower() != "consumer":
         return settings
+    if classic_instead(settings):
+        return settings | {"group.protocol": "classic"}
     return {k: v for k, v in settings.items() if k not in CLASSIC_ONLY}
 
 

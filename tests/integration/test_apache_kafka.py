@@ -8,19 +8,22 @@
 * a node SIGKILLed right after acknowledging records (``acks=all``) still has every one of
   them after its restart (the embedded broker loses its last ~0.5 s: docs/broker.md);
 * srl works unchanged (only ``--bootstrap``) on a node someone else started from the same
-  jars with Kafka's stock settings.
+  jars with Kafka's stock settings, and on stock Kafka 3.9, 3.7 and 3.0 nodes (3.0: the
+  oldest that passes; docs/broker.md, "Kafka versions").
 
 Marked ``kafka``: on an Apache Kafka node whatever the default tier is (tests/conftest.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,7 @@ import pytest
 
 from schemas.records import WeightsAnnouncement, encode
 from srl.broker import apache
+from srl.broker.process import last_line
 from srl.config import CommonConfig, load_config
 from srl.kafka import (
     Producer,
@@ -38,10 +42,11 @@ from srl.kafka import (
     read_range,
     watermarks,
 )
+from srl.kafka.groupprotocol import kip848_groups
 from srl.topics import Layout, TopicSpec
 from srl.weights import latest_announcement, read_announcements
 from tests.chunks import produce, traj_chunks
-from tests.conftest import bin_path, kafka_node
+from tests.conftest import TEST_KAFKA_JVM_OPTS, bin_path, kafka_node
 from tests.integration.test_trainer import make_groups
 
 pytestmark = pytest.mark.kafka
@@ -270,9 +275,117 @@ num.partitions=1
 offsets.topic.replication.factor=1
 transaction.state.log.replication.factor=1
 transaction.state.log.min.isr=1
+"""
+# Kafka 4.x's quick-start file also sets the share groups' state topic (KIP-932), a setting
+# Kafka 3.x does not know
+STOCK_4 = (
+    STOCK
+    + """\
 share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
 """
+)
+
+
+@contextlib.contextmanager
+def stock_node(tmp_path: Path, cp: str, settings: str) -> Iterator[str]:
+    """A one-node KRaft cluster as Kafka's quick start runs it, from the jars ``cp`` (``java
+    -cp libs/* kafka.Kafka``, not srl's KafkaCluster), formatted with a cluster id of srl's
+    kind (so a role creates its topics, as on ``srl broker start``); yields its bootstrap."""
+    from srl.broker import free_port
+    from srl.kafka import broker_answers
+
+    port, cport = free_port(), free_port()
+    props = tmp_path / "server.properties"
+    props.write_text(settings.format(port=port, cport=cport, logs=tmp_path / "logs"))
+    java = apache.check_java()
+    logging = f"-Dlog4j2.configurationFile={apache.dist_file('log4j2.properties')}"
+    fmt = [java, logging, "-cp", cp, "kafka.tools.StorageTool", "format"]
+    subprocess.run(
+        [*fmt, "-t", apache.new_cluster_id(), "-c", str(props)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    with open(tmp_path / "kafka.log", "w") as log:
+        proc = subprocess.Popen(
+            [java, *TEST_KAFKA_JVM_OPTS.split(), logging, "-cp", cp, "kafka.Kafka", str(props)],
+            stdout=log,
+            stderr=log,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while not broker_answers(f"127.0.0.1:{port}", 2.0):
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                f"node did not start: {last_line(tmp_path / 'kafka.log')}"
+            )
+            time.sleep(0.5)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def smoke_and_train(bootstrap: str, tmp_path: Path, tiny_model: Path, *trainer_args: str) -> str:
+    """``srl smoke --trajectories 40``, then a trainer's two steps over generated trajectories,
+    with only ``--bootstrap`` (``SRL_BOOTSTRAP_SERVERS``); every trained partition's lag is 0
+    by ``kafka-consumer-groups``. Returns the trainer's stderr."""
+    env = {
+        "SRL_BOOTSTRAP_SERVERS": bootstrap,
+        "SRL_TOPIC_PREFIX": "elsewhere",
+        "SRL_STORE": f"file://{tmp_path / 'store'}",
+        **{k: v for k, v in os.environ.items() if not k.startswith("SRL_")},
+    }
+    smoke = subprocess.run(
+        [bin_path("srl"), "smoke", "--trajectories", "40"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert smoke.returncode == 0, smoke.stdout[-2000:] + smoke.stderr[-2000:]
+    values = {"bootstrap_servers": bootstrap, "topic_prefix": "elsewhere2"}
+    cfg = load_config(CommonConfig, cli=values, env={})
+    create_topics(cfg)
+    chunks = make_groups(4, n=2)  # four prompts of two samples: two steps of two
+    produce(cfg, chunks)
+    env["SRL_TOPIC_PREFIX"] = "elsewhere2"
+    train = subprocess.run(
+        [
+            bin_path("srl-consumer"),
+            "train",
+            "--model",
+            str(tiny_model),
+            "--groups-per-step",
+            "2",
+            "--max-steps",
+            "2",
+            "--idle-exit-s",
+            "20",
+            "--device",
+            "cpu",
+            "--reward",
+            "consumers.rewards:first_line_match",
+            *trainer_args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert train.returncode == 0, train.stderr[-3000:]
+    rows = describe_groups(bootstrap, ["elsewhere2.trainer.default"])
+    trained = [
+        r
+        for (_g, t, _p), r in rows.items()
+        if t == "elsewhere2.trajectories" and r["log_end_offset"]
+    ]
+    assert trained and all(r["lag"] == 0 for r in trained), trained
+    return train.stderr
 
 
 @pytest.mark.slow
@@ -283,85 +396,33 @@ def test_srl_runs_unchanged_on_a_node_started_elsewhere_from_the_same_jars(
     delay, the 45 s KIP-848 session and everything else at Kafka's defaults), started with
     ``java -cp libs/* kafka.Kafka``, not by srl: ``srl smoke`` and a trainer step over
     generated trajectories work with only ``--bootstrap``."""
-    from srl.broker import free_port
+    with stock_node(tmp_path, apache.classpath(), STOCK_4) as bootstrap:
+        smoke_and_train(bootstrap, tmp_path, tiny_model)
+        assert kip848_groups({"bootstrap.servers": bootstrap}) is True
 
-    port, cport = free_port(), free_port()
-    props = tmp_path / "server.properties"
-    props.write_text(STOCK.format(port=port, cport=cport, logs=tmp_path / "logs"))
-    java, cp = apache.check_java(), apache.classpath()
-    fmt = [java, "-cp", cp, "kafka.tools.StorageTool", "format", "-t", apache.new_cluster_id()]
-    subprocess.run([*fmt, "-c", str(props)], check=True, capture_output=True, timeout=300)
-    with open(tmp_path / "kafka.log", "w") as log:
-        proc = subprocess.Popen(
-            [java, "-Xmx512m", "-cp", cp, "kafka.Kafka", str(props)], stdout=log, stderr=log
-        )
-    try:
-        from srl.kafka import broker_answers
 
-        deadline = time.monotonic() + 120
-        while not broker_answers(f"127.0.0.1:{port}", 2.0):
-            assert proc.poll() is None and time.monotonic() < deadline, "node did not start"
-            time.sleep(0.5)
-        env = {
-            "SRL_BOOTSTRAP_SERVERS": f"127.0.0.1:{port}",
-            "SRL_TOPIC_PREFIX": "elsewhere",
-            "SRL_STORE": f"file://{tmp_path / 'store'}",
-            **{k: v for k, v in os.environ.items() if not k.startswith("SRL_")},
-        }
-        smoke = subprocess.run(
-            [bin_path("srl"), "smoke", "--trajectories", "40"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert smoke.returncode == 0, smoke.stdout[-2000:] + smoke.stderr[-2000:]
-        cfg = load_config(
-            CommonConfig,
-            cli={"bootstrap_servers": f"127.0.0.1:{port}", "topic_prefix": "elsewhere2"},
-            env={},
-        )
-        create_topics(cfg)
-        chunks = make_groups(4, n=2)  # four prompts of two samples: two steps of two
-        produce(cfg, chunks)
-        env["SRL_TOPIC_PREFIX"] = "elsewhere2"
-        train = subprocess.run(
-            [
-                bin_path("srl-consumer"),
-                "train",
-                "--model",
-                str(tiny_model),
-                "--groups-per-step",
-                "2",
-                "--max-steps",
-                "2",
-                "--idle-exit-s",
-                "20",
-                "--device",
-                "cpu",
-                "--reward",
-                "consumers.rewards:first_line_match",
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert train.returncode == 0, train.stderr[-3000:]
-        rows = describe_groups(f"127.0.0.1:{port}", ["elsewhere2.trainer.default"])
-        trained = [
-            r
-            for (_g, t, _p), r in rows.items()
-            if t == "elsewhere2.trajectories" and r["log_end_offset"]
-        ]
-        assert trained and all(r["lag"] == 0 for r in trained), trained
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+# Kafka 3.x releases srl is tested on (docs/broker.md, "Kafka versions"): the newest patches of
+# 3.9 (the last 3.x minor), of 3.7 and of 3.0, the oldest that passes (2.8's KRaft has no
+# idempotent producer); SRL_TEST_KAFKA_VERSIONS=3.5.2,3.3.2 runs others instead
+KAFKA_3 = tuple(os.environ.get("SRL_TEST_KAFKA_VERSIONS", "3.9.2,3.7.2,3.0.2").split(","))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # with the first fetch of the release's jars (~30-40 s alone)
+@pytest.mark.parametrize("version", KAFKA_3)
+def test_srl_runs_unchanged_on_kafka_3(version: str, tmp_path: Path, tiny_model: Path) -> None:
+    """The same on an Apache Kafka 3.x node with its stock settings (KRaft, a static quorum:
+    ``controller.quorum.voters``), from that release's jars on Maven Central (fetched once per
+    machine by the pinned recipe with ``-Dkafka.version``: ``srl broker fetch --version``;
+    the tools that check the lag are 4.4's). srl's groups are classic ones by default; a
+    trainer told ``-X group.protocol=consumer`` (KIP-848 groups: Kafka 4.0's) is a classic
+    member here too, with one warning, instead of waiting for an assignment that never comes."""
+    cp = apache.classpath(version=version)
+    assert apache.installed_version(cp) == version
+    with stock_node(tmp_path, cp, STOCK) as bootstrap:
+        assert kip848_groups({"bootstrap.servers": bootstrap}) is False
+        err = smoke_and_train(bootstrap, tmp_path, tiny_model, "-X", "group.protocol=consumer")
+    assert err.count("takes no KIP-848 groups") == 1, err[-3000:]
 
 
 def test_an_idle_member_fetch_is_held_by_the_broker(cfg) -> None:  # type: ignore[no-untyped-def]

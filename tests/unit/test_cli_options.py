@@ -109,7 +109,7 @@ OWN: dict[str, set[str]] = {
         "--json",
     },
     "srl bench weights": {"--sizes", "--repeats", "--swaps", "--work-dir", "--json"},
-    "srl broker fetch": set(),
+    "srl broker fetch": {"--version"},
     "srl broker start": {"--engine", "--nodes", "--port", "--kafka-home", "--data-dir"},
     "srl broker status": {"--data-dir", "--json"},
     "srl broker stop": {"--data-dir"},

@@ -71,6 +71,49 @@ def test_the_pom_pins_kafka_and_a_logging_binding_for_its_slf4j() -> None:
     assert not [c for c in re.findall(r"<!--(.*?)-->", pom, re.S) if "--" in c]
 
 
+FAKE_MVN = """\
+#!/bin/sh
+# records its arguments; copies a kafka_2.13 jar of -Dkafka.version into -DoutputDirectory
+echo "$@" >> "$0.calls"
+for a in "$@"; do
+  case "$a" in
+    -Dkafka.version=*) v="${a#-Dkafka.version=}" ;;
+    -DoutputDirectory=*) out="${a#-DoutputDirectory=}" ;;
+  esac
+done
+if [ "$v" = 3.9.9 ]; then
+  echo "[ERROR] Failed: Could not find artifact org.apache.kafka:kafka_2.13:jar:3.9.9"
+  exit 1
+fi
+mkdir -p "$out" && touch "$out/kafka_2.13-$v.jar"
+"""
+
+
+def test_another_kafka_version_is_fetched_by_the_same_recipe_beside_the_pinned_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mvn = tmp_path / "bin" / "mvn"
+    mvn.parent.mkdir()
+    mvn.write_text(FAKE_MVN)
+    mvn.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{mvn.parent}:/usr/bin:/bin")
+    monkeypatch.setenv("SRL_KAFKA_CACHE", str(tmp_path / "cache"))
+    libs = apache.fetch(version="3.9.2")
+    assert libs == tmp_path / "cache" / "3.9.2" / "libs"
+    assert apache.installed_version(apache.classpath(version="3.9.2")) == "3.9.2"
+    calls = (tmp_path / "bin" / "mvn.calls").read_text().splitlines()
+    assert len(calls) == 1 and "-Dkafka.version=3.9.2" in calls[0].split()  # once: cached
+    # the one recipe, its pinned version overridden on the command line only
+    pom = (tmp_path / "cache" / "3.9.2" / "pom.xml").read_text()
+    assert pom == apache.dist_file("pom.xml").read_text()
+    assert apache.libs_dir() == tmp_path / "cache" / apache.kafka_version() / "libs"
+    with pytest.raises(SrlError, match="mvn could not fetch Apache Kafka 3.9.9: .*Could not find"):
+        apache.fetch(version="3.9.9")
+    assert not (tmp_path / "cache" / "3.9.9" / "libs").exists()
+    with pytest.raises(SrlError, match="'../4.4.0' is not a Kafka version"):
+        apache.fetch(version="../4.4.0")
+
+
 def test_cluster_ids_are_kafka_uuids_that_say_srl_made_them() -> None:
     for _ in range(200):
         cid = apache.new_cluster_id()
