@@ -140,6 +140,24 @@ class DispatchConfig(CommonConfig):
         ),
     )
     epochs: int = Field(1, ge=1, le=100_000, description="Passes over the prompt source.")
+    tokenizer: str | None = Field(
+        None,
+        description=(
+            "A model directory whose tokenizer counts each prompt's tokens before dispatch, as "
+            "the generators tokenize it: a prompt whose tokens + max_new_tokens exceed "
+            "context_tokens goes to the DLQ with the reason, never to a generator (nor into a "
+            "step that would wait for it). null: no check at dispatch."
+        ),
+        json_schema_extra=cli(metavar="DIR"),
+    )
+    context_tokens: int | None = Field(
+        None,
+        ge=2,
+        description=(
+            "The generators' context (prompt + max_new_tokens), checked at dispatch with "
+            "--tokenizer; null: that model's max_position_embeddings."
+        ),
+    )
 
     # Cross-field rules raise ConfigError (not ValueError), so pydantic passes the one-line
     # message through unchanged instead of wrapping it.

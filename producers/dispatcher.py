@@ -61,6 +61,7 @@ from producers.backlog import GroupLag
 from producers.config import DispatchConfig
 from producers.dispatch_log import Published, Stamp, read_published
 from producers.follower import announcement
+from producers.promptfit import PromptFit
 from ranker.api import assign_buckets
 from schemas.records import PromptTask, WeightsAnnouncement, encode
 from srl.codecs import use_schema_registry
@@ -179,9 +180,14 @@ class DispatchSummary:
     versions_seen: list[int] = field(default_factory=list)  # paced: min_version of each step
     first_step: int | None = None  # paced: the step number of the first new window
     skipped: int = 0  # tasks a previous dispatcher of the run had published (not again)
+    too_long: int = 0  # prompts dead-lettered at dispatch: they cannot fit the context
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def with_too_long(self, fit: PromptFit | None) -> DispatchSummary:
+        self.too_long = fit.dropped if fit is not None else 0
+        return self
 
 
 class Announcements:
@@ -288,13 +294,17 @@ def run_dispatcher(
     others = [layout.trajectories, layout.weights, layout.metrics, layout.dlq]
     ensure_topics(cfg, prompts + others, "dispatcher")
     published = read_published(cfg, layout, cfg.run)  # a restart resumes after them
+    fit = PromptFit(cfg) if cfg.tokenizer else None  # a bad tokenizer fails before any work
     with contextlib.ExitStack() as stack:
         producer = stack.enter_context(Producer(cfg, "dispatcher"))
+        if fit is not None:  # prompts that cannot fit the context: dead-lettered, never tasks
+            source = fit.filter(source, producer, layout)
+            stack.callback(lambda: log.info("%d prompts too long: dead-lettered", fit.dropped))
         if cfg.max_staleness is not None:
             anns = Announcements(cfg, layout, producer)
             stack.callback(anns.close)
             out = Windows(cfg, layout, producer, predictor, stop, published=published)
-            return out.paced(source, anns, cfg.max_staleness)
+            return out.paced(source, anns, cfg.max_staleness).with_too_long(fit)
         room = None
         if cfg.max_pending is not None:
             lag = GroupLag(
@@ -304,7 +314,8 @@ def run_dispatcher(
             )
             stack.callback(lag.close)
             room = Room(lag, cfg.max_pending)
-        return Windows(cfg, layout, producer, predictor, stop, room, published).unpaced(source)
+        out = Windows(cfg, layout, producer, predictor, stop, room, published)
+        return out.unpaced(source).with_too_long(fit)
 
 
 class Windows:

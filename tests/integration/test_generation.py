@@ -526,3 +526,35 @@ def test_a_worker_whose_producer_failed_starts_over_in_its_process_and_resumes(
     s = ws.summaries[0]  # the second run's
     assert s.resumed > 0 and s.trajectories == 4 - s.skipped_complete, s
     t.reader.close()
+
+
+def test_a_prompt_too_long_for_the_context_is_dead_lettered_at_dispatch(
+    make_cfg: Any, tiny_model: Path
+) -> None:
+    """Counted with the generators' tokenizer; a prompt whose tokens + max_new_tokens exceed
+    the context goes to the DLQ with the reason and never becomes a task."""
+    from tests.chunks import read_topic
+
+    dcfg = make_cfg(
+        DispatchConfig,
+        prompts="unused.jsonl",
+        group_size=1,
+        max_new_tokens=32,
+        tokenizer=str(tiny_model),
+        context_tokens=96,
+    ).model_copy(update={"max_staleness": None})
+    create_topics(dcfg)
+    src = prompts(4) + [SourcePrompt("long", "word " * 500, {})]
+    summary = run_dispatcher(dcfg, src, BaselinePredictor(100))
+    assert summary.too_long == 1 and summary.tasks == 4, summary
+    layout = Layout.from_config(dcfg)
+    tasks = [
+        decode_as(m.value(), PromptTask)
+        for b in layout.buckets
+        for m in read_topic(dcfg, layout.prompts(b))
+    ]
+    assert sorted(t.prompt_id for t in tasks) == ["p0", "p1", "p2", "p3"]
+    (dead,) = read_topic(dcfg, layout.dlq)
+    reason = dict(dead.headers())["srl.reason"].decode()
+    assert dead.key() == b"long" and "prompt too long" in reason and "context of 96" in reason
+    assert orjson.loads(dead.value())["prompt"] == "word " * 500
