@@ -210,16 +210,25 @@ class Timed:
     t0: float = field(default_factory=time.monotonic)
 
     def wait(self) -> float:
-        """Seconds from the start to the end (serve: to its first healthy answer)."""
-        if self.port is not None:
-            self.roles.wait_healthy(self.proc, self.port)
-            took = time.monotonic() - self.t0
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=60)
-            return took
-        rc = self.proc.wait(timeout=180)
-        assert rc == 0, self.roles.output(self.role)[-3000:]
-        return time.monotonic() - self.t0
+        """Seconds from the start to the end (serve: to its first healthy answer); a process
+        still running when this fails (a timeout) is killed, not left to the next test."""
+        try:
+            if self.port is not None:
+                self.roles.wait_healthy(self.proc, self.port)
+                took = time.monotonic() - self.t0
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(timeout=60)
+                return took
+            rc = self.proc.wait(timeout=180)
+            assert rc == 0, self.roles.output(self.role)[-3000:]
+            return time.monotonic() - self.t0
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
 
 
 def start(roles: Roles, role: str) -> subprocess.Popen[bytes]:
