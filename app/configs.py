@@ -17,7 +17,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from producers.config import EngineSettings, VLLMSettings
+from producers.config import ChatSettings, EngineSettings, VLLMSettings
 from srl.config import (
     NAME_PATTERN,
     CommonConfig,
@@ -61,7 +61,7 @@ class EngineBenchConfig(
     )
 
 
-class ServeConfig(CommonConfig, EngineSettings, VLLMSettings):
+class ServeConfig(CommonConfig, EngineSettings, VLLMSettings, ChatSettings):
     """``srl serve``: one engine (the generator's: hf, sim, vllm, built by
     ``producers.engines.make_engine`` from these same engine settings) behind an
     OpenAI-compatible HTTP API. docs/serving.md explains each setting."""

@@ -21,13 +21,68 @@ from srl.errors import ConfigError
 from srl.topics import Layout, pool_group, trainer_group
 
 
-class DispatchConfig(CommonConfig):
+class ChatSettings(Settings):
+    """The tokenizer's chat template (``srl.chat``): ``srl-producer dispatch`` and ``srl
+    serve`` apply it by the same function, so a conversation gets the same token ids in
+    training and in serving."""
+
+    chat_template: bool = Field(
+        False,
+        description="Render prompts with the tokenizer's own chat template, with the generation "
+        "prompt (dispatch: each prompt of the source, a text as one user message, with "
+        "--tokenizer DIR; the tasks carry the rendered ids. srl serve: chat requests). A "
+        "tokenizer without a chat template is refused. false: dispatch sends prompt text as it "
+        "is; srl serve uses a template where the tokenizer has one, else a plain role: content "
+        "join.",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="With chat_template: a system message put first in every conversation that "
+        "does not begin with its own.",
+    )
+
+    @model_validator(mode="after")
+    def _system_needs_template(self) -> ChatSettings:
+        if self.system_prompt is not None and not self.chat_template:
+            raise ConfigError("--system-prompt needs --chat-template")
+        return self
+
+
+class DispatchConfig(CommonConfig, ChatSettings):
     """``srl-producer dispatch``: which prompts become which tasks, in which order, how fast."""
 
     section = "dispatch"
 
     prompts: str | None = Field(
-        None, description="JSONL file of {prompt_id, prompt, metadata} lines; or use task."
+        None,
+        description="Prompt source: a JSONL file, a parquet or Arrow file, or a local dataset "
+        "directory (datasets save_to_disk, or parquet/arrow files); columns mapped by "
+        "prompt_field, id_field, answer_field, metadata_fields. Or use task.",
+        json_schema_extra=cli(metavar="PATH"),
+    )
+    prompt_field: str = Field(
+        "prompt",
+        min_length=1,
+        description="Column of the prompt: a string, or chat messages (a list of {role, "
+        "content}; needs chat_template). a.b: field b of struct column a.",
+    )
+    id_field: str | None = Field(
+        None,
+        min_length=1,
+        description="Column of the prompt id (a unique string or integer); null: prompt_id "
+        "where the source has it, else {file name}:{row}.",
+    )
+    answer_field: str | None = Field(
+        None,
+        min_length=1,
+        description="Column of the reference answer, carried to the reward as "
+        "metadata.answer (what the built-in rewards read); null: answer where the source has "
+        "it, else none.",
+    )
+    metadata_fields: tuple[str, ...] = Field(
+        (),
+        description="Columns copied into each prompt's metadata under their own names (a "
+        "metadata column, an object, is merged in too).",
     )
     task: Literal["demo", "sim"] | None = Field(
         None,
@@ -144,9 +199,9 @@ class DispatchConfig(CommonConfig):
         None,
         description=(
             "A model directory whose tokenizer counts each prompt's tokens before dispatch, as "
-            "the generators tokenize it: a prompt whose tokens + max_new_tokens exceed "
-            "context_tokens goes to the DLQ with the reason, never to a generator (nor into a "
-            "step that would wait for it). null: no check at dispatch."
+            "the generators tokenize it (rendered, with chat_template): a prompt whose tokens + "
+            "max_new_tokens exceed context_tokens goes to the DLQ with the reason, never to a "
+            "generator (nor into a step that would wait for it). null: no check at dispatch."
         ),
         json_schema_extra=cli(metavar="DIR"),
     )
@@ -167,6 +222,11 @@ class DispatchConfig(CommonConfig):
             raise ConfigError("give exactly one prompt source: --prompts FILE or --task demo|sim")
         if self.task == "sim" and self.lengths is None:
             raise ConfigError("--task sim needs --lengths FILE (a lo,hi,probability histogram)")
+        if self.chat_template and self.tokenizer is None:
+            raise ConfigError(
+                "--chat-template needs --tokenizer DIR (the generators' model: its template "
+                "renders the prompts)"
+            )
         return self
 
 

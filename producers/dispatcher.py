@@ -63,7 +63,7 @@ from producers.dispatch_log import Published, Stamp, read_published
 from producers.follower import announcement
 from producers.promptfit import PromptFit
 from ranker.api import assign_buckets
-from schemas.records import PromptTask, WeightsAnnouncement, encode
+from schemas.records import PromptTask, WeightsAnnouncement, encode, pack_tokens
 from srl.codecs import use_schema_registry
 from srl.errors import SrlError, WeightsError
 from srl.kafka import (
@@ -124,6 +124,7 @@ def plan_window(
                     task_id=task_id_for(cfg.run, prompt_id, indices),
                     prompt_id=prompt_id,
                     prompt=p.text,
+                    prompt_tokens=_packed(p),
                     group_size=cfg.group_size,
                     max_new_tokens=cfg.max_new_tokens,
                     bucket=bucket,
@@ -137,6 +138,13 @@ def plan_window(
                 )
             )
     return sorted(tasks, key=lambda t: -(t.predicted_length or 0))
+
+
+def _packed(p: PromptLike) -> bytes | None:
+    """The rendered prompt's ids (``producers.rendering``), packed; None: the worker
+    tokenizes the text."""
+    ids = getattr(p, "prompt_tokens", None)
+    return pack_tokens(ids) if ids else None
 
 
 def task_id_for(run: str, prompt_id: str, indices: tuple[int, ...] | None) -> str:

@@ -2,7 +2,8 @@
 
 With ``--tokenizer DIR``, the dispatcher counts each prompt's tokens as the generators will
 (``producers.engines.hf.HFEngine.tokenize``: the tokenizer's ``input_ids`` of the prompt text,
-a lone BOS for an empty one) and sends a prompt whose tokens plus ``max_new_tokens`` exceed
+a lone BOS for an empty one; with ``--chat-template``, the rendered prompt's ids the task
+carries, ``producers.rendering``) and sends a prompt whose tokens plus ``max_new_tokens`` exceed
 the context (``context_tokens``, else the model's ``max_position_embeddings``) to the DLQ with
 the reason, keyed by its prompt id, instead of dispatching it: a generator would dead-letter
 the task anyway, after a trainer step had been planned around its group (the step would wait
@@ -82,7 +83,8 @@ class PromptFit:
 
     def reason(self, prompt: PromptLike) -> str | None:
         """Why ``prompt`` cannot be dispatched, or None if it fits."""
-        n = self.count(prompt.text)
+        ids = getattr(prompt, "prompt_tokens", None)  # rendered by the chat template
+        n = len(ids) if ids else self.count(prompt.text)
         if n + self.cfg.max_new_tokens <= self.context:
             return None
         return (

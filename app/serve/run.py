@@ -101,7 +101,7 @@ def run_serve(
         publisher = Publisher(producer, layout, cfg.chunk_tokens, cfg.worker_name)
         core = ServeEngine(
             engine,
-            codec_for(engine),
+            codec_for(engine, cfg.chat_template, cfg.system_prompt),
             publisher,
             follower,
             metrics,

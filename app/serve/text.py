@@ -10,7 +10,10 @@ Owns what a served choice's text is. What must hold:
   string is held back until it cannot (``scan_stops``); the token that completes a stop string
   is the choice's last token, so the published trajectory ends there too (``TextStream``);
 * a chat request becomes one prompt string: the tokenizer's chat template when it has one
-  (with the generation prompt), else the plain join of ``plain_chat_prompt``;
+  (with the generation prompt), else the plain join of ``plain_chat_prompt``; the template is
+  applied by ``srl.chat.ChatTemplate``, the function the dispatcher renders dataset prompts
+  with (``--chat-template``: required, and ``--system-prompt`` put first), so a conversation
+  gets the same token ids served as dispatched;
 * ``logprobs`` show each token's own text (``token_logprobs``).
 
 Pure functions and small classes; the engine thread of ``app.serve.core`` calls them.
@@ -23,6 +26,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from app.serve.protocol import TokenLogprob
+from srl.chat import ChatTemplate
+from srl.errors import ConfigError
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -47,15 +52,26 @@ def plain_chat_prompt(messages: list[dict[str, str]]) -> str:
 
 class HfCodec:
     """A Hugging Face tokenizer. Completion prompts are tokenized as the engine tokenizes
-    dispatched prompts (``encode_prompt``), chat prompts without added special tokens (the
-    template already holds them)."""
+    dispatched prompts (``encode_prompt``), chat prompts as ``srl.chat.ChatTemplate`` renders
+    and tokenizes them (no added special tokens: the template already holds them).
+    ``template``: the one to use (``--chat-template``); None: the tokenizer's own, if any."""
 
-    def __init__(self, tokenizer: Any, encode_prompt: Callable[[str], list[int]]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        encode_prompt: Callable[[str], list[int]],
+        template: ChatTemplate | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self._encode_prompt = encode_prompt
         self.vocab_size = len(tokenizer)
+        if template is None and getattr(tokenizer, "chat_template", None):
+            template = ChatTemplate(tokenizer)
+        self.template = template
 
     def encode(self, text: str, chat: bool) -> list[int]:
+        if chat and self.template is not None:
+            return self.template.token_ids(text)
         if chat:
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return self._encode_prompt(text)
@@ -64,12 +80,9 @@ class HfCodec:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
+        if self.template is None:
             return plain_chat_prompt(messages)
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        return str(text)
+        return self.template.render(messages)
 
 
 class SimCodec:
@@ -91,11 +104,20 @@ class SimCodec:
         return plain_chat_prompt(messages)
 
 
-def codec_for(engine: Any) -> TextCodec:
-    """The codec of an engine: its tokenizer (hf, vllm), else the sim stand-in."""
+def codec_for(
+    engine: Any, chat_template: bool = False, system_prompt: str | None = None
+) -> TextCodec:
+    """The codec of an engine: its tokenizer (hf, vllm), else the sim stand-in.
+    ``chat_template`` (``--chat-template``): the tokenizer's template, required, with
+    ``system_prompt``; ConfigError for a tokenizer without one or the sim engine."""
     tokenizer = getattr(engine, "tokenizer", None)
     if tokenizer is not None:
-        return HfCodec(tokenizer, engine.tokenize)
+        template = None
+        if chat_template:
+            template = ChatTemplate(tokenizer, system_prompt, "the model's tokenizer")
+        return HfCodec(tokenizer, engine.tokenize, template)
+    if chat_template:
+        raise ConfigError("--chat-template: the sim engine has no tokenizer, so no chat template")
     return SimCodec(int(getattr(engine, "vocab", 32_000)), engine.tokenize)
 
 

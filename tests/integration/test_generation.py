@@ -558,3 +558,64 @@ def test_a_prompt_too_long_for_the_context_is_dead_lettered_at_dispatch(
     reason = dict(dead.headers())["srl.reason"].decode()
     assert dead.key() == b"long" and "prompt too long" in reason and "context of 96" in reason
     assert orjson.loads(dead.value())["prompt"] == "word " * 500
+
+
+def test_a_chat_templated_source_is_generated_from_its_rendered_ids(
+    make_cfg: Any, tiny_model: Path, tmp_path: Path
+) -> None:
+    """--chat-template at dispatch: each row rendered by the tokenizer's template, the task
+    carrying the ids, which the worker prefills as they are (seq 0's prompt tokens), with the
+    mapped answer in the metadata (the reward's); a row that fits as text but not rendered
+    (the system prompt and the template's tokens) goes to the DLQ."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from app.sources import load_source
+    from schemas.records import unpack_tokens
+    from tests.chat import with_chat_template
+    from tests.chunks import read_topic
+
+    model = with_chat_template(tiny_model, tmp_path / "chat-model")
+    questions = {"q0": "2+2?", "q1": "3+3?", "long": "y" * 40}
+    f = tmp_path / "gsm.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "id": list(questions),
+                "question": [[{"role": "user", "content": q}] for q in questions.values()],
+                "solution": ["#### 4", "#### 6", "#### 0"],
+            }
+        ),
+        f,
+    )
+    dcfg = make_cfg(
+        DispatchConfig,
+        prompts=str(f),
+        prompt_field="question",
+        id_field="id",
+        answer_field="solution",
+        chat_template=True,
+        system_prompt="Think.",
+        tokenizer=str(model),
+        context_tokens=96,
+        group_size=1,
+        max_new_tokens=16,
+    ).model_copy(update={"max_staleness": None})
+    create_topics(dcfg)
+    src = load_source(dcfg)
+    rendered = {p.prompt_id: list(p.prompt_tokens or ()) for p in src}  # type: ignore[attr-defined]
+    assert len(rendered["q1"]) <= 96 - 16 < len(rendered["long"])  # 40 tokens as text
+    t = Trajectories(dcfg)
+    with workers(gen_cfg(make_cfg, model)) as ws:
+        summary = run_dispatcher(dcfg, src, BaselinePredictor(10))
+        t.wait(lambda t: len(t.complete()) == 2, ws)
+    assert summary.too_long == 1 and summary.tasks == 2, summary
+    by_sample = check_exactly_once(t, {("q0", 0), ("q1", 0)})
+    for (pid, _), cs in by_sample.items():
+        assert cs[0].prompt_tokens is not None
+        assert unpack_tokens(cs[0].prompt_tokens).tolist() == rendered[pid]
+        assert orjson.loads(cs[0].metadata or "{}")["answer"] == f"#### {int(pid[1]) * 2 + 4}"
+    (dead,) = read_topic(dcfg, Layout.from_config(dcfg).dlq)
+    reason = dict(dead.headers())["srl.reason"].decode()
+    assert dead.key() == b"long" and f"{len(rendered['long'])} tokens" in reason, reason
+    t.reader.close()

@@ -81,7 +81,7 @@ def test_jsonl_source_and_its_errors(tmp_path: Path) -> None:
     assert read_jsonl(f) == [SourcePrompt("a", "2+2=", {"answer": "4"}), SourcePrompt("b", "x", {})]
     for line, why in [
         ("not json", "p.jsonl:1: not JSON"),
-        ('{"prompt": "x"}', "prompt_id must be"),
+        ('{"prompt_id": "", "prompt": "x"}', "prompt_id must be"),
         ('{"prompt_id": "a", "prompt": 3}', "prompt must be a string"),
         ('{"prompt_id": "a", "prompt": "x", "metadata": [1]}', "metadata must be a JSON object"),
         (
