@@ -35,6 +35,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from consumers import checkpoint as ckpts
@@ -63,17 +64,40 @@ def die_with_launcher() -> None:
     each rank in a session of its own, so a process manager that SIGKILLs torchrun's process
     group left the ranks running (found by ``srl chaos --trainer-ranks 2``: the killed
     trainer's ranks kept their static group membership and checkpoints, beside the restarted
-    ones). Linux's parent-death signal makes the kernel SIGKILL the rank instead."""
+    ones). Linux's parent-death signal makes the kernel SIGKILL the rank instead.
+
+    It is asked for only once the rank runs this, seconds after its start (imports): a
+    launcher killed before then has already left the rank to init or a subreaper, and the
+    signal would never come. Such an orphan joined the next launcher's rendezvous on the same
+    port beside that launcher's own ranks (``srl chaos --trainer-ranks 2``, a trainer killed
+    9 s after its restart: the next trainer's ranks then failed in their first broadcast, or
+    trained and never exited). So the rank checks that its parent is still a torch launcher,
+    and ends itself otherwise."""
     if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     import ctypes
 
-    launcher = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         log.warning("rank: cannot ask to die with torchrun (errno %d)", ctypes.get_errno())
-    elif os.getppid() != launcher:  # it ended before we asked
+    parent = os.getppid()
+    if not is_launcher(parent):
+        log.error(
+            "rank %s: its launcher ended before it joined (its parent is now pid %d, not "
+            "torchrun); exiting",
+            *(os.environ.get("RANK", "?"), parent),
+        )
         os._exit(1)
+
+
+def is_launcher(pid: int) -> bool:
+    """Whether process ``pid`` is a torch launcher (``torchrun``, ``python -m
+    torch.distributed.run`` or ``.launch``): what an orphaned rank's new parent is not."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(b"torchrun" in a or a.startswith(b"torch.distributed.") for a in argv)
 
 
 class Dist:
