@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from schemas.records import SchemaError, WeightsAnnouncement, decode_as
+from schemas.records import SchemaError, WeightsAnnouncement, decode_as, now_ms
 from srl.errors import SrlError, StoreError, WeightsError
 from srl.kafka import OFFSET_BEGINNING, KafkaException, QuietTail, TopicPartition, reader
 from srl.metrics import MAX_RECORD_BYTES
@@ -65,6 +65,7 @@ class Ready:
     version: int
     tensors: dict[str, torch.Tensor]
     fetch_s: float
+    fetch_started_ms: int = 0  # wall clock when its fetch began (ms since epoch)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class Swap:
     version: int
     fetch_s: float
     pause_ms: float
+    fetch_started_ms: int = 0  # wall clock when its fetch began (ms since epoch)
 
     @property
     def load_s(self) -> float:
@@ -209,7 +211,7 @@ class WeightFollower:
         pause_ms = (time.perf_counter() - t0) * 1000
         ready.tensors.clear()  # the engine has its own copy now: the next fetch may start
         self.swapped(ready.version)
-        return Swap(ready.version, ready.fetch_s, pause_ms)
+        return Swap(ready.version, ready.fetch_s, pause_ms, ready.fetch_started_ms)
 
     def refuse(self, version: int, reason: str) -> None:
         with self._cond:
@@ -287,7 +289,7 @@ class WeightFollower:
             # an untaken older version is dropped before the newer one is fetched, never
             # held beside it (the worker wants the newest; intermediate ones are skipped)
             self._ready = None
-        t0 = time.perf_counter()
+        t0, started_ms = time.perf_counter(), now_ms()
         try:
             tensors = fetch_tensors(self.store, load_manifest(self.store, ann))
         except (WeightsError, StoreError) as e:
@@ -297,7 +299,7 @@ class WeightFollower:
             return
         with self._cond:
             self._fetched = version
-            self._ready = Ready(version, tensors, time.perf_counter() - t0)
+            self._ready = Ready(version, tensors, time.perf_counter() - t0, started_ms)
             self._cond.notify_all()
 
 

@@ -259,7 +259,7 @@ class GeneratorWorker:
             return
         self.summary.weights_loaded += 1
         self.summary.policy_version = swap.version
-        values = {"version": swap.version, "load_s": swap.load_s, "pause_ms": swap.pause_ms}
+        values = {"load_s": swap.load_s, **vars(swap)}  # version, fetch (+ verify), pause
         self.metrics.emit("weights_loaded", values, {"worker_id": self.summary.worker_id})
         log.info(
             "weights v%d loaded (fetch %.2fs, pause %.0f ms)",

@@ -90,7 +90,22 @@ def bench() -> None:
     type=click.IntRange(1, 20),
     default=1,
     show_default=True,
-    help="Raw and codec phases alternate this many times; the best of each counts.",
+    help="Raw and codec phases alternate this many times, the best of each counting; then "
+    "this many latency phases, their medians counting.",
+)
+@click.option(
+    "--paced-seconds",
+    type=click.FloatRange(0.1, 3600),
+    default=20.0,
+    show_default=True,
+    help="Measured length of the latency phase, after its warm-up.",
+)
+@click.option(
+    "--warmup-seconds",
+    type=click.FloatRange(0, 3600),
+    default=5.0,
+    show_default=True,
+    help="Start of the latency phase left out of its latencies.",
 )
 @broker_option()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -102,6 +117,8 @@ def dataplane(
     batch: int,
     pace: float,
     repeats: int,
+    paced_seconds: float,
+    warmup_seconds: float,
     brokers: tuple[str, ...],
     as_json: bool,
 ) -> None:
@@ -115,7 +132,8 @@ def dataplane(
 
     def one(bootstrap: str) -> dict[str, Any]:
         c = cfg.model_copy(update={"bootstrap_servers": bootstrap})
-        return run(c, trajectories, mean_tokens, chunk_tokens, batch, pace, repeats)
+        sizes = (trajectories, mean_tokens, chunk_tokens, batch, pace, repeats)
+        return run(c, *sizes, paced_s=paced_seconds, warmup_s=warmup_seconds)
 
     res = on_brokers(brokers, _external(cfg), one, _starting)
     if as_json:
@@ -127,7 +145,8 @@ def dataplane(
             f"{r['trajectories_per_s']} trajectories/s; raw bytes {r['raw_tokens_per_s']:,} "
             f"tokens/s (overhead {r['overhead']:.1%}); last chunk -> ready at "
             f"{r['paced_fraction']:.0%} of peak: p50 {r['ready_latency_ms_p50']} ms, p99 "
-            f"{r['ready_latency_ms_p99']} ms"
+            f"{r['ready_latency_ms_p99']} ms, p99.9 {r['ready_latency_ms_p999']} ms "
+            f"(medians of {len(r['phases']['paced'])}, {r['paced_measured_s']} s measured each)"
         )
 
 
@@ -366,6 +385,21 @@ def intake_bench(
     help="How the async modes keep samples within k (docs/benchmarks.md).",
 )
 @click.option(
+    "--model-bytes",
+    type=click.FloatRange(min=0),
+    default=15.2e9,
+    show_default=True,
+    help="Bytes of a weights version whose publish, fetch, verify and load the run is charged "
+    "(the workload's 7B in bf16; 0: none).",
+)
+@click.option(
+    "--sync-rates",
+    default="measure",
+    show_default=True,
+    help="Rates of the charged weight sync: 'measure' (srl bench weights at 100M on this "
+    "machine, once) or publish=G,fetch=G,verify=G,load=G in GB/s.",
+)
+@click.option(
     "--plot",
     type=click.Path(dir_okay=False),
     default="bench-pipeline.png",
@@ -399,7 +433,8 @@ def pipeline(
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     if not chosen or any(m not in MODES for m in chosen):
         raise ConfigError(f"--modes {modes!r}: choose from {', '.join(MODES)}")
-    w = p.Workload(groups_per_step=kw.pop("groups"), **kw)
+    sync = _sync_setting(kw.pop("model_bytes"), kw.pop("sync_rates"))
+    w = p.Workload(groups_per_step=kw.pop("groups"), **kw, **sync["workload"])
 
     def progress(mode: str, split: dict[str, Any]) -> None:
         click.echo(
@@ -409,6 +444,8 @@ def pipeline(
         )
 
     res = on_brokers(brokers, bootstrap, lambda b: p.run(w, b, progress, chosen), _starting)
+    for r in res.values():
+        r["weights_sync"] = sync["json"]
     if as_json:
         echo_json(res)
         return
@@ -417,6 +454,29 @@ def pipeline(
     for engine, r in res.items():
         for mode, m in r["modes"].items():
             click.echo(f"{engine:>8} " + _pipeline_line(mode, m))
+            chain = m["timeline"]["step_chain"]
+            parts = ", ".join(
+                f"{n} {chain[n]['p50_sim_s']:.1f}"
+                for n in chain
+                if isinstance(chain[n], dict) and "p50_sim_s" in chain[n]
+            )
+            click.echo(f"{'':>8} {'':>10}  hand-off, median simulated s: {parts}")
+
+
+def _sync_setting(model_bytes: float, spec: str) -> dict[str, Any]:
+    """``--model-bytes`` and ``--sync-rates`` as the Workload's fields and the JSON's entry
+    (rates measured here, once, unless given or nothing is charged)."""
+    from app.bench import synccost
+
+    rates = synccost.parse_rates(spec)
+    if model_bytes <= 0:
+        rates = synccost.SyncRates(source="none: --model-bytes 0")
+    elif rates is None:
+        click.echo("measuring the weight sync's rates (srl bench weights, 100M) …", err=True)
+        rates = synccost.measure_rates()
+    seconds = rates.seconds(model_bytes)
+    fields = {f"sync_{p}_s": v for p, v in seconds.items()} | {"model_bytes": model_bytes}
+    return {"workload": fields, "json": synccost.settings(model_bytes, rates)}
 
 
 def _pipeline_line(mode: str, m: dict[str, Any]) -> str:

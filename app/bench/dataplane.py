@@ -8,7 +8,9 @@ against the same broker, each on its own fresh topics and consumer group:
 * ``codec``: the same trajectories, encoded inside the timed loop by the disciplined
   ``Producer``'s caller, decoded by the consumer and stitched by ``consumers.assembler``;
 * ``paced``: the codec phase again at ``pace`` (0.5) of the codec phase's measured token
-  rate, for the last-chunk-produced → trajectory-ready latency.
+  rate, for the last-chunk-produced → trajectory-ready latency; long enough to leave the start
+  behind (``warmup_s``, 5 s, left out of the latencies, then ``paced_s``, 20 s, measured),
+  ``repeats`` times (p50, p99, p99.9: their median over the repeats, and their spread).
 
 Chunks come from the generator's own ``producers.chunker.Chunker`` (random token ids and
 log-probs); ``batch`` trajectories are in flight at once and emit their chunks interleaved,
@@ -22,6 +24,7 @@ Called by ``app.bench.cli``.
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import time
 import uuid
@@ -173,7 +176,10 @@ def run_phase(cfg: StreamConfig, spec: dict[str, Any]) -> dict[str, Any]:
             raise SrlError(
                 f"assembled {len(got.ready_ns)}/{spec['n']}, duplicates {got.duplicates}"
             )
-        res |= latency_figures(got.ready_ns, last_ns)
+        since = start_ns.value + int(spec.get("warmup_s", 0.0) * 1e9)
+        res |= latency_figures(got.ready_ns, last_ns, since)
+        res["warmup_s"] = spec.get("warmup_s", 0.0)
+        res["measured_s"] = round(max(0.0, res["wall_s"] - res["warmup_s"]), 3)
     return res
 
 
@@ -246,14 +252,40 @@ def phase_result(spec: dict[str, Any], size: dict[str, int], wall: float) -> dic
     }
 
 
-def latency_figures(ready_ns: dict[str, int], last_ns: dict[str, int]) -> dict[str, float]:
-    """Last chunk produced -> trajectory ready, in ms: p50, p99, max."""
-    lat = np.array([(ready_ns[t] - last_ns[t]) / 1e6 for t in ready_ns])
+def latency_figures(
+    ready_ns: dict[str, int], last_ns: dict[str, int], since_ns: int = 0
+) -> dict[str, float]:
+    """Last chunk produced -> trajectory ready, in ms, of the trajectories whose last chunk
+    was produced at ``since_ns`` or later (the warm-up left out): p50, p99, p99.9, max."""
+    lat = np.array([(ready_ns[t] - last_ns[t]) / 1e6 for t in ready_ns if last_ns[t] >= since_ns])
+    if not len(lat):
+        raise SrlError("no trajectory finished after the warm-up: a longer phase is needed")
     return {
         "ready_latency_ms_p50": round(float(np.percentile(lat, 50)), 2),
         "ready_latency_ms_p99": round(float(np.percentile(lat, 99)), 2),
+        "ready_latency_ms_p999": round(float(np.percentile(lat, 99.9)), 2),
         "ready_latency_ms_max": round(float(lat.max()), 2),
+        "latency_samples": int(len(lat)),
     }
+
+
+QUANTILES = ("p50", "p99", "p999")
+
+
+def paced_spec(spec: dict[str, Any], rate: int, paced_s: float, warmup_s: float) -> dict[str, Any]:
+    """The paced phase at ``rate`` tokens/s: enough trajectories (of ``spec``'s mean length)
+    for ``warmup_s`` left out plus ``paced_s`` measured, and never fewer than ``spec``'s."""
+    n = math.ceil(rate * (paced_s + warmup_s) / spec["mean_tokens"])
+    return spec | {"mode": "codec", "rate": rate, "n": max(spec["n"], n), "warmup_s": warmup_s}
+
+
+def spread(paced: list[dict[str, Any]]) -> dict[str, Any]:
+    """The paced repeats' ready latencies: each quantile's median, min and max over them."""
+    out: dict[str, Any] = {}
+    for q in QUANTILES:
+        v = [p[f"ready_latency_ms_{q}"] for p in paced]
+        out[q] = {"median": round(float(np.median(v)), 2), "min": min(v), "max": max(v)}
+    return out
 
 
 def run(
@@ -265,9 +297,12 @@ def run(
     pace: float = 0.5,
     repeats: int = 1,
     seed: int = 0,
+    paced_s: float = 20.0,
+    warmup_s: float = 5.0,
 ) -> dict[str, Any]:
     """All three phases on ``cfg``'s broker; the best of ``repeats`` raw and codec runs
-    (alternating) counts."""
+    (alternating) counts; then ``repeats`` paced phases of ``warmup_s`` + ``paced_s`` at
+    ``pace`` of the best codec rate, whose latencies' medians count (with their spread)."""
     spec = {
         "n": trajectories,
         "mean_tokens": mean_tokens,
@@ -282,15 +317,18 @@ def run(
         codecs.append(run_phase(cfg, spec | {"mode": "codec"}))
     raw = max(raws, key=lambda r: r["tokens_per_s"])
     codec = max(codecs, key=lambda r: r["tokens_per_s"])
-    paced = run_phase(cfg, spec | {"mode": "codec", "rate": int(codec["tokens_per_s"] * pace)})
+    pspec = paced_spec(spec, int(codec["tokens_per_s"] * pace), paced_s, warmup_s)
+    paced = [run_phase(cfg, pspec) for _ in range(repeats)]
+    sp = spread(paced)
     return {
         "tokens_per_s": codec["tokens_per_s"],
         "trajectories_per_s": codec["trajectories_per_s"],
         "raw_tokens_per_s": raw["tokens_per_s"],
         "overhead": round(raw["tokens_per_s"] / codec["tokens_per_s"] - 1, 4),
-        "ready_latency_ms_p50": paced["ready_latency_ms_p50"],
-        "ready_latency_ms_p99": paced["ready_latency_ms_p99"],
+        **{f"ready_latency_ms_{q}": sp[q]["median"] for q in QUANTILES},
+        "ready_latency_spread_ms": sp,
         "paced_fraction": pace,
+        "paced_measured_s": min(p["measured_s"] for p in paced),
         "peak_ready_latency_ms_p50": codec["ready_latency_ms_p50"],
         "peak_ready_latency_ms_p99": codec["ready_latency_ms_p99"],
         "settings": {
@@ -299,6 +337,8 @@ def run(
             "chunk_tokens": chunk_tokens,
             "batch": batch,
             "repeats": repeats,
+            "paced_s": paced_s,
+            "warmup_s": warmup_s,
             "compression": cfg.compression,
             "linger_ms": cfg.linger_ms,
         },

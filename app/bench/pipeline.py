@@ -28,11 +28,13 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from app.bench.pipegather import gather_records
 from app.bench.pipemodel import (
     BARRIER,
     DESIGNS,
@@ -44,11 +46,13 @@ from app.bench.pipemodel import (
     best_split,
     run_bound,
 )
+from app.bench.timeline import STEP_SEGMENTS, timeline
 from app.report import metric_events
 from app.sources import load_source
 from consumers.config import TrainConfig
 from consumers.train_engine import MicroBatch, StepStats
 from consumers.trainer import Trainer
+from producers import follower
 from producers.config import DispatchConfig, GenerateConfig
 from producers.dispatcher import run_dispatcher
 from producers.engines.sim import SimEngine
@@ -56,8 +60,10 @@ from producers.sources import make_predictor
 from producers.worker import run_generator
 from srl.errors import SrlError
 from srl.kafka import create_topics
+from srl.store import LocalStore
 from srl.stores import store_from_config
 from srl.tinymodel import TinyModelSpec, build_tiny_model
+from srl.weights import MANIFEST
 from srl.workload import LengthHistogram
 
 log = logging.getLogger("app.bench")
@@ -146,9 +152,16 @@ class SimTrainEngine:
 
 class LoggedSimEngine(SimEngine):
     """The sim engine, noting when its first decode step started: a run's time for the bound
-    is measured from the first decode step of any engine (nothing is generated before)."""
+    is measured from the first decode step of any engine (nothing is generated before). A
+    swap sleeps ``load_wall_s``: a real-size version's load, decoding stopped."""
 
     first_decode: float | None = None
+    load_wall_s: float = 0.0
+
+    def load_weights(self, tensors: dict[str, Any], version: int) -> None:
+        if self.load_wall_s > 0:
+            time.sleep(self.load_wall_s)
+        super().load_weights(tensors, version)
 
     def step(self) -> list[Any]:
         t0 = time.time()
@@ -265,7 +278,9 @@ class RoleThreads:
     """The dispatcher and the generators of one mode, each on a daemon thread; the first
     error stops them all and is kept for after the run."""
 
-    def __init__(self, dcfg: DispatchConfig, gcfgs: list[GenerateConfig]) -> None:
+    def __init__(
+        self, dcfg: DispatchConfig, gcfgs: list[GenerateConfig], load_wall_s: float = 0.0
+    ) -> None:
         prompts = load_source(dcfg)
         predictor = make_predictor(dcfg, prompts)
         self.stop = threading.Event()
@@ -274,6 +289,8 @@ class RoleThreads:
             LoggedSimEngine(c.max_batch, None, c.time_scale, c.seed, c.sim_tokens_per_step)
             for c in gcfgs
         ]
+        for e in self.engines:
+            e.load_wall_s = load_wall_s
         self.threads = [
             threading.Thread(
                 target=self._guarded, args=(run_generator, c, self.stop, e), daemon=True
@@ -314,29 +331,88 @@ class RoleThreads:
         return sum(e.simulated_ms for e in self.engines) / 1000.0
 
 
-def run_mode(
-    w: Workload, mode: str, split: dict[str, Any], bootstrap: str, model_dir: Path, work: Path
-) -> dict[str, Any]:
-    """One mode for real on its own topics: the roles on threads, the trainer in this one,
-    then its figures from the trainer's metric events."""
-    top = mode_settings(mode, split, bootstrap, work)
-    dcfg, gcfgs, tcfg = mode_configs(w, mode, split, top, model_dir)
-    create_topics(dcfg)
-    roles = RoleThreads(dcfg, gcfgs)
+class ChargedStore(LocalStore):
+    """The trainer's store, whose manifest put (a version's last write) comes
+    ``publish_wall_s`` after its start: a real-size version's upload, in the publisher's
+    background thread."""
+
+    def __init__(self, root: str | Path, publish_wall_s: float) -> None:
+        super().__init__(root)
+        self.publish_wall_s = publish_wall_s
+
+    def put(self, key: str, data: bytes | memoryview) -> str:
+        if key.endswith("/" + MANIFEST) and self.publish_wall_s > 0:
+            time.sleep(self.publish_wall_s)
+        return super().put(key, data)
+
+
+@contextlib.contextmanager
+def charged_fetch(wall_s: float) -> Iterator[None]:
+    """Every follower's fetch (``producers.follower.fetch_tensors``: files read and sha256
+    checked, in its own thread) takes at least ``wall_s`` while this is open."""
+    real = follower.fetch_tensors
+    if wall_s <= 0:
+        yield
+        return
+
+    def fetch(store: Any, manifest: Any) -> Any:
+        t0 = time.monotonic()
+        out = real(store, manifest)
+        time.sleep(max(0.0, wall_s - (time.monotonic() - t0)))
+        return out
+
+    follower.fetch_tensors = fetch  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        follower.fetch_tensors = real  # type: ignore[assignment]
+
+
+def trainer_store(tcfg: TrainConfig, publish_wall_s: float) -> Any:
+    """The trainer's store: charged for a real-size upload when there is one."""
+    if publish_wall_s <= 0 or not tcfg.store.startswith("file://"):
+        return store_from_config(tcfg)
+    return ChargedStore(tcfg.store[len("file://") :], publish_wall_s)
+
+
+def run_roles(
+    w: Workload, mode: str, split: dict[str, Any], cfgs: tuple[Any, list[Any], Any]
+) -> tuple[RoleThreads, SimTrainEngine, float]:
+    """The roles of one mode until the trainer's last step, charged a real-size version's
+    sync (``Workload.sync``, wall = simulated / compression): the roles, the trainer's
+    compute engine, wall seconds."""
+    dcfg, gcfgs, tcfg = cfgs
+    wall = {p: v / w.compression for p, v in w.sync(mode).items()}
+    roles = RoleThreads(dcfg, gcfgs, wall["load"])
     stream = mode not in ("colocated", "sync")
     sim_train = SimTrainEngine(
         w.train_s_per_token / split["trainer_devices"] / w.compression, stream
     )
     t0 = time.monotonic()
-    roles.start()
-    try:
-        Trainer(tcfg, sim_train, store_from_config(tcfg), None, None).run()
-    finally:
-        wall = time.monotonic() - t0
-        roles.join()
+    with charged_fetch(wall["fetch"] + wall["verify"]):
+        roles.start()
+        try:
+            store = trainer_store(tcfg, wall["publish"])
+            Trainer(tcfg, sim_train, store, None, None).run()
+        finally:
+            elapsed = time.monotonic() - t0
+            roles.join()
     if roles.errors:
         e = roles.errors[0]
         raise SrlError(f"bench pipeline {mode}: {type(e).__name__}: {e}")
+    return roles, sim_train, elapsed
+
+
+def run_mode(
+    w: Workload, mode: str, split: dict[str, Any], bootstrap: str, model_dir: Path, work: Path
+) -> dict[str, Any]:
+    """One mode for real on its own topics: the roles on threads, the trainer in this one,
+    then its figures from the trainer's metric events and its hand-off timeline."""
+    top = mode_settings(mode, split, bootstrap, work)
+    cfgs = mode_configs(w, mode, split, top, model_dir)
+    dcfg, _gcfgs, tcfg = cfgs
+    create_topics(dcfg)
+    roles, sim_train, wall = run_roles(w, mode, split, cfgs)
     events = metric_events(tcfg, tcfg.run)
     out = summarize(
         w,
@@ -349,6 +425,8 @@ def run_mode(
         sim_train.busy_s * w.compression,
     )
     out["design"] = "barrier" if mode in BARRIER else w.design
+    out["sync_charged_s"] = {p: round(v, 3) for p, v in w.sync(mode).items()}
+    out["timeline"] = timeline(gather_records(tcfg, tcfg.run, events), w.k(mode), w.compression)
     return out
 
 
@@ -512,45 +590,70 @@ def run(
 
 
 def plot(res: dict[str, dict[str, Any]], path: str) -> None:
-    """Bars of trained tokens/s per mode with the bound of its split, a panel per broker,
-    labelled simulated."""
+    """Top: bars of trained tokens/s per mode with the bound of its split; below: each mode's
+    hand-off timeline (the step chain's median segments, simulated seconds); a column per
+    broker, labelled simulated."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(res), figsize=(8 * len(res), 4.2), squeeze=False)
+    fig, axes = plt.subplots(2, len(res), figsize=(8 * len(res), 8.4), squeeze=False)
     top = max(
         max(m["trained_tokens_per_s"], m["bound_tokens_per_s"] or 0.0)
         for r in res.values()
         for m in r["modes"].values()
     )
-    for ax, (engine, r) in zip(axes[0], res.items(), strict=True):
-        modes = list(r["modes"])
-        rate = [r["modes"][m]["trained_tokens_per_s"] for m in modes]
-        bound = [r["modes"][m]["bound_tokens_per_s"] or 0.0 for m in modes]
-        x = np.arange(len(modes))
-        ax.bar(x - 0.2, rate, 0.4, label="achieved")
-        ax.bar(x + 0.2, bound, 0.4, label="bound of its split", alpha=0.5)
-        for i, m in enumerate(modes):
-            mm = r["modes"][m]
-            ax.text(
-                i - 0.2,
-                rate[i],
-                f"x{mm['tokens_ratio_vs_colocated']} coloc.\n"
-                f"{mm['fraction_of_bound']:.0%} of bound\n"
-                f"{mm['dropped_token_fraction']:.0%} dropped",
-                ha="center",
-                va="bottom",
-                fontsize=8,
-            )
-        ax.set_xticks(x, modes)
-        ax.set_ylim(0, top * 1.35)  # room for the labels above the bars
-        ax.set_ylabel("trained tokens / s (simulated time)")
-        ax.set_title(
-            f"{engine} broker — SIMULATED engine and trainer (time /{r['time_compression']:g})"
-        )
-        ax.legend(loc="upper left")
+    for i, (engine, r) in enumerate(res.items()):
+        plot_rates(axes[0][i], engine, r, top)
+        plot_timeline(axes[1][i], r)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_rates(ax: Any, engine: str, r: dict[str, Any], top: float) -> None:
+    """Trained tokens/s per mode against the bound of its split."""
+    modes = list(r["modes"])
+    rate = [r["modes"][m]["trained_tokens_per_s"] for m in modes]
+    bound = [r["modes"][m]["bound_tokens_per_s"] or 0.0 for m in modes]
+    x = np.arange(len(modes))
+    ax.bar(x - 0.2, rate, 0.4, label="achieved")
+    ax.bar(x + 0.2, bound, 0.4, label="bound of its split", alpha=0.5)
+    for i, m in enumerate(modes):
+        mm = r["modes"][m]
+        ax.text(
+            i - 0.2,
+            rate[i],
+            f"x{mm['tokens_ratio_vs_colocated']} coloc.\n"
+            f"{mm['fraction_of_bound']:.0%} of bound\n"
+            f"{mm['dropped_token_fraction']:.0%} dropped",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax.set_xticks(x, modes)
+    ax.set_ylim(0, top * 1.35)  # room for the labels above the bars
+    ax.set_ylabel("trained tokens / s (simulated time)")
+    gb = r.get("weights_sync", {}).get("model_bytes", 0) / 1e9
+    ax.set_title(
+        f"{engine} broker — SIMULATED engine and trainer (time /{r['time_compression']:g}, "
+        f"weights {gb:.1f} GB)"
+    )
+    ax.legend(loc="upper left")
+
+
+def plot_timeline(ax: Any, r: dict[str, Any]) -> None:
+    """Each mode's step chain, trigger step's end to the step's end: median segments stacked
+    (simulated seconds)."""
+    modes = list(r["modes"])
+    left = np.zeros(len(modes))
+    for n in STEP_SEGMENTS:
+        chains = [r["modes"][m]["timeline"]["step_chain"] for m in modes]
+        width = np.array([c.get(n, {}).get("p50_sim_s", 0.0) for c in chains])
+        ax.barh(np.arange(len(modes)), width, left=left, label=n)
+        left += width
+    ax.set_yticks(np.arange(len(modes)), modes)
+    ax.invert_yaxis()
+    ax.set_xlabel("simulated s: step t-1-k's end -> step t's end (median segments)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=7, ncol=7)

@@ -23,6 +23,10 @@ def test_bench_dataplane_json_on_both_brokers() -> None:
         "64",
         "--batch",
         "8",
+        "--paced-seconds",
+        "1",
+        "--warmup-seconds",
+        "0.2",
         "--broker",
         "embedded",
         "--broker",
@@ -40,6 +44,7 @@ def test_bench_dataplane_json_on_both_brokers() -> None:
 def test_bench_dataplane_on_a_given_broker(cli_env: dict[str, str]) -> None:
     """--bootstrap (here SRL_BOOTSTRAP_SERVERS): that broker only, keyed "external"."""
     args = ("--trajectories", "20", "--mean-tokens", "32", "--batch", "4", "--json")
+    args += ("--paced-seconds", "0.5", "--warmup-seconds", "0", "--repeats", "2")
     out = run("srl", "bench", "dataplane", *args, env=cli_env, timeout=240)
     assert out.returncode == 0, out.stderr
     res = orjson.loads(out.stdout)
@@ -56,12 +61,22 @@ def check_dataplane(r: dict, trajectories: int = 40) -> None:  # type: ignore[ty
         "ready_latency_ms_p99",
     ):
         assert r[key] > 0, key
-    assert r["ready_latency_ms_p50"] <= r["ready_latency_ms_p99"]
+    assert r["ready_latency_ms_p50"] <= r["ready_latency_ms_p99"] <= r["ready_latency_ms_p999"]
     assert abs(r["overhead"] - (r["raw_tokens_per_s"] / r["tokens_per_s"] - 1)) < 1e-3
-    raw, codec, paced = r["phases"]["raw"][0], r["phases"]["codec"][0], r["phases"]["paced"]
-    # the three phases move the same trajectories, chunks, tokens and bytes
+    raw = r["phases"]["raw"][0]
+    codec = max(r["phases"]["codec"], key=lambda c: c["tokens_per_s"])  # the best counts
+    pacedall = r["phases"]["paced"]
+    paced = pacedall[0]
+    assert len(pacedall) == r["settings"]["repeats"]
+    # raw and codec move the same trajectories, chunks, tokens and bytes
     for key in ("trajectories", "chunks", "tokens", "bytes"):
-        assert raw[key] == codec[key] == paced[key], key
+        assert raw[key] == codec[key], key
+    # the paced phase at least as many, long enough for its warm-up and measured seconds
+    assert paced["trajectories"] >= codec["trajectories"]
+    assert paced["latency_samples"] <= paced["trajectories"]
+    for q in ("p50", "p99", "p999"):
+        s = r["ready_latency_spread_ms"][q]
+        assert s["min"] <= r[f"ready_latency_ms_{q}"] == s["median"] <= s["max"], q
     assert codec["trajectories"] == trajectories and codec["tokens"] > trajectories
     assert r["tokens_per_s"] == codec["tokens_per_s"]
     assert (
@@ -148,6 +163,10 @@ def test_bench_pipeline_json_on_another_histogram(cli_env: dict[str, str], tmp_p
         "3",
         "--compression",
         "20",
+        "--model-bytes",
+        "4e9",
+        "--sync-rates",
+        "publish=4,fetch=8,verify=8,load=8",
         "--bootstrap",
         cli_env["SRL_BOOTSTRAP_SERVERS"],
         "--json",
@@ -198,7 +217,29 @@ def test_bench_pipeline_json_on_another_histogram(cli_env: dict[str, str], tmp_p
             assert split["instances"] + split["trainer_devices"] == 3
         assert m["steps"] == 3
         assert m["staleness_max"] <= (0 if name in ("colocated", "sync", "stream") else 1)
+        check_timeline(name, m)
     assert len(means) == 1, f"every mode trains the same prompts: {means}"
+    sync = r["weights_sync"]
+    assert sync["model_bytes"] == 4_000_000_000 and sync["rates_gb_per_s"]["publish"] == 4
+    assert sync["seconds_per_version"] == {"publish": 1.0, "fetch": 0.5, "verify": 0.5, "load": 0.5}
+
+
+def check_timeline(name: str, m: dict) -> None:  # type: ignore[type-arg]
+    """The hand-off timeline: every step's segments are >= 0 and add up to its span."""
+    charged = m["sync_charged_s"]
+    assert charged["load"] == 0.5
+    assert charged["publish"] == (0.0 if name == "colocated" else 1.0)
+    t = m["timeline"]
+    assert t["k"] == (0 if name in ("colocated", "sync", "stream") else 1)
+    assert t["steps"], name
+    for row in t["steps"]:
+        parts = [row[n] for n in ("publish", "release", "admit", "first_chunk", "generate")]
+        parts += [row["ready"], row["consume"]]
+        assert min(parts) >= 0 and abs(sum(parts) - row["span_s"]) < 1e-3, (name, row)
+    chain = t["step_chain"]
+    segments = ("publish", "release", "admit", "first_chunk", "generate", "ready", "consume")
+    assert abs(sum(chain[n]["share"] for n in segments) - 1) < 0.01
+    assert chain["span"]["p50_sim_s"] > 0 and t["weights_chain"]["rows"] > 0
 
 
 def test_bench_pipeline_bad_histogram_is_one_line(tmp_path: Path) -> None:

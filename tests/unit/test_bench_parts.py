@@ -13,6 +13,7 @@ from app.bench import dataplane, engine, pipeline, train
 from app.bench.pipemodel import Workload
 from consumers.config import TrainConfig
 from schemas.records import MetricEvent
+from srl.errors import SrlError
 from srl.topics import Layout
 
 SPLIT = {"instances": 2, "trainer_devices": 4}
@@ -145,8 +146,35 @@ def test_dataplane_phase_figures() -> None:
     assert dataplane.latency_figures(ready, last) == {
         "ready_latency_ms_p50": 51.0,
         "ready_latency_ms_p99": 100.0,
+        "ready_latency_ms_p999": 100.9,
         "ready_latency_ms_max": 101.0,
+        "latency_samples": 101,
     }
+
+
+def test_dataplane_warm_up_is_left_out_of_the_latencies() -> None:
+    # the first 10 trajectories finish in the warm-up (last chunk before 5 s) and are slow
+    last = {f"t{i}": int(i * 1e9) for i in range(20)}
+    ready = {t: v + (int(900e6) if v < 5e9 else int(10e6)) for t, v in last.items()}
+    fig = dataplane.latency_figures(ready, last, since_ns=int(5e9))
+    assert fig["latency_samples"] == 15 and fig["ready_latency_ms_max"] == 10.0
+    assert dataplane.latency_figures(ready, last)["ready_latency_ms_max"] == 900.0
+    with pytest.raises(SrlError):
+        dataplane.latency_figures(ready, last, since_ns=int(100e9))
+
+
+def test_dataplane_paced_phase_is_long_enough_and_its_spread() -> None:
+    spec = {"n": 100, "mean_tokens": 500, "mode": "codec", "rate": 0}
+    p = dataplane.paced_spec(spec, 10_000, paced_s=20.0, warmup_s=5.0)
+    assert p["n"] == 500 and p["rate"] == 10_000 and p["warmup_s"] == 5.0  # 25 s of tokens
+    assert dataplane.paced_spec(spec, 100, 20.0, 5.0)["n"] == 100  # never fewer than asked
+    runs = [
+        {"ready_latency_ms_p50": a, "ready_latency_ms_p99": b, "ready_latency_ms_p999": c}
+        for a, b, c in [(5, 20, 40), (4, 30, 90), (6, 25, 50)]
+    ]
+    sp = dataplane.spread(runs)
+    assert sp["p99"] == {"median": 25.0, "min": 20, "max": 30}
+    assert sp["p999"] == {"median": 50.0, "min": 40, "max": 90}
 
 
 def test_dataplane_sizes_count_the_chunks_the_child_makes() -> None:

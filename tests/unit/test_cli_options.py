@@ -60,6 +60,8 @@ OWN: dict[str, set[str]] = {
         "--batch",
         "--pace",
         "--repeats",
+        "--paced-seconds",
+        "--warmup-seconds",
         "--broker",
         "--json",
     },
@@ -85,6 +87,8 @@ OWN: dict[str, set[str]] = {
         "--max-staleness",
         "--modes",
         "--design",
+        "--model-bytes",
+        "--sync-rates",
         "--plot",
         "--bootstrap",  # handed to the simulated roles' configs, which the bench builds itself
         "--broker",
