@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from srl.config import CommonConfig, load_config
@@ -380,6 +382,16 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(cli_env: dict[str, str], tmp_p
     out = run("srl-producer", "dispatch", "--prompts", str(bad), env=cli_env)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
     assert f"{bad}:2: not JSON" in out.stderr
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"question": ["x"], "answer": [[1]]}), table)
+    for args, why in [
+        ((), f"{table}: no column 'prompt' (--prompt-field; columns: answer, question)"),
+        (("--prompt-field", "question"), f"{table}: row 0: the answer must be a string or a"),
+        (("--prompt-field", "question", "--chat-template"), "--chat-template needs --tokenizer"),
+    ]:
+        out = run("srl-producer", "dispatch", "--prompts", str(table), *args, env=cli_env)
+        assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
+        assert why in out.stderr, out.stderr
     out = run("srl-producer", "dispatch", env=cli_env)
     assert out.returncode == 2 and "exactly one prompt source" in out.stderr
     out = run("srl-producer", "generate", env=cli_env)
