@@ -34,6 +34,8 @@ from typing import Any
 import orjson
 
 from app import task
+from app.evaluation import Complete, Sampling, run_eval
+from producers.sources import PromptLike
 from srl.errors import SrlError
 from srl.tinymodel import TinyModelSpec, build_tiny_model, load_model, load_tokenizer
 
@@ -208,30 +210,45 @@ def _load(model_or_dir: Any, tokenizer: Any) -> tuple[Any, Any]:
 def evaluate(
     model_or_dir: Any, prompts: list[task.Prompt], tokenizer: Any = None, batch: int = 128
 ) -> EvalResult:
-    """Greedy accuracy on ``prompts`` (exact answer), overall and per operation."""
-    import torch
-
+    """Greedy accuracy on ``prompts`` (exact answer), overall and per operation: greedy pass@1
+    of ``app.evaluation`` (``srl eval``'s core) with the demo task's check as the reward."""
     model, tok = _load(model_or_dir, tokenizer)
     if not prompts:
         return EvalResult(0.0, 0)
-    right: dict[str, list[bool]] = {}
-    examples: list[tuple[str, str, bool]] = []
-    with torch.no_grad():
-        for i in range(0, len(prompts), batch):
-            chunk = prompts[i : i + batch]
-            outs = greedy(model, tok, [p.text for p in chunk], task.MAX_ANSWER_LEN + 2)
-            for p, text in zip(chunk, outs, strict=True):
-                ok = task.is_correct(p.text, text, p.metadata)
-                right.setdefault(str(p.metadata.get("op", "?")), []).append(ok)
-                if len(examples) < 8:
-                    examples.append((p.text, text, ok))
-    flat = [x for xs in right.values() for x in xs]
-    return EvalResult(
-        accuracy=round(sum(flat) / len(flat), 4),
-        n=len(flat),
-        by_op={op: round(sum(xs) / len(xs), 4) for op, xs in sorted(right.items())},
-        examples=examples,
+    out = run_eval(
+        list(prompts),
+        _batched_greedy(model, tok, batch),
+        lambda items: [float(task.is_correct(p.text, c, p.metadata)) for p, c in items],
+        Sampling(max_new_tokens=task.MAX_ANSWER_LEN + 2),
+        group_of=lambda p: str(p.metadata.get("op", "?")),
     )
+    examples = [(r.prompt.text, r.greedy or "", out.passed(r.greedy_reward)) for r in out.results]
+    return EvalResult(
+        accuracy=round(out.greedy_pass(), 4),
+        n=len(out.results),
+        by_op=out.by_group(),
+        examples=examples[:8],
+    )
+
+
+def _batched_greedy(model: Any, tok: Any, batch: int) -> Complete:
+    """The demo's generation for ``run_eval``: greedy only, ``batch`` prompts at a time."""
+
+    def complete(
+        prompts: list[PromptLike], temperature: float, n: int, max_new_tokens: int
+    ) -> list[list[str | None]]:
+        import torch
+
+        if temperature != 0 or n != 1:
+            raise SrlError("the demo's evaluation is greedy only")
+        out: list[list[str | None]] = []
+        with torch.no_grad():
+            for i in range(0, len(prompts), batch):
+                texts = [p.text for p in prompts[i : i + batch]]
+                out += [[c] for c in greedy(model, tok, texts, max_new_tokens)]
+        return out
+
+    return complete
 
 
 def left_padded(tok: Any, texts: list[str]) -> tuple[Any, Any]:

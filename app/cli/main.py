@@ -473,8 +473,15 @@ def _add_serve() -> None:
     cli.add_command(serve)
 
 
+def _add_eval() -> None:
+    from app.cli.evaluate import evaluate
+
+    cli.add_command(evaluate)
+
+
 _add_ranker()
 _add_bench()
 _add_serve()
+_add_eval()
 
 main = run_main(cli, "srl")

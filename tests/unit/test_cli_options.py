@@ -120,6 +120,7 @@ OWN: dict[str, set[str]] = {
     "srl broker tool": {"--kafka-home"},
     "srl chaos": {"--json", "--soak"},
     "srl demo": {"--json"},
+    "srl eval": {"--json", "--out", "--per-prompt"},
     "srl init-model": {"--out", "--seed", "--steps", "--force"},
     "srl ranker eval": {"--version", "--demo", "--seed", "--pairs-out", "--json"},
     "srl ranker plan": {"--instances", "--b-max", "--batch", "--alpha", "--always-split", "--json"},
