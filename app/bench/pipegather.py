@@ -82,7 +82,7 @@ def trajectories(cfg: Any, events: list[Any]) -> dict[str, Traj]:
     for e in events:
         if e.kind != "sample" or e.labels.get("outcome") != "trained":
             continue
-        t = out.get(e.labels.get("trajectory_id", ""))
-        if t is not None and t.last_chunk is not None and "ready_latency_ms" in e.values:
-            t.ready = t.last_chunk + e.values["ready_latency_ms"] / 1000.0
+        got = out.get(e.labels.get("trajectory_id", ""))
+        if got is not None and got.last_chunk is not None and "ready_latency_ms" in e.values:
+            got.ready = got.last_chunk + e.values["ready_latency_ms"] / 1000.0
     return out

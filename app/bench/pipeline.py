@@ -355,17 +355,17 @@ def charged_fetch(wall_s: float) -> Iterator[None]:
         yield
         return
 
-    def fetch(store: Any, manifest: Any) -> Any:
+    def fetch(store: Any, manifest: Any, *args: Any, **kw: Any) -> Any:
         t0 = time.monotonic()
-        out = real(store, manifest)
+        out = real(store, manifest, *args, **kw)
         time.sleep(max(0.0, wall_s - (time.monotonic() - t0)))
         return out
 
-    follower.fetch_tensors = fetch  # type: ignore[assignment]
+    follower.fetch_tensors = fetch
     try:
         yield
     finally:
-        follower.fetch_tensors = real  # type: ignore[assignment]
+        follower.fetch_tensors = real
 
 
 def trainer_store(tcfg: TrainConfig, publish_wall_s: float) -> Any:

@@ -71,7 +71,12 @@ def parse_rates(spec: str) -> SyncRates | None:
         rates[name] = gbps * 1e9
     if not rates:
         raise ConfigError(f"--sync-rates {spec!r}: 'measure' or publish=G,fetch=G,verify=G,load=G")
-    return SyncRates(**rates)
+    return SyncRates(
+        publish=rates.get("publish", 0.0),
+        fetch=rates.get("fetch", 0.0),
+        verify=rates.get("verify", 0.0),
+        load=rates.get("load", 0.0),
+    )
 
 
 def sha256_rate(nbytes: int = 256 << 20) -> float:
