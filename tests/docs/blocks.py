@@ -79,8 +79,9 @@ class Block:
 
 
 def pages(root: Path = ROOT) -> list[Path]:
-    """README.md and docs/*.md, less the pending pages."""
-    found = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    """README.md, docs/*.md and docs/recipes/*.md, less the pending pages."""
+    docs = root / "docs"
+    found = [root / "README.md", *sorted(docs.glob("*.md")), *sorted(docs.glob("recipes/*.md"))]
     return [p for p in found if p.relative_to(root).as_posix() not in PENDING]
 
 
