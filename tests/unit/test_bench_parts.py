@@ -166,7 +166,8 @@ def test_dataplane_warm_up_is_left_out_of_the_latencies() -> None:
 def test_dataplane_paced_phase_is_long_enough_and_its_spread() -> None:
     spec = {"n": 100, "mean_tokens": 500, "mode": "codec", "rate": 0}
     p = dataplane.paced_spec(spec, 10_000, paced_s=20.0, warmup_s=5.0)
-    assert p["n"] == 500 and p["rate"] == 10_000 and p["warmup_s"] == 5.0  # 25 s of tokens
+    # 25 s of tokens, a tenth more
+    assert p["n"] == 550 and p["rate"] == 10_000 and p["warmup_s"] == 5.0
     assert dataplane.paced_spec(spec, 100, 20.0, 5.0)["n"] == 100  # never fewer than asked
     runs = [
         {"ready_latency_ms_p50": a, "ready_latency_ms_p99": b, "ready_latency_ms_p999": c}
