@@ -269,7 +269,11 @@ class Rewards:
                 while (i := jobs.get()) is not None:
                     p, c, m = reqs[i]
                     line = orjson.dumps({"prompt": p, "completion": c, "metadata": m}, default=str)
-                    out[i] = proc.call(line + b"\n")
+                    try:
+                        out[i] = proc.call(line + b"\n")
+                    except Exception as e:  # never lose a result: the sample fails instead
+                        proc.stop()
+                        out[i] = Scored(None, f"reward process: {type(e).__name__}: {e}"[:300])
                     with lock:
                         self.progress.advance("scoring")
             finally:
