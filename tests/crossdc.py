@@ -1,7 +1,9 @@
 """Run srl across three emulated datacenters (``tests/netns.py``) and report what arrived.
 
-The broker datacenter runs the Kafka-protocol broker (``noida-db``, as ``srl broker`` does,
-bound to its datacenter address) and the S3 server (moto); generators and the trainer run in
+The broker datacenter runs the broker, bound to its datacenter address: an Apache Kafka node
+(KRaft, ``srl.broker.apache`` with the namespace's address; ``broker="kafka"``, what a company
+runs across datacenters) or the embedded ``noida-db`` (``broker="embedded"``), and the S3 server
+(moto); generators and the trainer run in
 their own datacenters with their config files from ``deploy/datacenters/``, pointed at those
 servers by ``SRL_*`` variables. Every byte between roles crosses the delayed, rate-capped links.
 
@@ -27,6 +29,7 @@ from typing import Any
 import orjson
 
 from srl.broker import broker_binary
+from srl.broker.apache import KafkaCluster
 from tests.netns import ROOT, Topology
 from tests.s3server import TEST_CREDENTIALS
 
@@ -34,25 +37,24 @@ CONFIGS = ROOT / "deploy" / "datacenters"
 KAFKA_PORT, S3_PORT = 9092, 9000
 
 
-def start_services(t: Topology, workdir: Path) -> dict[str, str]:
+def start_broker(t: Topology, workdir: Path, broker: str) -> None:
+    """The broker in the broker datacenter, on its address: an Apache Kafka node, or the
+    embedded broker."""
+    host = t.ip("broker")
+    if broker == "kafka":
+        cluster = KafkaCluster(workdir / "kafka", port=KAFKA_PORT, host=host)
+        cluster.prepare(cluster.nodes)  # outside the namespace: formatting needs no network
+        t.start("broker", cluster.command(cluster.nodes[0]), log=workdir / "broker.log")
+        return
+    embedded = [str(broker_binary()), "start", "--only", "kafka", "--host", host]
+    embedded += ["--kafka-port", str(KAFKA_PORT), "--data-dir", str(workdir / "broker")]
+    t.start("broker", embedded, log=workdir / "broker.log")
+
+
+def start_services(t: Topology, workdir: Path, broker: str = "kafka") -> dict[str, str]:
     """Broker and S3 server in the broker datacenter; the environment that points roles at them."""
     host = t.ip("broker")
-    t.start(
-        "broker",
-        [
-            str(broker_binary()),
-            "start",
-            "--only",
-            "kafka",
-            "--host",
-            host,
-            "--kafka-port",
-            str(KAFKA_PORT),
-            "--data-dir",
-            str(workdir / "broker"),
-        ],
-        log=workdir / "broker.log",
-    )
+    start_broker(t, workdir, broker)
     t.start(
         "broker",
         [str(Path(sys.executable).parent / "moto_server"), "-H", host, "-p", str(S3_PORT)],
@@ -71,7 +73,7 @@ def start_services(t: Topology, workdir: Path) -> dict[str, str]:
         }
     )
     srl = str(Path(sys.executable).parent / "srl")
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180  # a JVM's start on a loaded machine
     for argv in ([srl, "topics", "create"], [srl, "store", "init"]):  # from the generators' side
         while True:
             out = t.run("gen", argv, env=env)
@@ -83,21 +85,28 @@ def start_services(t: Topology, workdir: Path) -> dict[str, str]:
     return env
 
 
-def run_dataplane(delay_ms: float, rate_mbit: float, trajectories: int) -> dict[str, Any]:
+def run_dataplane(
+    delay_ms: float, rate_mbit: float, trajectories: int, broker: str = "kafka"
+) -> dict[str, Any]:
     with (
         tempfile.TemporaryDirectory(prefix="srl-crossdc-") as tmp,
         Topology(delay_ms, rate_mbit) as t,
     ):
         work = Path(tmp)
-        env = start_services(t, work)
+        env = start_services(t, work, broker)
         py = [sys.executable, "-m", "tests.crossdc_roles"]
         t0 = time.monotonic()
+        ready = work / "assigned"
         trainer = t.start(
             "train",
-            [*py, "consume", str(trajectories), "--config", str(CONFIGS / "trainer.toml")],
+            [*py, "consume", str(trajectories), "--config", str(CONFIGS / "trainer.toml")]
+            + ["--ready", str(ready)],
             env=env,
             log=work / "train.log",
         )
+        deadline = time.monotonic() + 180
+        while not ready.exists() and trainer.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
         gen = t.start(
             "gen",
             [*py, "produce", str(trajectories), "--config", str(CONFIGS / "generators.toml")],
@@ -111,16 +120,22 @@ def run_dataplane(delay_ms: float, rate_mbit: float, trajectories: int) -> dict[
             raise RuntimeError(f"roles failed {codes}: {logs}")
         res = {k: orjson.loads(v.strip().splitlines()[-1]) for k, v in logs.items()}
     return {
+        "broker": broker,
         "delay_ms": delay_ms,
         "rate_mbit": rate_mbit,
         "wall_s": wall,
         "trainer": res["train"],
         "generator": res["gen"],
         "tokens_per_s": res["train"]["tokens"] / res["train"]["stream_s"],
+        # the burst, from the generator's first record to the trainer holding every trajectory
+        "burst_tokens_per_s": res["train"]["tokens"]
+        / (res["train"]["done_at"] - res["gen"]["begun_at"]),
     }
 
 
-def run_trainer(delay_ms: float, rate_mbit: float, groups: int) -> dict[str, Any]:
+def run_trainer(
+    delay_ms: float, rate_mbit: float, groups: int, broker: str = "kafka"
+) -> dict[str, Any]:
     """The real trainer (``srl-consumer train``, tiny model) in its datacenter, fed completed
     demo-shaped trajectories from the generators' datacenter (``feed``), publishing and
     checkpointing every step to the store across the link; then the audit."""
@@ -134,7 +149,7 @@ def run_trainer(delay_ms: float, rate_mbit: float, groups: int) -> dict[str, Any
     ):
         work = Path(tmp)
         model = build_tiny_model(work / "model", seed=0)
-        env = {**start_services(t, work), "SRL_MODEL": str(model)}
+        env = {**start_services(t, work, broker), "SRL_MODEL": str(model)}
         t0 = time.monotonic()
         trainer = t.start(
             "train",
@@ -180,7 +195,12 @@ def run_trainer(delay_ms: float, rate_mbit: float, groups: int) -> dict[str, Any
 
 
 def run_pipeline(
-    delay_ms: float, rate_mbit: float, prompts: int, group_size: int = 4, max_new_tokens: int = 24
+    delay_ms: float,
+    rate_mbit: float,
+    prompts: int,
+    group_size: int = 4,
+    max_new_tokens: int = 24,
+    broker: str = "kafka",
 ) -> dict[str, Any]:
     """The real roles: dispatcher and a generator worker (hf engine, tiny model) in the
     generators' datacenter, the trainer in its own; then an audit of every sample asked for."""
@@ -194,7 +214,7 @@ def run_pipeline(
     ):
         work = Path(tmp)
         model = build_tiny_model(work / "model", seed=0)  # each datacenter has the base model
-        env = {**start_services(t, work), "SRL_MODEL": str(model)}
+        env = {**start_services(t, work, broker), "SRL_MODEL": str(model)}
         t0 = time.monotonic()
         trainer = t.start(
             "train",
@@ -301,13 +321,14 @@ def main() -> None:
         "--trainer", type=int, metavar="GROUPS", help="the real trainer on GROUPS fed groups"
     )
     ap.add_argument("--prompts", type=int, default=16, help="pipeline: prompts dispatched")
+    ap.add_argument("--broker", choices=["kafka", "embedded"], default="kafka")
     args = ap.parse_args()
     if args.pipeline:
-        res = run_pipeline(args.delay_ms, args.rate_mbit, args.prompts)
+        res = run_pipeline(args.delay_ms, args.rate_mbit, args.prompts, broker=args.broker)
     elif args.trainer:
-        res = run_trainer(args.delay_ms, args.rate_mbit, args.trainer)
+        res = run_trainer(args.delay_ms, args.rate_mbit, args.trainer, args.broker)
     else:
-        res = run_dataplane(args.delay_ms, args.rate_mbit, args.trajectories)
+        res = run_dataplane(args.delay_ms, args.rate_mbit, args.trajectories, args.broker)
     print(orjson.dumps(res).decode())
 
 
@@ -357,7 +378,7 @@ def run_partition(cut_s: float = 30.0, prompts: int = 4, length: int = 2400) -> 
         Topology(5.0, 100.0) as t,
     ):
         work = Path(tmp)
-        env = start_services(t, work)
+        env = start_services(t, work, "embedded")
         ids = [  # half on each prompt partition (librdkafka hashes keys with CRC32)
             *[p for p in (f"q{i}" for i in range(50)) if zlib.crc32(p.encode()) % 2 == 0][
                 : prompts // 2

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -43,6 +44,8 @@ def produce(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
     chunks = synthetic_chunks(n, layout, seed=1)
     t0 = time.monotonic()
     with Producer(cfg, "gen") as p:
+        p.warm([layout.trajectories])  # as a generator does while its model loads
+        begun = time.monotonic()  # the first record (connecting across the link is before it)
         for c in chunks:
             p.produce(
                 layout.trajectories,
@@ -63,12 +66,13 @@ def produce(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
         "chunks": len(chunks),
         "tokens": sum(c.n_tokens for c in chunks),
         "send_s": sent_s,
+        "begun_at": begun,  # CLOCK_MONOTONIC, shared by the namespaces of one machine
         "weights_version": ann.version,
         "tensors": len(tensors),
     }
 
 
-def consume(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
+def consume(cfg: CommonConfig, n: int, timeout_s: float, ready: str = "") -> dict[str, Any]:
     import torch
 
     layout = Layout.from_config(cfg)
@@ -80,7 +84,12 @@ def consume(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
     ends: dict[tuple[str, int], int] = {}
     t0 = first = time.monotonic()
     try:
-        consumer.subscribe([layout.trajectories])
+        # ``ready``: written once the group assigned the partitions, so the burst's clock
+        # (the generator's first record) starts with a reader in place, not with its start-up
+        consumer.subscribe(
+            [layout.trajectories],
+            on_assign=lambda _c, _p: ready and Path(ready).write_text("assigned"),
+        )
         while len(done) < n and time.monotonic() - t0 < timeout_s:
             batch = [m for m in consumer.consume(500, 0.5) if not m.error()]
             for msg in batch:
@@ -99,9 +108,11 @@ def consume(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
                         done.add(tid)
                         del last_seq[tid]
                 ends[(msg.topic() or "", msg.partition() or 0)] = (msg.offset() or 0) + 1
-            if batch:
-                consumer.commit_sync([TopicPartition(t, p, o) for (t, p), o in ends.items()])
-        stream_s = time.monotonic() - first
+            if batch:  # as the trainer does, the read loop never waits a round trip for it
+                consumer.commit_async([TopicPartition(t, p, o) for (t, p), o in ends.items()])
+        done_at = time.monotonic()
+        stream_s = done_at - first
+        consumer.commit_sync([TopicPartition(t, p, o) for (t, p), o in ends.items()])
     finally:
         consumer.close()
     torch.manual_seed(0)
@@ -121,6 +132,7 @@ def consume(cfg: CommonConfig, n: int, timeout_s: float) -> dict[str, Any]:
         "duplicates": duplicates,
         "tokens": tokens,
         "stream_s": stream_s,
+        "done_at": done_at,
         "published": pub.manifest.version,
     }
 
@@ -226,10 +238,15 @@ def main() -> None:
     ap.add_argument("n", type=int, nargs="?", default=0)
     ap.add_argument("--config", required=True)
     ap.add_argument("--timeout-s", type=float, default=300)
+    ap.add_argument("--ready", default="", help="consume: a file written once assigned")
     args = ap.parse_args()
     cfg = load_config(CommonConfig, file=args.config)
-    run = {"produce": produce, "consume": consume, "feed": feed, "audit": audit}[args.role]
-    print(orjson.dumps(run(cfg, args.n, args.timeout_s)).decode(), flush=True)
+    if args.role == "consume":
+        res = consume(cfg, args.n, args.timeout_s, args.ready)
+    else:
+        run = {"produce": produce, "feed": feed, "audit": audit}[args.role]
+        res = run(cfg, args.n, args.timeout_s)
+    print(orjson.dumps(res).decode(), flush=True)
 
 
 if __name__ == "__main__":

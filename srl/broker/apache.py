@@ -314,10 +314,11 @@ class Node:
     port: int  # the PLAINTEXT listener clients use
     controller_port: int
     pid: int | None = None
+    host: str = "127.0.0.1"  # what it listens on (a test's network namespace: its address)
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
 
 @dataclass
@@ -344,11 +345,12 @@ def new_cluster_id() -> str:
 def node_properties(node: Node, layout: Layout, data_dir: Path) -> dict[str, str]:
     """The ``server.properties`` of ``node``: the one file, then the node count's settings,
     then the node's own."""
-    voters = ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in layout.nodes)
+    voters = ",".join(f"{n.node_id}@{n.host}:{n.controller_port}" for n in layout.nodes)
+    h = node.host
     own = {
         "node.id": str(node.node_id),
-        "listeners": f"PLAINTEXT://127.0.0.1:{node.port},CONTROLLER://127.0.0.1:{node.controller_port}",
-        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{node.port}",
+        "listeners": f"PLAINTEXT://{h}:{node.port},CONTROLLER://{h}:{node.controller_port}",
+        "advertised.listeners": f"PLAINTEXT://{h}:{node.port}",
         "controller.quorum.voters": voters,
         "log.dirs": str(node_dir(data_dir, node.node_id) / "data"),
     }
@@ -377,7 +379,9 @@ def jvm_opts() -> list[str]:
 
 class KafkaCluster:
     """Apache Kafka nodes of one data folder: start, stop, and (for tests and faults) signal
-    one node. ``port`` 0 picks free ports."""
+    one node. ``port`` 0 picks free ports. ``host``: the address the nodes listen on (another
+    than loopback only for a network namespace of a test's own, whose nodes it starts itself:
+    ``prepare`` and ``command``)."""
 
     def __init__(
         self,
@@ -387,6 +391,7 @@ class KafkaCluster:
         kafka_home: Path | None = None,
         timeout_s: float = 120.0,
         log: Any = None,
+        host: str = "127.0.0.1",
     ) -> None:
         if nodes not in (1, 3):
             raise SrlError(f"--nodes is 1 or 3, not {nodes}")
@@ -394,6 +399,7 @@ class KafkaCluster:
         self.kafka_home = kafka_home
         self.timeout_s = timeout_s
         self.log = log
+        self.host = host
         self.layout = self._layout(nodes, port)
         self._cp: str | None = None
 
@@ -422,7 +428,8 @@ class KafkaCluster:
         else:
             ports = [free_port() for _ in range(nodes)]
             cports = [free_port() for _ in range(nodes)]
-        return Layout(new_cluster_id(), [Node(i + 1, ports[i], cports[i]) for i in range(nodes)])
+        made = [Node(i + 1, ports[i], cports[i], host=self.host) for i in range(nodes)]
+        return Layout(new_cluster_id(), made)
 
     def _save(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -479,11 +486,26 @@ class KafkaCluster:
             why = (out.stderr or out.stdout).strip().splitlines()
             raise SrlError(f"formatting Kafka node {node.node_id} failed: {why[-1] if why else ''}")
 
+    def command(self, node: Node) -> list[str]:
+        """The command line that runs ``node`` (once ``prepare`` has written and formatted it)."""
+        props = node_dir(self.data_dir, node.node_id) / "server.properties"
+        return self._java(MAIN_CLASS, [str(props)], jvm_opts(), node.node_id)
+
     def _spawn(self, node: Node) -> None:
         nd = node_dir(self.data_dir, node.node_id)
-        props = nd / "server.properties"
-        cmd = self._java(MAIN_CLASS, [str(props)], jvm_opts(), node.node_id)
-        node.pid = spawn(cmd, nd / "kafka.log", nd)
+        node.pid = spawn(self.command(node), nd / "kafka.log", nd)
+
+    def prepare(self, nodes: Sequence[Node]) -> None:
+        """Write the properties of ``nodes`` and format the new ones' storage."""
+        self._save()
+        for n in nodes:
+            nd = node_dir(self.data_dir, n.node_id)
+            nd.mkdir(parents=True, exist_ok=True)
+            _write_properties(
+                nd / "server.properties", node_properties(n, self.layout, self.data_dir)
+            )
+        with ThreadPoolExecutor(len(nodes) or 1) as pool:
+            list(pool.map(self._format, nodes))
 
     def start(self) -> KafkaCluster:
         """Start every node not running yet (formatting new ones) and wait until the cluster
@@ -497,15 +519,7 @@ class KafkaCluster:
                     raise SrlError(
                         f"port {p} on 127.0.0.1 is already in use; pick another with --port"
                     )
-        self._save()
-        for n in todo:
-            nd = node_dir(self.data_dir, n.node_id)
-            nd.mkdir(parents=True, exist_ok=True)
-            _write_properties(
-                nd / "server.properties", node_properties(n, self.layout, self.data_dir)
-            )
-        with ThreadPoolExecutor(len(todo) or 1) as pool:
-            list(pool.map(self._format, todo))
+        self.prepare(todo)
         for n in todo:
             self._spawn(n)
         self._save()

@@ -1,7 +1,8 @@
 """Producers and consumers in separate datacenters: three network namespaces joined through
 links with 50 ms of delay each way and a bandwidth cap (tests/netns.py), each side with its
-own config file from deploy/datacenters/. Needs root and network namespaces; skipped with the
-reason where the machine does not allow them."""
+own config file from deploy/datacenters/; the broker is an Apache Kafka node (KRaft) on its
+datacenter's address (the data plane also on the embedded broker). Needs root and network
+namespaces; skipped with the reason where the machine does not allow them."""
 
 from __future__ import annotations
 
@@ -47,11 +48,12 @@ def test_links_delay_every_packet_each_way() -> None:
         assert float(out.stdout) >= 2 * DELAY_MS / 1000 * 0.98
 
 
-def test_dataplane_across_datacenters_loses_nothing() -> None:
+@pytest.mark.parametrize("broker", ["kafka", "embedded"])
+def test_dataplane_across_datacenters_loses_nothing(broker: str) -> None:
     from tests.crossdc import run_dataplane
 
     n = 200
-    res = run_dataplane(DELAY_MS, RATE_MBIT, n)
+    res = run_dataplane(DELAY_MS, RATE_MBIT, n, broker)
     trainer, gen = res["trainer"], res["generator"]
     assert trainer["trajectories"] == n and trainer["duplicates"] == 0
     assert trainer["tokens"] == gen["tokens"]  # every token sent arrived, once
