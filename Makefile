@@ -73,7 +73,7 @@ test: install-dev
 	$(BIN)/python -m compileall -q -j 0 $(PACKAGES)
 	@# Apache Kafka's jars (Maven Central, once per machine) for the Kafka and cluster tiers
 	$(BIN)/srl broker fetch
-	$(BIN)/python -m pytest --slow -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --slow -n $(TEST_WORKERS) --dist worksteal --durations=30 $(PYTEST_ARGS)
 	@# the vLLM tier in its own environment (docs/generator.md, "vLLM"); VLLM_TIER=0 leaves it out
 	$(if $(filter 0,$(VLLM_TIER)),@echo "make test: the vLLM tier left out (VLLM_TIER=0)",$(MAKE) --no-print-directory test-vllm)
 
