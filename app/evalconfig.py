@@ -12,12 +12,12 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from producers.config import ChatSettings, EngineSettings, VLLMSettings
+from producers.config import ChatSettings, EngineSettings, SourceSettings, VLLMSettings
 from srl.config import RunStoreConfig, cli
 from srl.errors import ConfigError
 
 
-class EvalConfig(RunStoreConfig, VLLMSettings, ChatSettings):
+class EvalConfig(RunStoreConfig, VLLMSettings, ChatSettings, SourceSettings):
     """``srl eval``: greedy pass@1 and sampled pass@k of a policy on a prompt dataset."""
 
     section: ClassVar[str] = "eval"
@@ -28,27 +28,6 @@ class EvalConfig(RunStoreConfig, VLLMSettings, ChatSettings):
         "Arrow file, or a local dataset directory; columns mapped by prompt_field, id_field, "
         "answer_field, metadata_fields (metadata.answer for the built-in rewards).",
         json_schema_extra=cli(metavar="PATH"),
-    )
-    prompt_field: str = Field(
-        "prompt",
-        min_length=1,
-        description="Column of the prompt: a string, or chat messages (needs chat_template). "
-        "a.b: field b of struct column a.",
-    )
-    id_field: str | None = Field(
-        None,
-        min_length=1,
-        description="Column of the prompt id; null: prompt_id where the source has it, else "
-        "{file name}:{row}.",
-    )
-    answer_field: str | None = Field(
-        None,
-        min_length=1,
-        description="Column of the reference answer, given to the reward as metadata.answer; "
-        "null: answer where the source has it.",
-    )
-    metadata_fields: tuple[str, ...] = Field(
-        (), description="Columns copied into each prompt's metadata under their own names."
     )
     limit: int | None = Field(
         None, ge=1, description="Evaluate only the first N prompts; null: every prompt."

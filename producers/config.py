@@ -48,18 +48,10 @@ class ChatSettings(Settings):
         return self
 
 
-class DispatchConfig(CommonConfig, ChatSettings):
-    """``srl-producer dispatch``: which prompts become which tasks, in which order, how fast."""
+class SourceSettings(Settings):
+    """How a prompt source's columns map to prompts (``producers.sources``): the dispatcher's
+    and ``srl eval``'s, which read a dataset the same way."""
 
-    section = "dispatch"
-
-    prompts: str | None = Field(
-        None,
-        description="Prompt source: a JSONL file, a parquet or Arrow file, or a local dataset "
-        "directory (datasets save_to_disk, or parquet/arrow files); columns mapped by "
-        "prompt_field, id_field, answer_field, metadata_fields. Or use task.",
-        json_schema_extra=cli(metavar="PATH"),
-    )
     prompt_field: str = Field(
         "prompt",
         min_length=1,
@@ -83,6 +75,20 @@ class DispatchConfig(CommonConfig, ChatSettings):
         (),
         description="Columns copied into each prompt's metadata under their own names (a "
         "metadata column, an object, is merged in too).",
+    )
+
+
+class DispatchConfig(CommonConfig, ChatSettings, SourceSettings):
+    """``srl-producer dispatch``: which prompts become which tasks, in which order, how fast."""
+
+    section = "dispatch"
+
+    prompts: str | None = Field(
+        None,
+        description="Prompt source: a JSONL file, a parquet or Arrow file, or a local dataset "
+        "directory (datasets save_to_disk, or parquet/arrow files); columns mapped by "
+        "prompt_field, id_field, answer_field, metadata_fields. Or use task.",
+        json_schema_extra=cli(metavar="PATH"),
     )
     task: Literal["demo", "sim"] | None = Field(
         None,
