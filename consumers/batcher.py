@@ -8,11 +8,15 @@ up a step is ``consumers.steps``'s decision. What must hold:
   of the rows' lengths packed (``packed``: the engine runs them as one row, ``packing``);
 * streaming (``pipeline=True``): rows join the open micro-batch in arrival order and a
   micro-batch is handed out as soon as the next row would overflow it, so forward/backward
-  runs while later groups are still generating; the rest is handed out by ``drain`` when the
-  step's groups are all in. Barrier (``pipeline=False``): nothing runs before the step is
+  runs while later groups are still generating; with ``eager`` the rows waiting in the open
+  micro-batch are also handed out whenever the trainer has nothing more to add right now
+  (``flush``: after each poll of the stream), so no complete group waits for a fuller
+  micro-batch while the device is free; the rest is handed out by ``drain`` when the step's
+  groups are all in. Barrier (``pipeline=False``): nothing runs before the step is
   complete; ``drain`` packs all rows longest first.
 
-Pure logic; the trainer calls ``add`` per admitted group and ``drain`` at the step boundary.
+Pure logic; the trainer calls ``add`` per admitted group, ``flush`` after each poll and
+``drain`` at the step boundary.
 """
 
 from __future__ import annotations
@@ -81,9 +85,12 @@ def pack(lengths: list[int], budget: int, packed: bool = False) -> list[list[int
 class StepBatcher:
     """Accumulates one step's groups and hands out micro-batches of rows."""
 
-    def __init__(self, budget: int, pipeline: bool = True, packed: bool = False) -> None:
+    def __init__(
+        self, budget: int, pipeline: bool = True, packed: bool = False, eager: bool = False
+    ) -> None:
         self.budget = budget
         self.pipeline = pipeline
+        self.eager = eager and pipeline
         self.packed = packed  # the engine packs each micro-batch: its cost is its real tokens
         self.reset()
 
@@ -110,6 +117,14 @@ class StepBatcher:
                 self.pending = []
             self.pending.append(row)
         return ready
+
+    def flush(self) -> list[Row]:
+        """The open micro-batch's rows, handed out now (``eager`` only; else none): the trainer
+        has nothing more to add to it at the moment."""
+        if not self.eager:
+            return []
+        rows, self.pending = self.pending, []
+        return rows
 
     def drain(self) -> list[list[Row]]:
         """The step's remaining rows as micro-batches (call once the step is complete)."""

@@ -191,6 +191,13 @@ class TrainConfig(RewardSettings):
         ge=16,
         description="Token budget of a micro-batch: sum of lengths packed, rows x longest padded.",
     )
+    eager_micro_batches: bool = Field(
+        True,
+        description=(
+            "Streaming trainer: after each poll, train the rows of complete groups at once "
+            "instead of waiting for a full micro-batch (the device would sit idle)."
+        ),
+    )
     packing: bool = Field(
         True,
         description="One row per micro-batch, attention within each sample: no padding computed.",

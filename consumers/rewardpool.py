@@ -4,7 +4,9 @@ Owns how rank 0 scores trajectories without stopping its reads. What must hold:
 
 * ``submit`` never waits for a reward: the trajectory is decoded (the tokenizer, in the
   trainer's process) and queued; ``reward_workers`` processes (``consumers.rewardworker``, one
-  thread each here, one call in flight per process) take the queue as they are free;
+  thread each here, one call in flight per process, each started with the pool, so the first
+  trajectory does not wait for a Python start and the reward's imports) take the queue as
+  they are free;
 * ``ready`` hands results back **in submission order** (a later trajectory's result waits for
   an earlier one's), so groups complete, and steps form, exactly as with synchronous scoring:
   only later. Items submitted with nothing to score (a feedback-rewarded sample, an invalid
@@ -77,6 +79,16 @@ class RewardProcess:
         os.set_blocking(self.proc.stdout.fileno(), False)  # type: ignore[union-attr]
         self._read_line(self.proc, time.monotonic() + START_S)  # {"ready": true}
         return self.proc
+
+    def warm(self) -> None:
+        """Start the process before the first call (a fresh Python and the reward's imports take
+        seconds: the trainer's first step would wait for them); one that fails to start is
+        started again, and its failure reported, by the first ``call``."""
+        try:
+            self._start()
+        except (TimeoutError, EOFError, OSError) as e:
+            log.debug("reward process did not start ahead of its first call: %r", e)
+            self.stop()
 
     def call(self, request: bytes) -> Scored:
         try:
@@ -197,6 +209,7 @@ class RewardPool:
             self.results[seq] = scored
 
     def _serve(self, proc: RewardProcess) -> None:
+        proc.warm()
         while (job := self.jobs.get()) is not None:
             try:
                 scored = proc.call(job.request)

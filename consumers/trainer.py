@@ -257,6 +257,12 @@ def gated(cfg: TrainConfig, group: Group, d: Durable) -> Admitted:
     )
 
 
+def step_batcher(cfg: TrainConfig) -> StepBatcher:
+    """The trainer's micro-batches: streamed (eagerly) unless it trains at a barrier."""
+    c = cfg
+    return StepBatcher(c.micro_batch_tokens, not c.sync_barrier, c.packing, c.eager_micro_batches)
+
+
 class Trainer:
     """Rank 0: the consumer, the ledger, the publisher. See the module docstring."""
 
@@ -277,7 +283,7 @@ class Trainer:
         self.replay_events = ckpts.window_events(store, cfg.run, ckpt.number) if ckpt else []
         self.dirty = False  # steps since the last checkpoint
         self.groups = GroupBuffer(cfg.expire_s)
-        self.batcher = StepBatcher(cfg.micro_batch_tokens, not cfg.sync_barrier, cfg.packing)
+        self.batcher = step_batcher(cfg)
         self.planner = StepPlanner(
             cfg.groups_per_step, cfg.expire_s, self.step + 1, windows=cfg.batching == "windows"
         )
@@ -330,6 +336,8 @@ class Trainer:
                     if self._stop_now():
                         break
                 self._scored()
+                if rows := self.batcher.flush():  # nothing more to add now: train what waits
+                    self._run(rows)
                 if msgs:
                     self.active = time.monotonic()  # idle counts from the end of the work
                 if now >= self.next_tick:

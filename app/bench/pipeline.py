@@ -56,6 +56,7 @@ from producers import follower
 from producers.config import DispatchConfig, GenerateConfig
 from producers.dispatcher import run_dispatcher
 from producers.engines.sim import SimEngine
+from producers.pool_member import current_assignment
 from producers.sources import make_predictor
 from producers.worker import run_generator
 from srl.errors import SrlError
@@ -284,6 +285,7 @@ class RoleThreads:
         prompts = load_source(dcfg)
         predictor = make_predictor(dcfg, prompts)
         self.stop = threading.Event()
+        self.gcfgs = gcfgs
         self.errors: list[BaseException] = []
         self.engines = [
             LoggedSimEngine(c.max_batch, None, c.time_scale, c.seed, c.sim_tokens_per_step)
@@ -312,9 +314,23 @@ class RoleThreads:
             self.errors.append(e)
             self.stop.set()
 
-    def start(self) -> None:
-        for th in self.threads:
+    def start(self, settle_timeout_s: float = 60.0) -> None:
+        """The generators, then, once their pool has opened an epoch with every one of them
+        (``producers.pool_member``: they start together, so the first epochs hold only some),
+        the dispatcher: the run starts with every instance in, as a deployment's first step
+        does when its workers are up before its dispatcher."""
+        *gens, dispatcher = self.threads
+        for th in gens:
             th.start()
+        cfg, deadline = self.gcfgs[0], time.monotonic() + settle_timeout_s
+        while cfg.pool_liveness and len(current_assignment(cfg, cfg.consumer_group, 1.0)) < len(
+            gens
+        ):
+            if self.errors or time.monotonic() > deadline:
+                self.stop.set()
+                raise SrlError(f"bench pipeline: {len(gens)} generators never joined one epoch")
+            time.sleep(0.1)
+        dispatcher.start()
 
     def join(self) -> None:
         self.stop.set()
@@ -390,8 +406,8 @@ def run_roles(
     )
     t0 = time.monotonic()
     with charged_fetch(wall["fetch"] + wall["verify"]):
-        roles.start()
         try:
+            roles.start()
             store = trainer_store(tcfg, wall["publish"])
             Trainer(tcfg, sim_train, store, None, None).run()
         finally:
@@ -430,11 +446,12 @@ def run_mode(
     return out
 
 
-Sample = tuple[str, int, int, int]  # (outcome, tokens, step, staleness)
+Sample = tuple[str, int, int, int, str]  # (outcome, tokens, step, staleness, prompt_id)
 
 
 def sample_outcomes(events: list[Any]) -> dict[str, Sample]:
-    """Each trajectory's last ``sample`` event as (outcome, tokens, step, staleness)."""
+    """Each trajectory's last ``sample`` event as (outcome, tokens, step, staleness,
+    prompt_id: its group)."""
     samples: dict[str, Sample] = {}
     for e in events:
         if e.kind == "sample":
@@ -443,17 +460,25 @@ def sample_outcomes(events: list[Any]) -> dict[str, Sample]:
                 int(e.values.get("tokens", 0)),
                 int(e.step or 0),
                 int(e.values.get("staleness", 0)),
+                str(e.labels.get("prompt_id", "")),
             )
     return samples
 
 
 def step_work(order: list[int], samples: dict[str, Sample]) -> list[StepWork]:
-    """Per step: the lengths of every sample finalized in it and the tokens it trained."""
+    """Per step: the lengths of every sample finalized in it, the tokens it trained, and per
+    group its longest sample and trained tokens."""
+    groups: dict[tuple[int, str], list[int]] = {}
+    for x in samples.values():
+        g = groups.setdefault((x[2], x[4]), [0, 0])
+        g[0] = max(g[0], x[1])
+        g[1] += x[1] if x[0] == "trained" else 0
     return [
         StepWork(
             s,
             [x[1] for x in samples.values() if x[2] == s],
             sum(x[1] for x in samples.values() if x[0] == "trained" and x[2] == s),
+            [(n, t) for (step, _), (n, t) in groups.items() if step == s],
         )
         for s in order
     ]

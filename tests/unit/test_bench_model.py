@@ -132,3 +132,23 @@ def test_run_bound_of_async_releases_step_j_at_the_end_of_step_j_minus_1_minus_k
     assert b["bound_s"] <= p.run_bound(w, "stream", split, work)["bound_s"] + 1e-9
     unpaced = p.run_bound(w, "async", split, work, paced=False)
     assert unpaced["bound_s"] == pytest.approx(max(sum(R), sum(G)))
+
+
+def test_run_bound_trains_a_group_only_after_its_longest_sample() -> None:
+    """The streaming modes' step cannot end before its last group's longest sample is
+    generated from the release and that group's tokens are then trained; the barrier modes
+    already train everything after generating, so their bound does not change."""
+    w = workload(b_max=2, max_staleness=1, params=7e11)  # training dominates: 100x the 7B's
+    split = {"instances": 2, "trainer_devices": 2}
+    s = w.train_s_per_token / 2
+    # one step: two groups, the long one of 300 tokens, the short one of 100 (all trained)
+    plain = [p.StepWork(1, [300, 300, 100], 700)]
+    grouped = [p.StepWork(1, [300, 300, 100], 700, [(300, 600), (100, 100)])]
+    for mode in ("stream", "async"):
+        before = p.run_bound(w, mode, split, plain)["bound_s"]
+        after = p.run_bound(w, mode, split, grouped)["bound_s"]
+        assert before == pytest.approx(max(700 * s, 300 * PTL(1) / 1000, 700 * PTL(2) / 4000))
+        assert after == pytest.approx(max(before, 300 * PTL(1) / 1000 + 600 * s))
+        assert after > before  # the long group's 600 tokens train after its 300th token
+    for mode in ("sync", "colocated"):
+        assert p.run_bound(w, mode, split, grouped) == p.run_bound(w, mode, split, plain)

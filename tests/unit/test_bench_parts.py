@@ -71,13 +71,15 @@ def test_the_design_sets_the_async_modes_only(workload: Workload) -> None:
     assert (d.max_staleness, t.stale_policy) == (0, TrainConfig().stale_policy)
 
 
-def sample(tid: str, outcome: str, tokens: int, step: int, staleness: int = 0) -> MetricEvent:
+def sample(
+    tid: str, outcome: str, tokens: int, step: int, staleness: int = 0, prompt: str = "p"
+) -> MetricEvent:
     return MetricEvent(
         kind="sample",
         source="trainer",
         run="r",
         step=step,
-        labels={"trajectory_id": tid, "outcome": outcome},
+        labels={"trajectory_id": tid, "outcome": outcome, "prompt_id": prompt},
         values={"tokens": float(tokens), "staleness": float(staleness)},
     )
 
@@ -87,22 +89,22 @@ def test_samples_step_work_and_figures() -> None:
         sample("a", "dropped_stale", 5, 1),
         sample("a", "trained", 10, 2, 1),  # the last event of a trajectory counts
         sample("b", "trained", 30, 1),  # in the warm-up step: not measured
-        sample("c", "dropped_stale", 20, 2, 3),
+        sample("c", "dropped_stale", 20, 2, 3, prompt="q"),
         sample("d", "trained", 40, 3, 2),
         MetricEvent(kind="train_step", source="trainer", run="r", step=1),
     ]
     samples = pipeline.sample_outcomes(events)
     assert samples == {
-        "a": ("trained", 10, 2, 1),
-        "b": ("trained", 30, 1, 0),
-        "c": ("dropped_stale", 20, 2, 3),
-        "d": ("trained", 40, 3, 2),
+        "a": ("trained", 10, 2, 1, "p"),
+        "b": ("trained", 30, 1, 0, "p"),
+        "c": ("dropped_stale", 20, 2, 3, "q"),
+        "d": ("trained", 40, 3, 2, "p"),
     }
     work = pipeline.step_work([1, 2, 3], samples)
-    assert [(w.step, list(w.lengths), w.trained_tokens) for w in work] == [
-        (1, [30], 30),
-        (2, [10, 20], 10),
-        (3, [40], 40),
+    assert [(w.step, list(w.lengths), w.trained_tokens, sorted(w.groups)) for w in work] == [
+        (1, [30], 30, [(30, 30)]),
+        (2, [10, 20], 10, [(10, 10), (20, 0)]),  # per group: longest, trained tokens
+        (3, [40], 40, [(40, 40)]),
     ]
     assert pipeline.sample_figures(samples, [1, 2, 3], 10.0, 4.0, 8.0) == {
         "samples_per_s": 0.2,

@@ -124,6 +124,19 @@ def test_streaming_batcher_hands_out_micro_batches_as_they_fill() -> None:
     assert [len(mb) for mb in b.drain()] == [2]
 
 
+def test_eager_batcher_hands_out_what_waits_when_the_trainer_has_nothing_more() -> None:
+    """``flush`` (after each poll): the open micro-batch's rows run now, so a complete group
+    never waits for a fuller micro-batch; without ``eager``, or at a barrier, nothing."""
+    b = StepBatcher(budget=24, pipeline=True, eager=True)
+    assert b.add(gate_group(full_group([1.0, 0.0, 1.0]), v=0, k=0)) == []
+    assert [r.length for r in b.flush()] == [6, 6, 6] and b.flush() == []
+    b.add(gate_group(full_group([0.0, 1.0]), v=0, k=0))
+    assert b.drain() and b.rows == 5  # the step counts every row, flushed or not
+    for lazy in (StepBatcher(24, pipeline=True), StepBatcher(24, pipeline=False, eager=True)):
+        lazy.add(gate_group(full_group([1.0, 0.0, 1.0]), v=0, k=0))
+        assert lazy.flush() == [] and [len(mb) for mb in lazy.drain()] == [3]
+
+
 def test_barrier_batcher_waits_for_the_whole_step() -> None:
     b = StepBatcher(budget=24, pipeline=False)
     assert b.add(gate_group(full_group([1.0, 0.0, 1.0]), v=0, k=0)) == []
