@@ -259,8 +259,9 @@ def gated(cfg: TrainConfig, group: Group, d: Durable) -> Admitted:
 
 def step_batcher(cfg: TrainConfig) -> StepBatcher:
     """The trainer's micro-batches: streamed (eagerly) unless it trains at a barrier."""
-    c = cfg
-    return StepBatcher(c.micro_batch_tokens, not c.sync_barrier, c.packing, c.eager_micro_batches)
+    return StepBatcher(
+        cfg.micro_batch_tokens, not cfg.sync_barrier, cfg.packing, cfg.eager_micro_batches
+    )
 
 
 class Trainer:

@@ -323,14 +323,17 @@ class RoleThreads:
         for th in gens:
             th.start()
         cfg, deadline = self.gcfgs[0], time.monotonic() + settle_timeout_s
-        while cfg.pool_liveness and len(current_assignment(cfg, cfg.consumer_group, 1.0)) < len(
-            gens
-        ):
+        while cfg.pool_liveness and not self._all_joined(cfg, len(gens)):
             if self.errors or time.monotonic() > deadline:
                 self.stop.set()
                 raise SrlError(f"bench pipeline: {len(gens)} generators never joined one epoch")
             time.sleep(0.1)
         dispatcher.start()
+
+    @staticmethod
+    def _all_joined(cfg: GenerateConfig, members: int) -> bool:
+        """Whether the pool's last opened epoch assigns every generator."""
+        return len(current_assignment(cfg, cfg.consumer_group, 1.0)) >= members
 
     def join(self) -> None:
         self.stop.set()

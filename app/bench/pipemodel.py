@@ -215,7 +215,7 @@ def run_bound(
     L = [
         max(
             [longest_s(x.lengths)]
-            + [longest_s([n]) + t * w.train_s_per_token / g for n, t in x.groups]
+            + [longest_s([most]) + t * w.train_s_per_token / g for most, t in x.groups]
         )
         for x in work
     ]
