@@ -56,6 +56,15 @@ MOVING_LEADER = (
     KafkaError.OFFSET_NOT_AVAILABLE,  # a new leader whose high watermark is not caught up
 )
 LEADER_ASK_S = 2.0  # one offsets request waits this long before the leader is looked up again
+# A group's coordinator is not there yet on a fresh cluster (its first group request creates
+# __consumer_offsets: NOT_COORDINATOR until that topic's leader has loaded it) or for a moment
+# after it moved; librdkafka reports an offsets fetch's error instead of asking again.
+COORDINATOR_MOVING = (
+    KafkaError.NOT_COORDINATOR,
+    KafkaError.COORDINATOR_NOT_AVAILABLE,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+)
+COORDINATOR_ASK_S = 0.2  # the pause before a committed-offsets fetch is asked again
 
 
 def _alive(msg: Any, group: str = "") -> Any:
@@ -172,7 +181,7 @@ class Consumer:
         asked = [tp for tp in parts if (tp.topic, tp.partition) in floor]
         have = {
             (tp.topic, tp.partition): tp.offset
-            for tp in (self._c.committed(asked, timeout=timeout) if asked else [])
+            for tp in (self.committed(asked, timeout=timeout) if asked else [])
         }
         out = []
         for tp in parts:
@@ -268,7 +277,20 @@ class Consumer:
     def committed(
         self, partitions: Sequence[TopicPartition], timeout: float = 10.0
     ) -> list[TopicPartition]:
-        return list(self._c.committed(list(partitions), timeout=timeout))
+        """The group's committed offsets, asked again while its coordinator is moving or not
+        there yet (``COORDINATOR_MOVING``) until ``timeout`` is spent."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                left = max(0.1, deadline - time.monotonic())
+                return list(self._c.committed(list(partitions), timeout=left))
+            except KafkaException as e:
+                err = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
+                if err is None or err.code() not in COORDINATOR_MOVING:
+                    raise
+                if time.monotonic() + COORDINATOR_ASK_S >= deadline:
+                    raise
+                time.sleep(COORDINATOR_ASK_S)
 
     def get_watermark_offsets(
         self, partition: TopicPartition, timeout: float = 10.0, cached: bool = False

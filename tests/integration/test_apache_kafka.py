@@ -37,6 +37,7 @@ from srl.config import CommonConfig, load_config
 from srl.kafka import (
     Producer,
     TopicPartition,
+    committed_offsets,
     create_topics,
     make_consumer,
     read_range,
@@ -217,6 +218,23 @@ def test_the_log_cleaner_compacts_the_weights_topic_to_the_newest_version_per_ru
     assert offsets[0] > 0 and len(offsets) < versions * len(runs)  # really gone from the log
     found = latest_announcement(cfg, layout, "lead")
     assert found is not None and found.version == versions
+
+
+def test_the_first_group_request_on_a_fresh_node_waits_for_its_coordinator(
+    tmp_path: Path,
+) -> None:
+    """On a node just started nothing has made ``__consumer_offsets`` yet: the first group
+    request creates it and is answered NOT_COORDINATOR until the topic is loaded, which
+    librdkafka reports instead of asking again. srl's offsets reads (a dispatcher's backlog,
+    a trainer's starting point, ``srl report``) wait for the coordinator instead: a dispatcher
+    that was a fresh node's first group member exited with ``kafka: Failed to get committed
+    offsets: Broker: Not coordinator``."""
+    with kafka_node(1, tmp_path / "kafka") as node:
+        values = {"bootstrap_servers": node.bootstrap, "topic_prefix": "fresh"}
+        cfg = load_config(CommonConfig, cli=values, env={})
+        create_topics(cfg, [TopicSpec("fresh.t", 2, {})])
+        parts = [("fresh.t", 0), ("fresh.t", 1)]
+        assert committed_offsets(cfg, "fresh.g", parts) == dict.fromkeys(parts)
 
 
 def test_a_sigkilled_node_keeps_every_record_it_acknowledged(tmp_path: Path) -> None:
