@@ -86,12 +86,24 @@ def test_a_rank_dies_with_a_launcher_killed_after_it_asked(tmp_path: Path) -> No
         launcher.kill()
 
 
+def exec_done(pid: int, timeout_s: float = 10.0) -> None:
+    """Until ``pid`` shows its own argv: Popen returns once the exec has closed the child's
+    close-on-exec pipe, before the kernel has set up the new argument pages, so a read of
+    /proc/PID/cmdline just then finds no arguments yet."""
+    deadline = time.monotonic() + timeout_s
+    while b"sleep(30)" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, f"process {pid} never showed its arguments"
+        time.sleep(0.01)
+
+
 def test_what_counts_as_a_launcher() -> None:
     assert not is_launcher(os.getpid())  # pytest
     assert not is_launcher(1 << 30)  # no such process
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "torchrun"])
     q = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "torch.x"])
     try:
+        for x in (p, q):
+            exec_done(x.pid)
         assert is_launcher(p.pid)
         assert not is_launcher(q.pid)
     finally:
