@@ -34,6 +34,7 @@ from srl.kafka.settings import (
     SESSION_TIMEOUT_MS,
     base_settings,
     consumer_settings,
+    error_of,
     for_group_protocol,
     reader_group,
     user_settings,
@@ -108,7 +109,7 @@ def denied_line(err: KafkaError, topic: str | None, group: str) -> str:
 
 def leader_moving(e: KafkaException) -> bool:
     """Whether ``e`` says the partition's leader is moving (worth asking again)."""
-    err = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
+    err = error_of(e)
     return err is not None and (err.code() in MOVING_LEADER or err.retriable())
 
 
@@ -285,10 +286,9 @@ class Consumer:
                 left = max(0.1, deadline - time.monotonic())
                 return list(self._c.committed(list(partitions), timeout=left))
             except KafkaException as e:
-                err = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
-                if err is None or err.code() not in COORDINATOR_MOVING:
-                    raise
-                if time.monotonic() + COORDINATOR_ASK_S >= deadline:
+                err = error_of(e)
+                moving = err is not None and err.code() in COORDINATOR_MOVING
+                if not moving or time.monotonic() + COORDINATOR_ASK_S >= deadline:
                     raise
                 time.sleep(COORDINATOR_ASK_S)
 

@@ -29,7 +29,7 @@ from srl.config import ProducerSettings
 from srl.errors import AccessDenied, ProducerFailed, SrlError, StartOver
 from srl.kafka.callbacks import callback
 from srl.kafka.probe import known, wait_for_broker
-from srl.kafka.settings import describe, producer_settings
+from srl.kafka.settings import describe, error_of, producer_settings
 
 log = logging.getLogger("srl.kafka")
 
@@ -210,7 +210,7 @@ class Producer:
 
     @staticmethod
     def _fatal(e: KafkaException) -> bool:
-        err = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
+        err = error_of(e)
         return err is not None and (err.fatal() or err.code() == KafkaError._FATAL)
 
     def _refused(self) -> None:

@@ -191,8 +191,15 @@ def check_settings(cfg: KafkaSettings) -> None:
         raise ConfigError(f"kafka settings ({given or 'defaults'}): {describe(e)}") from None
 
 
+def error_of(e: BaseException | None) -> KafkaError | None:
+    """The ``KafkaError`` a ``KafkaException`` carries (None for anything else)."""
+    if isinstance(e, KafkaException) and e.args and isinstance(e.args[0], KafkaError):
+        return e.args[0]
+    return None
+
+
 def describe(e: BaseException | None) -> str:
     """A Kafka error (or any exception) as one short line, remembered secrets scrubbed."""
-    if isinstance(e, KafkaException) and e.args and isinstance(e.args[0], KafkaError):
-        return scrub(" ".join(e.args[0].str().split()))
+    if (err := error_of(e)) is not None:
+        return scrub(" ".join(err.str().split()))
     return scrub(" ".join(str(e).split())[:200])

@@ -27,7 +27,7 @@ from srl.config import CreationSettings, TopicsConfig, TopicSettings
 from srl.errors import AccessDenied, SrlError
 from srl.kafka.admin import admin, create_topics
 from srl.kafka.probe import first_contact, srl_started
-from srl.kafka.settings import describe
+from srl.kafka.settings import describe, error_of
 from srl.topicplan import Found, problems
 from srl.topics import Layout, TopicSpec
 
@@ -50,7 +50,7 @@ def find_topics(
         try:
             desc = fut.result()
         except KafkaException as e:
-            code = e.args[0].code() if e.args and isinstance(e.args[0], KafkaError) else None
+            code = err.code() if (err := error_of(e)) is not None else None
             why = {
                 KafkaError.UNKNOWN_TOPIC_OR_PART: "missing",
                 KafkaError.TOPIC_AUTHORIZATION_FAILED: "denied",
